@@ -1,0 +1,47 @@
+"""Frozen configuration dataclasses, validated in ``__post_init__``.
+
+Every field carries a comment; a bad value raises ``ValueError`` naming the field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _require(cond: bool, name: str, value, rule: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}={value!r}: {rule}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NgramConfig:
+    """Prompt n-gram lookup (``lookupdec.proposers.ngram``)."""
+
+    min_ngram: int = 1  # shortest context suffix that may anchor a match
+    max_ngram: int = 8  # longest context suffix tried first
+    max_draft_tokens: int = 48  # tokens copied after a match (long: copy-heavy work)
+    max_branches: int = 4  # distinct continuations (occurrences) kept as branches
+
+    def __post_init__(self) -> None:
+        _require(self.min_ngram >= 1, "min_ngram", self.min_ngram, "must be >= 1")
+        _require(self.max_ngram >= self.min_ngram, "max_ngram", self.max_ngram, "must be >= min_ngram")
+        _require(self.max_draft_tokens >= 1, "max_draft_tokens", self.max_draft_tokens, "must be >= 1")
+        _require(self.max_branches >= 1, "max_branches", self.max_branches, "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How the engine drafts and verifies. Sampling settings are per call, not here."""
+
+    max_nodes: int = 32  # draft-tree nodes verified per step (the root not counted)
+    max_depth: int = 48  # longest root-to-leaf path in the draft tree
+    proposers: tuple[str, ...] = ("ngram",)  # drafting sources, in priority order
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    verify: str = "auto"  # "auto" (probe tree masks), "tree", or "chain" (one path per step)
+
+    def __post_init__(self) -> None:
+        _require(self.max_nodes >= 0, "max_nodes", self.max_nodes, "must be >= 0")
+        _require(self.max_depth >= 1, "max_depth", self.max_depth, "must be >= 1")
+        _require(self.verify in ("auto", "tree", "chain"), "verify", self.verify, "must be auto, tree or chain")
+        known = {"ngram"}
+        for name in self.proposers:
+            _require(name in known, "proposers", self.proposers, f"unknown proposer {name!r} (known: {sorted(known)})")

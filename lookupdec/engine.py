@@ -1,0 +1,224 @@
+"""The decoding loop: draft → tree → one verify forward → accept → commit → observe.
+
+``Engine.generate`` returns a ``Generation``; ``Engine.stream`` yields text pieces. Both run the
+same step loop (``Engine._steps``), which reads in the order of DESIGN.md §1.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from lookupdec import model as model_lib
+from lookupdec.config import EngineConfig
+from lookupdec.proposers.base import Proposer
+from lookupdec.proposers.ngram import NgramProposer
+from lookupdec.sampling import SamplingParams, accept
+from lookupdec.stops import StopStrings, TextAssembler
+from lookupdec.tree import TokenTree
+
+
+@dataclass
+class GenerationStats:
+    steps: int = 0  # target verify forwards
+    new_tokens: int = 0  # tokens emitted (accepted + one bonus/recovered per step)
+    mean_accepted: float = 0.0  # new tokens per target forward
+    accepted_by_source: dict = field(default_factory=dict)  # proposer -> accepted draft tokens
+    mean_tree_nodes: float = 0.0  # draft nodes verified per step (root not counted)
+    draft_us: float = 0.0  # per step: proposers' time
+    overhead_us: float = 0.0  # per step: drafting + tree + acceptance + KV commit + observe
+    forward_ms: float = 0.0  # per step: the verify forward
+    prefill_ms: float = 0.0  # the prompt's forward
+    tokens_per_s: float = 0.0  # new tokens / (prefill + all steps)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Generation:
+    text: str  # output text, ending exactly before a stop string if one was hit
+    token_ids: list[int]  # generated tokens (EOS included when it ended the output)
+    finish_reason: str  # "stop" (stop string), "length" (max_new_tokens or context), "eos"
+    stats: GenerationStats
+
+
+class _Timer:
+    """Accumulates per-step time by phase."""
+
+    def __init__(self) -> None:
+        self.draft = self.forward = self.total = 0.0
+        self.nodes = 0
+
+
+class TextStream:
+    """Iterator of text pieces; ``.generation`` is set once it is exhausted."""
+
+    def __init__(self, pieces: Iterator[str]) -> None:
+        self._pieces = pieces
+        self.generation: Generation | None = None
+
+    def __iter__(self):
+        self.generation = yield from self._pieces
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.target = model_lib.TargetModel(model, verify=self.config.verify)
+        self.eos_token_ids = model_lib.tokenizer_info(tokenizer)["eos_token_ids"]
+        self.proposers: list[Proposer] = [self._make_proposer(name) for name in self.config.proposers]
+        self._request_ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, model_path, *, device=None, dtype=None, config: EngineConfig | None = None):
+        model, tokenizer = model_lib.load(model_path, device=device, dtype=dtype)
+        return cls(model, tokenizer, config)
+
+    def _make_proposer(self, name: str) -> Proposer:
+        if name == "ngram":
+            return NgramProposer(self.config.ngram)
+        raise ValueError(f"proposers: unknown proposer {name!r}")
+
+    # -- public API -----------------------------------------------------------------------------
+    def generate(self, prompt, *, max_new_tokens: int, temperature: float = 0.0, top_k=None, top_p=None,
+                 repetition_penalty=None, seed=None, stop=None) -> Generation:
+        stream = self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                             top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop)
+        for _ in stream:
+            pass
+        return stream.generation
+
+    def stream(self, prompt, *, max_new_tokens: int, temperature: float = 0.0, top_k=None, top_p=None,
+               repetition_penalty=None, seed=None, stop=None) -> TextStream:
+        """Validate everything now (errors raise here, not at the first ``next``), then stream."""
+        prompt_ids = self._prompt_ids(prompt)
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                repetition_penalty=repetition_penalty)
+        stops = StopStrings(stop)
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.target.device)
+            generator.manual_seed(seed) if seed is not None else generator.seed()
+        return TextStream(self._text_pieces(prompt_ids, params, max_new_tokens, stops, generator))
+
+    # -- internals ------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} outside the vocabulary [0, {self.target.vocab_size})")
+        if not ids:
+            raise ValueError("prompt is empty")
+        limit = self.target.max_context
+        if limit is not None and len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {limit} tokens")
+        return ids
+
+    def _text_pieces(self, prompt_ids, params, max_new_tokens, stops, generator):
+        text = TextAssembler(self.tokenizer, stops)
+        stats, timer = GenerationStats(), _Timer()
+        start = time.perf_counter()
+        steps = self._steps(prompt_ids, params, max_new_tokens, generator, stats, timer)
+        finish = "length"
+        for new_ids, finish in steps:
+            piece = text.add(new_ids)
+            if piece:
+                yield piece
+            if text.stopped:
+                finish = "stop"
+                steps.close()
+                break
+        tail = text.flush()
+        if tail:
+            yield tail
+        self._finish_stats(stats, timer, time.perf_counter() - start, len(text.output_ids))
+        return Generation(text=text.text, token_ids=text.output_ids, finish_reason=finish, stats=stats)
+
+    def _steps(self, prompt_ids, params, max_new_tokens, generator, stats, timer):
+        """The step loop. Yields (new token ids, finish reason so far) once per verify forward."""
+        rid, context, target = f"req-{next(self._request_ids)}", list(prompt_ids), self.target
+        for proposer in self.proposers:
+            proposer.start(rid, context)
+        try:
+            t = time.perf_counter()
+            target.prefill(context[:-1])
+            stats.prefill_ms = (time.perf_counter() - t) * 1e3
+            produced = 0
+            while produced < max_new_tokens and self._room(context):
+                t0 = time.perf_counter()
+                budget, depth = self.config.max_nodes, min(self.config.max_depth, self._room(context))
+                drafts = [d for p in self.proposers for d in p.propose(rid, context, budget)]
+                t1 = time.perf_counter()
+                tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=budget, max_depth=depth)
+                if not target.tree_mode:
+                    tree = tree.best_chain()
+                t2 = time.perf_counter()
+                logits = target.verify(tree)  # [1 + n, vocab]
+                t3 = time.perf_counter()
+                result = accept(tree, logits, params, generator=generator,
+                                context_ids=self._unique_ids(context) if params.uses_prefix else None)
+                target.commit(tree, result.accepted)
+                new = [tree.token_ids[i] for i in result.accepted] + [result.next_token]
+                new, eos = self._clip(new, max_new_tokens - produced)
+                for proposer in self.proposers:
+                    proposer.observe(rid, new)
+                context.extend(new)
+                produced += len(new)
+                self._count(stats, timer, tree, result.accepted[: len(new)], t0, t1, t2, t3)
+                yield new, "eos" if eos else "length"
+                if eos:
+                    return
+        finally:
+            for proposer in self.proposers:
+                proposer.stop(rid)
+
+    def _room(self, context) -> int:
+        """How many more positions fit in the model's context (a large number if unbounded)."""
+        limit = self.target.max_context
+        return (1 << 30) if limit is None else limit - len(context)
+
+    def _clip(self, new: list[int], room: int) -> tuple[list[int], bool]:
+        new = new[:room]
+        for i, tok in enumerate(new):
+            if tok in self.eos_token_ids:
+                return new[: i + 1], True
+        return new, False
+
+    def _unique_ids(self, context) -> torch.Tensor:
+        return torch.unique(torch.tensor(context, device=self.target.device))
+
+    @staticmethod
+    def _count(stats, timer, tree, accepted, t0, t1, t2, t3) -> None:
+        now = time.perf_counter()
+        stats.steps += 1
+        stats.new_tokens += len(accepted) + 1
+        for node in accepted:
+            source = tree.sources[node]
+            stats.accepted_by_source[source] = stats.accepted_by_source.get(source, 0) + 1
+        timer.draft += t1 - t0
+        timer.forward += t3 - t2
+        timer.total += now - t0
+        timer.nodes += tree.num_draft_nodes
+
+    @staticmethod
+    def _finish_stats(stats, timer, elapsed, n_tokens) -> None:
+        stats.new_tokens = n_tokens
+        if stats.steps:
+            stats.mean_accepted = n_tokens / stats.steps
+            stats.mean_tree_nodes = timer.nodes / stats.steps
+            stats.draft_us = timer.draft / stats.steps * 1e6
+            stats.overhead_us = (timer.total - timer.forward) / stats.steps * 1e6
+            stats.forward_ms = timer.forward / stats.steps * 1e3
+        stats.tokens_per_s = n_tokens / elapsed if elapsed > 0 else 0.0

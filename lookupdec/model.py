@@ -1,0 +1,209 @@
+"""The only module that imports ``transformers``: loading, tree forward, KV commit.
+
+Cache layout during a step: slots ``[0, n_cached)`` hold the committed prefix; the verify
+forward appends the tree's ``1 + n`` nodes at slots ``n_cached + i`` (node index ``i``), with
+RoPE positions ``n_cached + depth[i]`` and a 4D additive mask letting node ``i`` see the prefix
+and its own ancestors. ``commit`` then moves the accepted nodes' K/V to contiguous slots right
+after the root and drops the rest. Tested against transformers 5.20–5.23, where K/V live in
+``cache.layers[i].keys / .values`` of a ``DynamicCache``.
+
+Models whose attention cannot take a custom 4D mask fall back to verifying one chain per step
+with the ordinary causal mask (detected by a probe at start-up, logged once).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from lookupdec.tree import TokenTree
+
+log = logging.getLogger("lookupdec")
+
+# Tolerance of the start-up probe comparing tree logits with one-path logits, relative to the
+# spread of the logits: loose enough for bf16 noise, far below what a wrong mask produces.
+PROBE_REL_TOL = 0.02
+
+
+class ModelLoadError(ValueError):
+    """A model path that cannot be loaded as a causal LM (message names the path)."""
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(names)}")
+    return names[dtype]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load(model_path: str | os.PathLike, *, device: str | None = None, dtype=None):
+    """Load a local causal LM and its tokenizer. Never downloads."""
+    import transformers
+
+    path = os.fspath(model_path)
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"model path not found: {path}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model folder)")
+    device = device or default_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # malformed config.json, unknown model_type
+        raise ModelLoadError(f"{path}: cannot read config.json ({exc.__class__.__name__}: {exc})") from None
+    if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
+        raise ModelLoadError(f"{path}: model type {config.model_type!r} is not a causal language model")
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, local_files_only=True
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    return model.to(device).eval(), tokenizer
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """What the engine needs from a tokenizer, without importing transformers elsewhere."""
+    eos = tokenizer.eos_token_id
+    return {"eos_token_ids": {eos} if isinstance(eos, int) else set(eos or [])}
+
+
+class TargetModel:
+    """A causal LM with a KV cache of the committed prefix, verifying token trees."""
+
+    def __init__(self, model, *, verify: str = "auto") -> None:
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_context = _max_context(self.config)
+        self._windows = _sliding_windows(self.config)
+        self.cache = None
+        self.n_cached = 0
+        if verify == "auto":
+            verify = "tree" if self._probe_tree_mask() else "chain"
+            if verify == "chain":
+                log.warning("%s cannot take a custom 4D attention mask: verifying one draft chain per step",
+                            self.config.model_type)
+        self.tree_mode = verify == "tree"
+
+    # -- cache lifecycle ------------------------------------------------------------------------
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()  # no config: full-length layers; windows live in our mask
+        self.n_cached = 0
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Sequence[int]) -> None:
+        """Put ``token_ids`` in a fresh cache (everything but the root)."""
+        self.reset()
+        if len(token_ids):
+            ids = torch.tensor([list(token_ids)], device=self.device)
+            self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self.n_cached = len(token_ids)
+
+    @torch.inference_mode()
+    def verify(self, tree: TokenTree) -> torch.Tensor:
+        """One forward over the tree's nodes. Returns logits [1 + n, vocab] (float32)."""
+        n = len(tree)
+        ids = torch.tensor([tree.token_ids], device=self.device)
+        depth = torch.tensor(tree.depth, device=self.device)
+        positions = (self.n_cached + depth)[None]
+        mask = self._tree_mask(tree, positions[0]) if self.tree_mode else None
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                         past_key_values=self.cache, use_cache=True)
+        self.n_cached += n
+        return out.logits[0].float()
+
+    def commit(self, tree: TokenTree, accepted: Sequence[int]) -> None:
+        """Keep the root and the accepted nodes' K/V in contiguous slots; drop the rest."""
+        base = self.n_cached - len(tree)  # slot of the root
+        keep = base + 1 + len(accepted)
+        moved = [base + node for node in accepted]
+        if moved != list(range(base + 1, keep)):
+            src = torch.tensor(moved, device=self.device)
+            for layer in self.cache.layers:
+                layer.keys[:, :, base + 1 : keep] = layer.keys[:, :, src]
+                layer.values[:, :, base + 1 : keep] = layer.values[:, :, src]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[:, :, :keep]
+            layer.values = layer.values[:, :, :keep]
+        self.n_cached = keep
+
+    # -- masks ----------------------------------------------------------------------------------
+    def _tree_mask(self, tree: TokenTree, positions: torch.Tensor):
+        """Additive 4D mask(s) [1, 1, 1+n, n_cached+1+n]; a dict per layer type where needed."""
+        allowed = torch.ones((len(tree), self.n_cached + len(tree)), dtype=torch.bool, device=self.device)
+        allowed[:, self.n_cached :] = torch.from_numpy(tree.ancestor_mask()).to(self.device)
+        if not self._windows:
+            return self._additive(allowed)
+        key_pos = torch.cat([torch.arange(self.n_cached, device=self.device), positions])
+        masks = {}
+        for layer_type, window in self._windows.items():
+            visible = allowed if window is None else allowed & (positions[:, None] - key_pos[None, :] < window)
+            masks[layer_type] = self._additive(visible)
+        return masks.get(None) if set(masks) == {None} else masks
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask[None, None]
+
+    @torch.inference_mode()
+    def _probe_tree_mask(self) -> bool:
+        """Two sibling branches in one tree forward must give the logits of two separate runs."""
+        vocab = min(self.vocab_size, 100)
+        prefix, branch_a, branch_b = [1 % vocab, 5 % vocab, 9 % vocab], [11 % vocab, 3 % vocab], [17 % vocab, 2 % vocab]
+        tree = TokenTree(token_ids=[7 % vocab] + branch_a + branch_b, parents=[-1, 0, 1, 0, 3])
+        self.tree_mode = True
+        try:
+            self.prefill(prefix)
+            got = self.verify(tree)
+            want = []
+            for branch in (branch_a, branch_b):
+                ids = torch.tensor([prefix + [tree.token_ids[0]] + branch], device=self.device)
+                want.append(self.model(input_ids=ids).logits[0, len(prefix):].float())
+            want = torch.cat([want[0], want[1][1:]])
+        except Exception as exc:  # a model type whose attention rejects the mask
+            log.debug("tree-mask probe failed: %r", exc)
+            return False
+        finally:
+            self.reset()
+        scale = want.std().clamp_min(1e-6)
+        return bool(((got - want).abs().max() / scale) < PROBE_REL_TOL)
+
+
+def _max_context(config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _sliding_windows(config) -> dict:
+    """Window per layer type for the 4D mask: {} (none), {None: w} (one mask), or per type."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        if "sliding_attention" not in layer_types or not window:
+            return {}
+        return {"full_attention": None, "sliding_attention": int(window)}
+    if window and getattr(config, "use_sliding_window", True):
+        return {None: int(window)}
+    return {}

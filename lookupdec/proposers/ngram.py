@@ -1,0 +1,106 @@
+"""Prompt n-gram lookup: copy what followed earlier occurrences of the context's suffix.
+
+The context is the prompt plus the output so far. For match lengths ``max_ngram`` down to
+``min_ngram``, the last ``L`` tokens are looked up in an index of every earlier n-gram; each
+occurrence proposes the tokens that followed it. Occurrences are ranked by match length, then
+recency (latest first); up to ``max_branches`` distinct continuations become branches of the
+draft tree. A continuation that runs into the end of the context continues periodically (the
+text is assumed to repeat with the period the match implies), so a repeating pattern drafts
+long chains.
+
+Worked example (min_ngram=1, max_ngram=3, max_branches=2, max_draft_tokens=3)::
+
+    context = [5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2]
+    the 3-gram [7, 1, 2] never occurred before; the 2-gram [1, 2] ended at 7 and at 3:
+    branch 0 (latest):  [4, 7, 1]
+    branch 1:           [3, 9, 1]
+
+Scores estimate acceptance: the first token of branch ``r`` found with match length ``L`` gets
+``L / (L + 1) * BRANCH_DECAY**r`` and each further token multiplies by ``CONTINUE_PROB``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from lookupdec.config import NgramConfig
+from lookupdec.proposers.base import Draft, RequestRegistry
+
+BRANCH_DECAY = 0.6  # score ratio between consecutive branches of one lookup
+CONTINUE_PROB = 0.95  # probability that a copied continuation keeps matching one more token
+
+
+@dataclass
+class _NgramIndex:
+    tokens: list[int] = field(default_factory=list)
+    ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # n-gram -> end positions
+
+
+class NgramProposer:
+    name = "ngram"
+
+    def __init__(self, config: NgramConfig | None = None) -> None:
+        self.config = config or NgramConfig()
+        self._requests = RequestRegistry("NgramProposer")
+
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        self._requests.add(request_id, _NgramIndex())
+        self._extend(self._requests.get(request_id), prompt_ids)
+
+    def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
+        self._extend(self._requests.get(request_id), new_ids)
+
+    def stop(self, request_id: str) -> None:
+        self._requests.pop(request_id)
+
+    def propose(self, request_id: str, context: Sequence[int], budget: int) -> list[Draft]:
+        state: _NgramIndex = self._requests.get(request_id)
+        if len(state.tokens) != len(context):
+            raise ValueError(f"NgramProposer: request {request_id!r} saw {len(state.tokens)} tokens, "
+                             f"context has {len(context)} (observe() missed?)")
+        if budget <= 0:
+            return []
+        length = min(self.config.max_draft_tokens, budget)
+        drafts, seen = [], set()
+        for match_len, end in self._occurrences(state):
+            chain = periodic_continuation(state.tokens, end, length)
+            if not chain or tuple(chain) in seen:
+                continue
+            seen.add(tuple(chain))
+            first = match_len / (match_len + 1) * BRANCH_DECAY ** len(drafts)
+            drafts.append(Draft.chain(chain, [first * CONTINUE_PROB**d for d in range(len(chain))], self.name))
+            if len(drafts) == self.config.max_branches:
+                break
+        return drafts
+
+    def _occurrences(self, state: _NgramIndex):
+        """(match length, end position) of earlier occurrences, longest match then latest first."""
+        tokens, n = state.tokens, len(state.tokens)
+        for match_len in range(min(self.config.max_ngram, n - 1), self.config.min_ngram - 1, -1):
+            ends = state.ends.get(tuple(tokens[n - match_len :]), ())
+            for end in reversed(ends):
+                if end < n:  # the context's own suffix is not an earlier occurrence
+                    yield match_len, end
+
+    def _extend(self, state: _NgramIndex, new_ids: Sequence[int]) -> None:
+        tokens, ends = state.tokens, state.ends
+        lo, hi = self.config.min_ngram, self.config.max_ngram
+        for tok in new_ids:
+            tokens.append(int(tok))
+            end = len(tokens)
+            for n in range(lo, min(hi, end) + 1):
+                ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
+
+
+def periodic_continuation(tokens: Sequence[int], start: int, length: int) -> list[int]:
+    """``length`` tokens from ``tokens[start:]``, repeating with period ``len(tokens) - start``.
+
+    >>> periodic_continuation([1, 2, 3, 1, 2], 2, 4)   # [1, 2] also ended at 2: period 3
+    [3, 1, 2, 3]
+    """
+    out: list[int] = []
+    n = len(tokens)
+    for i in range(length):
+        j = start + i
+        out.append(tokens[j] if j < n else out[j - n])
+    return out

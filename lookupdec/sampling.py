@@ -1,0 +1,143 @@
+"""Logits processing and acceptance. Pure torch, no model.
+
+Vocabulary (used with these meanings everywhere in lookupdec):
+
+- **draft tokens**: tokens proposed by the proposers, the non-root nodes of a ``TokenTree``.
+- **accepted tokens**: draft tokens kept after verification (a root-to-node path of the tree).
+- **bonus token**: the target's own next token after the last accepted node when that node has
+  no children left to try (a leaf of the tree) — the token a plain decoder would emit there.
+- **recovered token**: the token emitted at a node whose children were all rejected; drawn from
+  the target distribution at that node (for point-mass drafts, the draw that matched no child).
+
+Every step therefore emits ``len(accepted) + 1`` tokens.
+
+Exactness. Row ``u`` of the verify logits is the target's distribution for the child of node
+``u`` given the node's own prefix (context + the path to ``u``). Greedy acceptance follows the
+child whose token is the argmax of the processed row and emits the argmax at the first node
+without such a child: the output equals plain greedy decoding token for token. Sampling
+acceptance draws ``y ~ target_probs[u]``; if a child of ``u`` carries ``y`` it moves there,
+otherwise it emits ``y`` and stops. Each emitted token is thus a draw from the target's
+processed distribution at its true prefix, so the output sequence has exactly the target's
+distribution; lookup drafts are point masses, for which this rule is also the optimal one for a
+fixed tree. The tree never depends on the generator's draws.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from lookupdec.tree import TokenTree
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int | None = None  # keep the k most likely tokens
+    top_p: float | None = None  # keep the smallest set with at least this mass, in (0, 1]
+    repetition_penalty: float | None = None  # > 0; 1.0 or None = off (HF/CTRL definition)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature={self.temperature!r}: must be >= 0")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k!r}: must be >= 1")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}: must be > 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_prefix(self) -> bool:
+        return self.repetition_penalty is not None and self.repetition_penalty != 1.0
+
+
+def process_row(
+    logits: torch.Tensor,  # [vocab] raw target logits for one node
+    prefix_ids: torch.Tensor | None,  # [m] token ids of the node's own prefix (rep. penalty)
+    params: SamplingParams,
+) -> torch.Tensor:
+    """Processed logits for one node, in transformers' order: repetition penalty,
+    temperature, top-k, top-p. Masked entries are ``-inf``."""
+    scores = logits.float()
+    if params.uses_prefix and prefix_ids is not None and prefix_ids.numel():
+        seen = scores.gather(0, prefix_ids)
+        seen = torch.where(seen < 0, seen * params.repetition_penalty, seen / params.repetition_penalty)
+        scores = scores.scatter(0, prefix_ids, seen)
+    if params.greedy:
+        return scores
+    scores = scores / params.temperature
+    if params.top_k is not None and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p is not None and params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        remove_sorted = cum <= 1 - params.top_p
+        remove_sorted[-1] = False  # keep at least one token
+        remove = remove_sorted.scatter(0, order, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores
+
+
+def target_probs(logits: torch.Tensor, prefix_ids: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
+    """The processed target distribution of one node.  [vocab]"""
+    return process_row(logits, prefix_ids, params).softmax(-1)
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    accepted: list[int]  # accepted node indices, root's child first (root excluded)
+    next_token: int  # the bonus or recovered token emitted after them
+    bonus: bool  # True: next_token is a bonus token (emitted at a leaf); else recovered
+
+
+class PrefixTracker:
+    """Token ids of each node's own prefix, for repetition penalty.  Built lazily."""
+
+    def __init__(self, context_ids: torch.Tensor, tree: TokenTree) -> None:
+        self.context_ids = context_ids  # [c] unique committed token ids (root included)
+        self.tree = tree
+
+    def of(self, node: int) -> torch.Tensor:
+        path = self.tree.path_to(node)
+        if not path:
+            return self.context_ids
+        extra = torch.tensor([self.tree.token_ids[i] for i in path], device=self.context_ids.device)
+        return torch.unique(torch.cat([self.context_ids, extra]))
+
+
+def accept(
+    tree: TokenTree,
+    logits: torch.Tensor,  # [1 + n, vocab] verify logits, row u = distribution after node u
+    params: SamplingParams,
+    *,
+    context_ids: torch.Tensor | None = None,  # [c] unique committed ids (for repetition penalty)
+    generator: torch.Generator | None = None,
+) -> Acceptance:
+    """Walk the tree from the root, keeping draft tokens the target agrees with."""
+    if params.greedy and not params.uses_prefix:
+        choice = logits.argmax(-1).tolist()  # one sync for the whole tree
+        pick = lambda node: choice[node]  # noqa: E731
+    else:
+        prefixes = PrefixTracker(context_ids, tree) if params.uses_prefix else None
+
+        def pick(node: int) -> int:
+            row = process_row(logits[node], prefixes.of(node) if prefixes else None, params)
+            if params.greedy:
+                return int(row.argmax())
+            return int(torch.multinomial(row.softmax(-1), 1, generator=generator))
+
+    accepted, node = [], 0
+    while True:
+        token = pick(node)
+        child = tree.children[node].get(token)
+        if child is None:
+            return Acceptance(accepted, token, bonus=not tree.children[node])
+        accepted.append(child)
+        node = child

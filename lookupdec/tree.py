@@ -1,0 +1,155 @@
+"""The draft tree of one decoding step: drafts merged into a trie, pruned to a budget.
+
+One format (STYLE.md item 3): ``token_ids[i]`` and ``parents[i]`` for every node, node 0 is the
+root (the last committed token, not yet in the KV cache) with ``parents[0] == -1``, and parents
+come before children (``parents[i] < i``). Everything else — RoPE positions, the attention mask,
+paths — is derived from those two lists by the pure functions here. A RoPE position
+(``depth``, offset by the cache length) and a cache slot (the node index, offset by the cache
+length) are different things: siblings share a position but never a slot.
+
+Worked example::
+
+    root=7, drafts: chain [1, 2, 3] (scores .9 .8 .5) and chain [1, 4] (scores .9 .6)
+    -> token_ids [7, 1, 2, 3, 4], parents [-1, 0, 1, 2, 1], depth [0, 1, 2, 3, 2]
+    with max_nodes=3 -> keeps 1 (.9), 2 (.8), 4 (.6): token_ids [7, 1, 2, 4], parents [-1, 0, 1, 1]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from lookupdec.proposers.base import Draft
+
+
+@dataclass
+class TokenTree:
+    token_ids: list[int]  # [1 + n] node tokens, node 0 = root
+    parents: list[int]  # [1 + n] parent node index, -1 for the root
+    scores: list[float] = field(default_factory=list)  # [1 + n] estimated acceptance probability
+    sources: list[str] = field(default_factory=list)  # [1 + n] proposer of each node ("" for root)
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if not self.scores:
+            self.scores = [1.0] * n
+        if not self.sources:
+            self.sources = [""] * n
+        if len(self.parents) != n or self.parents[0] != -1:
+            raise ValueError("TokenTree: parents must match token_ids and parents[0] must be -1")
+        self.depth = [0] * n
+        self.children: list[dict[int, int]] = [{} for _ in range(n)]  # token -> child node
+        for i in range(1, n):
+            p = self.parents[i]
+            if not 0 <= p < i:
+                raise ValueError(f"TokenTree: parents[{i}]={p} must be in [0, {i})")
+            if self.token_ids[i] in self.children[p]:
+                raise ValueError(f"TokenTree: node {p} has two children with token {self.token_ids[i]}")
+            self.children[p][self.token_ids[i]] = i
+            self.depth[i] = self.depth[p] + 1
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_draft_nodes(self) -> int:
+        return len(self.token_ids) - 1
+
+    @classmethod
+    def from_drafts(
+        cls, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int
+    ) -> "TokenTree":
+        """Merge drafts into a trie, then keep the ``max_nodes`` best nodes (ancestors kept).
+
+        A node's score is capped by its parent's (a path cannot be likelier than its prefix),
+        so taking nodes in order of score never takes a child before its parent. Ties go to
+        the shallower node, then to the earlier one (drafts earlier in the list win).
+        """
+        token_ids, parents, scores, sources, depths = [root_token], [-1], [1.0], [""], [0]
+        index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        for draft in drafts:
+            local = [0] * len(draft.token_ids)  # draft node -> trie node
+            for i, (tok, par) in enumerate(zip(draft.token_ids, draft.parents)):
+                parent = 0 if par < 0 else local[par]
+                if parent < 0:  # an ancestor was cut by max_depth
+                    local[i] = -1
+                    continue
+                key = (parent, tok)
+                node = index.get(key)
+                score = min(float(draft.scores[i]), scores[parent])
+                if node is None:
+                    if depths[parent] >= max_depth:
+                        local[i] = -1
+                        continue
+                    node = len(token_ids)
+                    depths.append(depths[parent] + 1)
+                    index[key] = node
+                    token_ids.append(tok)
+                    parents.append(parent)
+                    scores.append(score)
+                    sources.append(draft.source)
+                elif score > scores[node]:
+                    scores[node] = score
+                    sources[node] = draft.source
+                local[i] = node
+        keep = select_top_nodes(parents, scores, max_nodes)
+        return cls._subtree(keep, token_ids, parents, scores, sources)
+
+    @classmethod
+    def _subtree(cls, keep, token_ids, parents, scores, sources) -> "TokenTree":
+        remap = {old: new for new, old in enumerate(keep)}
+        return cls(
+            token_ids=[token_ids[i] for i in keep],
+            parents=[-1] + [remap[parents[i]] for i in keep[1:]],
+            scores=[scores[i] for i in keep],
+            sources=[sources[i] for i in keep],
+        )
+
+    def ancestor_mask(self) -> np.ndarray:
+        """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""
+        n = len(self.token_ids)
+        mask = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            p = self.parents[i]
+            if p >= 0:
+                mask[i, : p + 1] = mask[p, : p + 1]
+            mask[i, i] = True
+        return mask
+
+    def path_to(self, node: int) -> list[int]:
+        """Nodes from the root's child down to ``node`` (root excluded)."""
+        path = []
+        while node > 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def best_chain(self) -> "TokenTree":
+        """The single path with the most expected accepted tokens (sum of node scores)."""
+        n = len(self.token_ids)
+        gain = [0.0] * n
+        for i in range(1, n):
+            gain[i] = gain[self.parents[i]] + self.scores[i]
+        leaf = max(range(n), key=lambda i: (gain[i], -i))
+        keep = [0] + self.path_to(leaf)
+        return TokenTree._subtree(keep, self.token_ids, self.parents, self.scores, self.sources)
+
+
+def select_top_nodes(parents: Sequence[int], scores: Sequence[float], max_nodes: int) -> list[int]:
+    """Indices of the root and the ``max_nodes`` best nodes, in tree order (ancestors kept).
+
+    Scores must not increase from parent to child, which ``from_drafts`` guarantees; the sort
+    key (score desc, depth asc via index order) then always takes a parent before its child.
+    """
+    n = len(parents)
+    if n - 1 <= max_nodes:
+        return list(range(n))
+    order = sorted(range(1, n), key=lambda i: (-scores[i], i))
+    chosen = set()
+    for i in order:
+        if len(chosen) == max_nodes:
+            break
+        if parents[i] == 0 or parents[i] in chosen:
+            chosen.add(i)
+    return [0] + sorted(chosen)
