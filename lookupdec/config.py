@@ -32,7 +32,9 @@ class NgramConfig:
 class EngineConfig:
     """How the engine drafts and verifies. Sampling settings are per call, not here."""
 
-    max_nodes: int = 32  # draft-tree nodes verified per step (the root not counted)
+    max_nodes: int = 64  # most draft-tree nodes verified per step (the root not counted)
+    budget: str = "auto"  # "auto": per step, the node count that maximises expected tokens/s
+    #                       from measured verify cost; "fixed": always up to max_nodes
     max_depth: int = 48  # longest root-to-leaf path in the draft tree
     proposers: tuple[str, ...] = ("ngram",)  # drafting sources, in priority order
     ngram: NgramConfig = field(default_factory=NgramConfig)
@@ -41,6 +43,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.max_nodes >= 0, "max_nodes", self.max_nodes, "must be >= 0")
         _require(self.max_depth >= 1, "max_depth", self.max_depth, "must be >= 1")
+        _require(self.budget in ("auto", "fixed"), "budget", self.budget, "must be auto or fixed")
         _require(self.verify in ("auto", "tree", "chain"), "verify", self.verify, "must be auto, tree or chain")
         known = {"ngram"}
         for name in self.proposers:

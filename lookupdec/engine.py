@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 import torch
 
 from lookupdec import model as model_lib
+from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes
 from lookupdec.config import EngineConfig
 from lookupdec.proposers.base import Proposer
 from lookupdec.proposers.ngram import NgramProposer
@@ -46,12 +47,15 @@ class Generation:
     stats: GenerationStats
 
 
+CALIBRATION_PREFIX = 64  # context length at which the verify cost curve is measured
+
+
 class _Timer:
     """Accumulates per-step time by phase."""
 
     def __init__(self) -> None:
         self.draft = self.forward = self.total = 0.0
-        self.nodes = 0
+        self.nodes = self.steps = 0
 
 
 class TextStream:
@@ -72,6 +76,9 @@ class Engine:
         self.target = model_lib.TargetModel(model, verify=self.config.verify)
         self.eos_token_ids = model_lib.tokenizer_info(tokenizer)["eos_token_ids"]
         self.proposers: list[Proposer] = [self._make_proposer(name) for name in self.config.proposers]
+        self._sources = {p.name for p in self.proposers}
+        self.calibrator = AcceptanceCalibrator()
+        self._cost: CostModel | None = None  # measured on first use (budget="auto")
         self._request_ids = itertools.count()
 
     @classmethod
@@ -152,18 +159,17 @@ class Engine:
         for proposer in self.proposers:
             proposer.start(rid, context)
         try:
+            if self.config.budget == "auto":
+                self.cost_model()  # measured before the prefill: it uses the cache
             t = time.perf_counter()
             target.prefill(context[:-1])
             stats.prefill_ms = (time.perf_counter() - t) * 1e3
             produced = 0
             while produced < max_new_tokens and self._room(context):
                 t0 = time.perf_counter()
-                budget, depth = self.config.max_nodes, min(self.config.max_depth, self._room(context))
-                drafts = [d for p in self.proposers for d in p.propose(rid, context, budget)]
+                drafts = [d for p in self.proposers for d in p.propose(rid, context, self.config.max_nodes)]
                 t1 = time.perf_counter()
-                tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=budget, max_depth=depth)
-                if not target.tree_mode:
-                    tree = tree.best_chain()
+                tree = self._build_tree(context, drafts, timer)
                 t2 = time.perf_counter()
                 logits = target.verify(tree)  # [1 + n, vocab]
                 t3 = time.perf_counter()
@@ -174,6 +180,7 @@ class Engine:
                 new, eos = self._clip(new, max_new_tokens - produced)
                 for proposer in self.proposers:
                     proposer.observe(rid, new)
+                self._learn(drafts, new)
                 context.extend(new)
                 produced += len(new)
                 self._count(stats, timer, tree, result.accepted[: len(new)], t0, t1, t2, t3)
@@ -183,6 +190,42 @@ class Engine:
         finally:
             for proposer in self.proposers:
                 proposer.stop(rid)
+
+    def _build_tree(self, context, drafts, timer) -> TokenTree:
+        """Merge the drafts into one trie and keep the nodes worth verifying."""
+        depth = min(self.config.max_depth, self._room(context))
+        drafts = self.calibrator.rescale(drafts)
+        tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=self.config.max_nodes, max_depth=depth)
+        if not self.target.tree_mode:
+            tree = tree.best_chain()
+        if self.config.budget == "auto" and tree.num_draft_nodes:
+            cost = self.cost_model()
+            overhead = (timer.total - timer.forward) / timer.steps if timer.steps else 0.0
+            scores = sorted(tree.scores[1:], reverse=True)
+            tree = tree.prune(choose_num_nodes(scores, cost, overhead, self.config.max_nodes))
+        return tree
+
+    def _learn(self, drafts, new) -> None:
+        """Shadow-check each source's best chain against the committed tokens."""
+        seen = set()
+        for draft in drafts:
+            if draft.source not in seen:
+                seen.add(draft.source)
+                tokens, cond = draft.best_chain()
+                self.calibrator.observe(tokens, cond, draft.source, new)
+        for source in self._sources - seen:  # a silent source's history still decays
+            self.calibrator.observe((), (), source, new)
+
+    def cost_model(self) -> CostModel:
+        """t(n) on this machine, measured once per engine (first use)."""
+        if self._cost is None:
+            limit = self.target.max_context or 4096
+            timer = self.target.chain_forward_timer(prefix_len=min(CALIBRATION_PREFIX, limit // 4))
+            try:
+                self._cost = CostModel.measure(timer, max_tokens=1 + self.config.max_nodes)
+            finally:
+                self.target.reset()
+        return self._cost
 
     def _room(self, context) -> int:
         """How many more positions fit in the model's context (a large number if unbounded)."""
@@ -211,6 +254,7 @@ class Engine:
         timer.forward += t3 - t2
         timer.total += now - t0
         timer.nodes += tree.num_draft_nodes
+        timer.steps += 1
 
     @staticmethod
     def _finish_stats(stats, timer, elapsed, n_tokens) -> None:

@@ -130,6 +130,7 @@ class TargetModel:
         self.n_cached += n
         return out.logits[0].float()
 
+    @torch.inference_mode()
     def commit(self, tree: TokenTree, accepted: Sequence[int]) -> None:
         """Keep the root and the accepted nodes' K/V in contiguous slots; drop the rest."""
         base = self.n_cached - len(tree)  # slot of the root
@@ -144,6 +145,25 @@ class TargetModel:
             layer.keys = layer.keys[:, :, :keep]
             layer.values = layer.values[:, :, :keep]
         self.n_cached = keep
+
+    def sync(self) -> None:
+        """Wait for the device (for timings)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def chain_forward_timer(self, prefix_len: int):
+        """A function ``f(n)`` running one verify forward of ``n`` chain tokens after a dummy
+        prefix, for measuring the cost curve; call ``reset()`` when done."""
+        vocab = self.vocab_size
+        self.prefill([(7 * i + 3) % vocab for i in range(prefix_len)])
+
+        def forward(n: int) -> None:
+            tree = TokenTree(token_ids=[(5 * i + 1) % vocab for i in range(n)], parents=list(range(-1, n - 1)))
+            self.verify(tree)
+            self.sync()
+            self.commit(tree, [])
+
+        return forward
 
     # -- masks ----------------------------------------------------------------------------------
     def _tree_mask(self, tree: TokenTree, positions: torch.Tensor):

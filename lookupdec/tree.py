@@ -106,6 +106,13 @@ class TokenTree:
             sources=[sources[i] for i in keep],
         )
 
+    def prune(self, max_nodes: int) -> "TokenTree":
+        """The root and the ``max_nodes`` best nodes (ancestors kept), as a new tree."""
+        keep = select_top_nodes(self.parents, self.scores, max_nodes)
+        if len(keep) == len(self.token_ids):
+            return self
+        return TokenTree._subtree(keep, self.token_ids, self.parents, self.scores, self.sources)
+
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""
         n = len(self.token_ids)

@@ -28,6 +28,20 @@ class Draft:
             if not -1 <= p < i:
                 raise ValueError(f"Draft from {self.source!r}: parents[{i}]={p} must be in [-1, {i})")
 
+    def best_chain(self) -> tuple[list[int], list[float]]:
+        """The path that follows the best-scored child from the root: (tokens, conditional
+        probabilities score[i] / score[parent])."""
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            children.setdefault(p, []).append(i)
+        tokens, cond, node, parent_score = [], [], -1, 1.0
+        while node in children:
+            node = max(children[node], key=lambda i: self.scores[i])
+            tokens.append(self.token_ids[node])
+            cond.append(self.scores[node] / parent_score if parent_score > 0 else 0.0)
+            parent_score = self.scores[node]
+        return tokens, cond
+
     @classmethod
     def chain(cls, token_ids: Sequence[int], scores: Sequence[float], source: str) -> "Draft":
         """A single path: node i is the child of node i-1."""

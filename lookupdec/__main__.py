@@ -1,0 +1,5 @@
+import sys
+
+from lookupdec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,137 @@
+"""``lookupdec`` command line: ``lookupdec generate ...``.
+
+Errors a user can cause (bad paths, bad values) print one line ``lookupdec: error: ...`` and
+exit with status 2; no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Sequence
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a prompt with lossless lookup drafting",
+        description="Generate a continuation of a prompt. The output is exactly what the model "
+        "would produce on its own (greedy: token for token; sampling: same distribution); "
+        "lookups only make it faster. Text goes to stdout as it is produced.",
+    )
+    p.add_argument("--model", required=True, help="local Hugging Face model folder (never downloads)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file ('-' = stdin)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="most tokens to generate (256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats")
+    p.add_argument("--seed", type=int, default=None, help="random seed: same seed, same output")
+    p.add_argument("--stop", nargs="+", default=None, metavar="S", help="stop before any of these strings")
+    p.add_argument("--max-nodes", type=int, default=None, help="most draft-tree nodes per step (64)")
+    p.add_argument("--fixed-budget", action="store_true",
+                   help="always verify up to --max-nodes nodes (default: chosen per step from measured cost)")
+    p.add_argument("--no-draft", action="store_true", help="plain decoding (no proposers), for comparison")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
+    p.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object with text, token_ids, finish_reason, stats")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    try:
+        if args.prompt_file == "-":
+            return sys.stdin.read()
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise CliError(f"--prompt-file {args.prompt_file}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CliError(f"--prompt-file {args.prompt_file}: not UTF-8 text") from None
+
+
+def _cmd_generate(args) -> int:
+    from lookupdec.config import EngineConfig
+    from lookupdec.engine import Engine
+    from lookupdec.sampling import SamplingParams
+
+    prompt = _read_prompt(args)
+    if not prompt:
+        raise CliError("the prompt is empty")
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   repetition_penalty=args.repetition_penalty)  # validate before loading the model
+    fields = {"budget": "fixed" if args.fixed_budget else "auto"}
+    if args.max_nodes is not None:
+        fields["max_nodes"] = args.max_nodes
+    if args.no_draft:
+        fields["proposers"] = ()
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=EngineConfig(**fields))
+    stream = engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                           seed=args.seed, stop=args.stop)
+    for piece in stream:
+        if not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    gen = stream.generation
+    if args.json:
+        json.dump({"text": gen.text, "token_ids": gen.token_ids, "finish_reason": gen.finish_reason,
+                   "stats": gen.stats.to_dict()}, sys.stdout)
+    sys.stdout.write("\n")
+    if args.stats:
+        s = gen.stats
+        print(f"[{gen.finish_reason}] {s.new_tokens} tokens in {s.steps} steps: {s.mean_accepted:.2f} tokens/step, "
+              f"{s.tokens_per_s:.1f} tokens/s, forward {s.forward_ms:.2f} ms, overhead {s.overhead_us:.0f} us/step, "
+              f"accepted by source {s.accepted_by_source}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lookupdec",
+        description="Lossless speculative decoding from lookups (prompt n-grams, caches, corpora).",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress and decisions")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="lookupdec: %(message)s")
+    try:
+        return args.func(args)
+    except (CliError, ValueError) as exc:  # ModelLoadError is a ValueError
+        print(f"lookupdec: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
