@@ -1,0 +1,86 @@
+"""The CLI through ``main([...])``: output, JSON, and one-line errors for every bad input."""
+import json
+import os
+
+import pytest
+
+from lookupdec.cli import main
+
+STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "stories260K")
+pytestmark = pytest.mark.skipif(not os.path.isdir(STORIES), reason="../shared/models/stories260K is absent")
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_matches_transformers_greedy(capsys):
+    from lookupdec.model import load
+
+    prompt = "Once upon a time, Lily saw a cat. The cat was big. Once upon a time, Lily"
+    code, out, _ = run(capsys, "generate", "--model", STORIES, "--prompt", prompt, "--max-new-tokens", "24", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert set(result) == {"text", "token_ids", "finish_reason", "stats"}
+    assert result["finish_reason"] == "length" and len(result["token_ids"]) == 24
+    model, tokenizer = load(STORIES)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    want = model.generate(ids, do_sample=False, max_new_tokens=24)[0, ids.shape[1]:].tolist()
+    assert result["token_ids"] == want
+    assert result["stats"]["steps"] <= 24 and result["stats"]["mean_accepted"] >= 1.0
+
+
+def test_generate_streams_text_and_stats(capsys, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("Once upon a time")
+    code, out, err = run(capsys, "generate", "--model", STORIES, "--prompt-file", str(prompt_file),
+                         "--max-new-tokens", "16", "--stats", "--stop", "zzzz")
+    assert code == 0 and out.strip()
+    assert "tokens/step" in err
+
+
+def test_stop_string_cuts_output(capsys):
+    code, out, _ = run(capsys, "generate", "--model", STORIES, "--prompt", "Once upon a time",
+                       "--max-new-tokens", "64", "--stop", ".", "--json")
+    result = json.loads(out)
+    assert code == 0 and result["finish_reason"] == "stop" and "." not in result["text"]
+
+
+def _not_causal(tmp_path):
+    folder = tmp_path / "vit"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/model", "--prompt", "x"], "model path not found"),
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["--prompt", "x", "--top-p", "0"], "top_p"),
+    (["--prompt", "x", "--top-p", "1.5"], "top_p"),
+    (["--prompt", "word " * 700], "context"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "prompt-file"),
+])
+def test_bad_input_one_line_error(capsys, args, message):
+    if "--model" not in args:
+        args = ["--model", STORIES] + args
+    code, out, err = run(capsys, "generate", *args)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert err.strip().count("\n") == 0 or err.strip().splitlines()[-1].startswith("lookupdec: error:")
+
+
+def test_not_a_causal_lm(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "--model", _not_causal(tmp_path), "--prompt", "x")
+    assert code == 2 and "not a causal language model" in err
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_max_new_tokens_must_be_positive(capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", STORIES, "--prompt", "x", "--max-new-tokens", value])
+    assert exit_info.value.code == 2
+    assert "--max-new-tokens" in capsys.readouterr().err
