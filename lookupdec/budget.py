@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import replace
 from typing import Callable, Sequence
 
-from lookupdec.proposers.base import Draft
 
 CALIBRATION_SECONDS = 1.5  # start-up budget for measuring t(n)
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
@@ -49,21 +47,32 @@ class CostModel:
 
     @classmethod
     def measure(cls, forward: Callable[[int], None], max_tokens: int) -> "CostModel":
-        """Time ``forward(n)`` for n = 1, 2, 4, ... up to ``max_tokens`` within the time budget."""
-        sizes, seconds, start = [], [], time.perf_counter()
-        n = 1
-        while True:
-            best = float("inf")
-            for _ in range(CALIBRATION_REPEATS):
+        """Time ``forward(n)`` for n = 1, 2, 4, ... ``max_tokens``, in interleaved rounds.
+
+        Noise (other processes, a cold cache) only ever adds time, so each size keeps its
+        fastest round, and a size measured slower than a larger one takes the larger one's
+        time: verifying more tokens cannot be cheaper. Rounds stop at ``CALIBRATION_REPEATS``
+        or when ``CALIBRATION_SECONDS`` are spent (sizes never reached are extrapolated).
+        """
+        sizes = [1]
+        while sizes[-1] < max_tokens:
+            sizes.append(min(2 * sizes[-1], max_tokens))
+        best = [float("inf")] * len(sizes)
+        start = time.perf_counter()
+        for _ in range(CALIBRATION_REPEATS):
+            for i, n in enumerate(sizes):
                 t = time.perf_counter()
                 forward(n)
-                best = min(best, time.perf_counter() - t)
-            sizes.append(n)
-            seconds.append(best)
-            if n >= max_tokens or time.perf_counter() - start > CALIBRATION_SECONDS:
+                best[i] = min(best[i], time.perf_counter() - t)
+                if time.perf_counter() - start > CALIBRATION_SECONDS:
+                    break
+            if time.perf_counter() - start > CALIBRATION_SECONDS:
                 break
-            n = min(2 * n, max_tokens)
-        return cls(sizes, seconds)
+        measured = [(n, t) for n, t in zip(sizes, best) if t < float("inf")]
+        seconds = [t for _, t in measured]
+        for i in range(len(seconds) - 2, -1, -1):
+            seconds[i] = min(seconds[i], seconds[i + 1])
+        return cls([n for n, _ in measured], seconds)
 
     def __call__(self, n: int) -> float:
         i = bisect.bisect_left(self.sizes, n)
@@ -95,22 +104,9 @@ class AcceptanceCalibrator:
         matched = self._matched.get(source, 0.0) + PRIOR_WEIGHT
         return min(MAX_FACTOR, matched / predicted)
 
-    def rescale(self, drafts: Sequence[Draft]) -> list[Draft]:
-        """Drafts with each node's conditional probability multiplied by its source's factor."""
-        out = []
-        for d in drafts:
-            f = self.factor(d.source)
-            if f == 1.0:
-                out.append(d)
-                continue
-            scores = []
-            for i, p in enumerate(d.parents):
-                parent_raw = 1.0 if p < 0 else d.scores[p]
-                parent_new = 1.0 if p < 0 else scores[p]
-                cond = d.scores[i] / parent_raw if parent_raw > 0 else 0.0
-                scores.append(parent_new * min(1.0, f * cond))
-            out.append(replace(d, scores=tuple(scores)))
-        return out
+    def factors(self) -> dict[str, float]:
+        """Every observed source's factor (``TokenTree.from_drafts(factors=...)``)."""
+        return {source: self.factor(source) for source in self._predicted}
 
     def observe(self, chain: Sequence[int], cond_probs: Sequence[float], source: str,
                 committed: Sequence[int]) -> None:

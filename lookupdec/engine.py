@@ -194,8 +194,8 @@ class Engine:
     def _build_tree(self, context, drafts, timer) -> TokenTree:
         """Merge the drafts into one trie and keep the nodes worth verifying."""
         depth = min(self.config.max_depth, self._room(context))
-        drafts = self.calibrator.rescale(drafts)
-        tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=self.config.max_nodes, max_depth=depth)
+        tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=self.config.max_nodes, max_depth=depth,
+                                     factors=self.calibrator.factors())
         if not self.target.tree_mode:
             tree = tree.best_chain()
         if self.config.budget == "auto" and tree.num_draft_nodes:

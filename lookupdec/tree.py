@@ -58,17 +58,22 @@ class TokenTree:
 
     @classmethod
     def from_drafts(
-        cls, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int
+        cls, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
+        factors: dict[str, float] | None = None,
     ) -> "TokenTree":
         """Merge drafts into a trie, then keep the ``max_nodes`` best nodes (ancestors kept).
 
-        A node's score is capped by its parent's (a path cannot be likelier than its prefix),
-        so taking nodes in order of score never takes a child before its parent. Ties go to
-        the shallower node, then to the earlier one (drafts earlier in the list win).
+        ``factors`` (per source, from ``budget.AcceptanceCalibrator``) multiply each node's
+        conditional probability ``score / parent score``, capped at 1. A node's score is capped
+        by its parent's (a path cannot be likelier than its prefix), so taking nodes in order of
+        score never takes a child before its parent. Ties go to the earlier node (drafts earlier
+        in the list win).
         """
         token_ids, parents, scores, sources, depths = [root_token], [-1], [1.0], [""], [0]
         index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
         for draft in drafts:
+            factor = factors.get(draft.source, 1.0) if factors else 1.0
+            raw = draft.scores
             local = [0] * len(draft.token_ids)  # draft node -> trie node
             for i, (tok, par) in enumerate(zip(draft.token_ids, draft.parents)):
                 parent = 0 if par < 0 else local[par]
@@ -77,7 +82,9 @@ class TokenTree:
                     continue
                 key = (parent, tok)
                 node = index.get(key)
-                score = min(float(draft.scores[i]), scores[parent])
+                raw_parent = 1.0 if par < 0 else raw[par]
+                cond = raw[i] / raw_parent if raw_parent > 0 else 0.0
+                score = scores[parent] * min(1.0, factor * cond)
                 if node is None:
                     if depths[parent] >= max_depth:
                         local[i] = -1

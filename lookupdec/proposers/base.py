@@ -31,6 +31,9 @@ class Draft:
     def best_chain(self) -> tuple[list[int], list[float]]:
         """The path that follows the best-scored child from the root: (tokens, conditional
         probabilities score[i] / score[parent])."""
+        if self.parents == tuple(range(-1, len(self.parents) - 1)):  # already a chain
+            prev = (1.0,) + self.scores[:-1]
+            return list(self.token_ids), [s / p if p > 0 else 0.0 for s, p in zip(self.scores, prev)]
         children: dict[int, list[int]] = {}
         for i, p in enumerate(self.parents):
             children.setdefault(p, []).append(i)

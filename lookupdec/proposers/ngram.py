@@ -61,17 +61,21 @@ class NgramProposer:
         if budget <= 0:
             return []
         length = min(self.config.max_draft_tokens, budget)
-        drafts, seen = [], set()
+        found, seen = [], set()  # (first score, continuation start)
         for match_len, end in self._occurrences(state):
-            chain = periodic_continuation(state.tokens, end, length)
-            if not chain or tuple(chain) in seen:
+            key = tuple(state.tokens[end : end + length])  # same continuation, same branch
+            if key in seen:
                 continue
-            seen.add(tuple(chain))
-            first = match_len / (match_len + 1) * BRANCH_DECAY ** len(drafts)
-            drafts.append(Draft.chain(chain, [first * CONTINUE_PROB**d for d in range(len(chain))], self.name))
-            if len(drafts) == self.config.max_branches:
+            seen.add(key)
+            found.append((match_len / (match_len + 1) * BRANCH_DECAY ** len(found), end))
+            if len(found) == self.config.max_branches:
                 break
-        return drafts
+        lengths = lengths_within_budget([first for first, _ in found], length, budget)
+        return [
+            Draft.chain(periodic_continuation(state.tokens, end, n),
+                        [first * CONTINUE_PROB**d for d in range(n)], self.name)
+            for (first, end), n in zip(found, lengths) if n
+        ]
 
     def _occurrences(self, state: _NgramIndex):
         """(match length, end position) of earlier occurrences, longest match then latest first."""
@@ -90,6 +94,22 @@ class NgramProposer:
             end = len(tokens)
             for n in range(lo, min(hi, end) + 1):
                 ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
+
+
+def lengths_within_budget(firsts: Sequence[float], length: int, budget: int) -> list[int]:
+    """How many tokens of each branch are among the ``budget`` best-scored draft tokens, when
+    branch ``r``'s token ``d`` scores ``firsts[r] * CONTINUE_PROB**d``.
+
+    >>> lengths_within_budget([0.9, 0.3], length=10, budget=12)  # 0.3 ~ 0.9 * 0.95**21
+    [10, 2]
+    """
+    if len(firsts) * length <= budget:
+        return [length] * len(firsts)
+    scored = sorted(((f * CONTINUE_PROB**d, r) for r, f in enumerate(firsts) for d in range(length)), reverse=True)
+    lengths = [0] * len(firsts)
+    for _, r in scored[:budget]:
+        lengths[r] += 1
+    return lengths
 
 
 def periodic_continuation(tokens: Sequence[int], start: int, length: int) -> list[int]:

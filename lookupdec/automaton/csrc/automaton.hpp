@@ -1,0 +1,151 @@
+// Suffix automaton over 32-bit token ids: the compiled core behind lookupdec.automaton.
+//
+// APPEND-ONLY: tokens are only ever appended; a change in the middle needs a rebuild.
+//
+// Layout (about 70-80 bytes per stored token on real text, see memory_report()):
+//   tokens_   int32 [n]            the stored stream, shared with numpy views (snapshots)
+//   states_   State [num_states]   32 bytes each, at most 2n states
+//   edges_    Edge  [num_edges]    12 bytes each, one singly linked list of out-edges per state
+//   heavy_    EdgeIndex            (state, token) -> edge, only for states with >= kHeavyDegree
+//                                  edges (the root, frequent short strings): O(1) lookups there
+// Occurrence counts (|endpos|) and the most recent end position of each state are exact after
+// flush(): a new leaf (the state of the whole stream after each append) is recorded as
+// pending, and the first query after an extend walks each pending leaf's suffix path adding 1
+// (cost: the depth of that leaf in the suffix-link tree). When that would cost more than a
+// full recount (a bulk extend), the counts are recomputed by one post-order pass over the
+// suffix-link tree instead (O(num_states)).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace lookupdec {
+
+constexpr int32_t kNone = -1;
+constexpr int32_t kRoot = 0;
+// States with at least this many out-edges get O(1) hashed lookups; the others scan their list.
+constexpr int32_t kHeavyDegree = 8;
+constexpr uint32_t kCloneBit = 1u << 31;  // state was made by cloning (it is not a leaf)
+constexpr uint32_t kHeavyBit = 1u << 30;  // state's edges are in the EdgeIndex
+constexpr uint32_t kLenMask = kHeavyBit - 1;
+constexpr int64_t kMaxTokens = kLenMask;  // lengths share a word with the two flags
+
+struct Edge {
+  int32_t token;
+  int32_t target;
+  int32_t next;  // next out-edge of the same state, kNone at the end
+};
+
+struct State {
+  uint32_t len_flags;    // length of the longest string of the state | kCloneBit | kHeavyBit
+  int32_t link;          // suffix link, kNone for the root
+  int32_t edge_head;     // first out-edge, kNone if none
+  int32_t count;         // number of end positions (exact after flush)
+  int32_t last_end;      // most recent end position (exact after flush), 0 if none
+  int32_t first_child;   // suffix-link tree: children are states whose link is this state
+  int32_t next_sibling;
+  int32_t prev_sibling;
+};
+
+// Open-addressing map (state, token) -> edge index; linear probing, load factor <= 1/2.
+class EdgeIndex {
+ public:
+  int32_t find(int32_t state, int32_t token) const;
+  void insert(int32_t state, int32_t token, int32_t edge);
+  size_t size() const { return used_; }
+  size_t memory_bytes() const { return slots_.capacity() * sizeof(Slot); }
+
+ private:
+  struct Slot {
+    int32_t state;  // kNone = empty
+    int32_t token;
+    int32_t edge;
+  };
+  size_t home(int32_t state, int32_t token) const;
+  void grow();
+  std::vector<Slot> slots_;
+  size_t used_ = 0;
+  int shift_ = 64;
+};
+
+// The stored token stream. Views handed to Python keep their buffer alive (shared_ptr), and a
+// buffer is never written below the length a view was taken at, so views are stable snapshots.
+struct TokenBuffer {
+  std::unique_ptr<int32_t[]> data;
+  size_t capacity = 0;
+};
+
+struct TreeDraft {
+  std::vector<int32_t> token_ids;  // [num_nodes]
+  std::vector<int32_t> parents;    // [num_nodes] parent node, kNone = child of the root
+  std::vector<double> scores;      // [num_nodes] product of next-token frequencies on the path
+};
+
+class Automaton {
+ public:
+  Automaton();
+
+  void extend(const int32_t* tokens, size_t num_tokens);
+  int64_t size() const { return num_tokens_; }
+  int64_t num_states() const { return static_cast<int64_t>(states_.size()); }
+  int64_t num_edges() const { return static_cast<int64_t>(edges_.size()); }
+  int32_t last_state() const { return last_; }
+  std::shared_ptr<TokenBuffer> token_buffer() const { return tokens_; }
+  const int32_t* token_data() const { return tokens_->data.get(); }
+
+  // Longest suffix of context[0:n] that occurs in the stream: (state, length).
+  std::pair<int32_t, int32_t> match(const int32_t* context, size_t n) const;
+  int32_t state_len(int32_t state) const;
+  int32_t suffix_link(int32_t state) const;
+  int32_t count(int32_t state);
+  int32_t continuation_count(int32_t state);
+  int32_t most_recent_end(int32_t state);
+  std::vector<int32_t> end_positions(int32_t state, int32_t limit);
+  void next_counts(int32_t state, std::vector<int32_t>* tokens, std::vector<int32_t>* counts);
+  TreeDraft expand_tree(int32_t state, int32_t max_nodes, int32_t max_depth);
+
+  std::string check_invariants();  // "" when fine, else the first broken invariant
+  std::map<std::string, int64_t> memory_report() const;
+
+ private:
+  struct Candidate;
+  uint32_t len(int32_t s) const { return states_[s].len_flags & kLenMask; }
+  bool is_heavy(int32_t s) const { return states_[s].len_flags & kHeavyBit; }
+  bool is_leaf(int32_t s) const { return s != kRoot && !(states_[s].len_flags & kCloneBit); }
+  void check_state(int32_t s) const;
+  void append_token(int32_t token);
+  void extend_one(int32_t token);
+  int32_t new_state(uint32_t len_flags);
+  int32_t clone_state(int32_t q, uint32_t len);
+  void redirect(int32_t p, int32_t token, int32_t from, int32_t to);
+  int32_t find_edge(int32_t s, int32_t token, int32_t* degree = nullptr) const;
+  void add_edge(int32_t s, int32_t token, int32_t target, int32_t degree);
+  void make_heavy(int32_t s);
+  void add_child(int32_t parent, int32_t child);
+  void replace_child(int32_t old_child, int32_t new_child);
+  void record_leaf(int32_t leaf);
+  void flush();
+  void recount_all();
+  void push_children(int32_t state, int32_t node, double score, int32_t depth, int32_t budget,
+                     std::vector<Candidate>* heap, int64_t* seq);
+  std::string check_structure() const;
+  std::string check_edges() const;
+  std::string check_tree() const;
+  std::string check_counts();
+
+  std::shared_ptr<TokenBuffer> tokens_;
+  int64_t num_tokens_ = 0;
+  std::vector<State> states_;
+  std::vector<Edge> edges_;
+  EdgeIndex heavy_;
+  int32_t last_ = kRoot;
+  std::vector<int32_t> pending_leaves_;  // leaves whose +1 is not yet on their suffix paths
+  bool recount_all_ = false;             // pending_leaves_ overflowed: recount everything
+};
+
+}  // namespace lookupdec
