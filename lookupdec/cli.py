@@ -109,6 +109,64 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+DEFAULT_DATA = "../shared/data"
+DEFAULT_SP_TOKENIZER = "../shared/data/tokenizers/llama2/tokenizer.model"
+
+
+def _add_simulate(sub) -> None:
+    from lookupdec.workloads import WORKLOADS
+
+    p = sub.add_parser(
+        "simulate",
+        help="replay recorded outputs through the proposers (no model): accepted tokens per step",
+        description="Replay (prompt, response) pairs with no model. At each step the proposers see "
+        "the prompt and the response so far; a step accepts the longest draft-tree path matching "
+        "the response plus one bonus token, which is exactly what greedy decoding of the model "
+        "that wrote the responses would accept. Reports mean accepted tokens per step (MAT).",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", help='JSONL: {"prompt": str, "response": str} or prompt_ids/response_ids, optional "id"')
+    src.add_argument("--workload", choices=sorted(WORKLOADS), help="build records from the shared data")
+    p.add_argument("--data", default=DEFAULT_DATA, help=f"shared data folder for --workload ({DEFAULT_DATA})")
+    p.add_argument("--tokenizer", default=None,
+                   help=f"HF tokenizer folder or sentencepiece .model file (default: {DEFAULT_SP_TOKENIZER})")
+    p.add_argument("--proposers", default="ngram", help="comma-separated drafting sources (ngram)")
+    p.add_argument("--budget", type=_positive_int, default=64, help="draft-tree nodes per step (64)")
+    p.add_argument("--max-depth", type=_positive_int, default=64, help="longest draft path (64)")
+    p.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N records")
+    p.add_argument("--json", action="store_true", help="print the full result (per record too) as JSON")
+    p.set_defaults(func=_cmd_simulate)
+
+
+def _cmd_simulate(args) -> int:
+    from lookupdec import model as model_lib
+    from lookupdec.config import EngineConfig
+    from lookupdec.proposers import build_proposers
+    from lookupdec.simulate import read_jsonl, replay
+    from lookupdec.workloads import WORKLOADS
+
+    config = EngineConfig(proposers=tuple(s.strip() for s in args.proposers.split(",") if s.strip()))
+    tokenizer = model_lib.load_tokenizer(args.tokenizer or DEFAULT_SP_TOKENIZER)
+    try:
+        records = read_jsonl(args.input) if args.input else list(WORKLOADS[args.workload](args.data))
+    except (OSError, RuntimeError) as exc:
+        raise CliError(str(exc)) from None
+    if args.limit:
+        records = records[: args.limit]
+    result = replay(records, tokenizer, build_proposers(config), budget=args.budget, max_depth=args.max_depth,
+                    progress=sys.stderr.isatty())
+    result["workload"] = args.workload or args.input
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(f"{result['workload']}: {result['records']} records, {result['response_tokens']} tokens, "
+              f"MAT {result['mat']:.3f} tokens/step, tree {result['mean_tree_nodes']:.1f} nodes, "
+              f"draft {result['draft_us_p50']:.0f} us p50 / {result['draft_us_p99']:.0f} us p99, "
+              f"accepted share {result['accepted_share_by_source']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lookupdec",
@@ -117,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress and decisions")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_simulate(sub)
     return parser
 
 

@@ -15,8 +15,7 @@ import torch
 from lookupdec import model as model_lib
 from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes
 from lookupdec.config import EngineConfig
-from lookupdec.proposers.base import Proposer
-from lookupdec.proposers.ngram import NgramProposer
+from lookupdec.proposers import Proposer, build_proposers
 from lookupdec.sampling import SamplingParams, accept
 from lookupdec.stops import StopStrings, TextAssembler
 from lookupdec.tree import TokenTree
@@ -75,7 +74,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.target = model_lib.TargetModel(model, verify=self.config.verify)
         self.eos_token_ids = model_lib.tokenizer_info(tokenizer)["eos_token_ids"]
-        self.proposers: list[Proposer] = [self._make_proposer(name) for name in self.config.proposers]
+        self.proposers: list[Proposer] = build_proposers(self.config)
         self._sources = {p.name for p in self.proposers}
         self.calibrator = AcceptanceCalibrator()
         self._cost: CostModel | None = None  # measured on first use (budget="auto")
@@ -85,11 +84,6 @@ class Engine:
     def from_pretrained(cls, model_path, *, device=None, dtype=None, config: EngineConfig | None = None):
         model, tokenizer = model_lib.load(model_path, device=device, dtype=dtype)
         return cls(model, tokenizer, config)
-
-    def _make_proposer(self, name: str) -> Proposer:
-        if name == "ngram":
-            return NgramProposer(self.config.ngram)
-        raise ValueError(f"proposers: unknown proposer {name!r}")
 
     # -- public API -----------------------------------------------------------------------------
     def generate(self, prompt, *, max_new_tokens: int, temperature: float = 0.0, top_k=None, top_p=None,

@@ -227,3 +227,49 @@ def _sliding_windows(config) -> dict:
     if window and getattr(config, "use_sliding_window", True):
         return {None: int(window)}
     return {}
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece ``.model`` file with the small part of the tokenizer API lookupdec uses."""
+
+    def __init__(self, path: str) -> None:
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.bos_token_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+        self.eos_token_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
+        self.vocab_size = self._sp.get_piece_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._sp.encode(text)
+        return [self.bos_token_id] + ids if add_special_tokens and self.bos_token_id is not None else ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._sp.decode(list(ids))
+
+    def get_vocab(self) -> dict[str, int]:
+        return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)}
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """A tokenizer from a Hugging Face folder or a sentencepiece ``.model`` file (offline)."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".model"):
+        return SentencePieceTokenizer(path)
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"tokenizer not found: {path} (an HF folder or a sentencepiece .model file)")
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot load a tokenizer ({exc})") from None
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    """A short hash of the vocabulary (token -> id), to tie caches and indexes to a tokenizer."""
+    import hashlib
+
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256("\n".join(f"{i}\t{t}" for t, i in items).encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()[:16]

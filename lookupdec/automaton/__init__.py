@@ -1,0 +1,241 @@
+"""Suffix automaton over token ids: where the end of a context occurred before, and what followed.
+
+APPEND-ONLY: tokens are only ever appended (``extend``); a change in the middle needs a
+rebuild (a new ``SuffixAutomaton`` over the tokens to keep).
+
+Vocabulary used below. The *stream* is every token appended so far (``tokens``). A *state*
+(an int) stands for a set of substrings of the stream that occur at exactly the same *end
+positions*; an end position is the index just after an occurrence, so an occurrence of ``s``
+ending at ``e`` is ``tokens[e - len(s):e]`` and its *next token* is ``tokens[e]`` (none when
+``e == len(tokens)``). State 0 is the root: the empty string. Token ids are int32 (any
+vocabulary up to 2**31 - 1; ids above 65,535 are ordinary).
+
+Worked example (tests/test_automaton.py uses the same arrays)::
+
+    tokens  = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 6]
+    context = [0, 1, 2]
+    match(context)             -> (state, 2)      [0, 1, 2] never occurred, [1, 2] did
+    end_positions(state, 8)    -> [14, 10, 6, 2]  just after each [1, 2], newest first
+    next_counts(state)         -> {3: 3, 6: 1}    three [1, 2, 3] and one [1, 2, 6]
+    propose_tree(context, max_nodes=4, max_depth=3)
+        token_ids -> [3,   4,  1,  6]
+        parents   -> [-1,  0,  1, -1]
+        scores    -> [.75, .5, .5, .25]
+    3 scores 3/4; under it 4 scores 3/4 * 2/3 = .5 (two of the three [1, 2, 3] went on with
+    4) and 1 scores .5 * 1; the fourth node ties at .25 between 6 (1/4) and 5 (3/4 * 1/3):
+    the one pushed first, 6, wins.
+
+Propose (``propose_tree``): match the last ``max_match`` tokens of the context (the longest
+suffix that occurred), then, while the matched state has fewer than ``min_count`` occurrences
+that have a next token (at least the occurrence that IS the end of the stream has none, e.g.
+when the context itself is in the stream), fall back along suffix links to the longest
+shorter match that has enough (``shorten_match``). From that state, ``expand_tree`` grows a
+best-first subtree: a node's score is the product along its path of next-token frequencies
+``count(child) / sum of counts of its siblings``, so scores never increase from parent to
+child, and deeper nodes follow the automaton's transitions (the matched string grows). Ties:
+higher score first, then the candidate pushed first; children are pushed in order of count
+(descending), then token id (ascending).
+
+Counts and end positions: each state keeps its occurrence count and its most recent end
+position, exact whenever they are read. ``extend`` only notes the new leaf state of each
+appended token; the next query adds 1 along each noted leaf's suffix-link path (cost: the
+depth of the leaf, small on real text), or, after a bulk extend where that would cost more,
+recounts every state in one pass over the suffix-link tree (O(states), ~1 s at 10M tokens).
+``most_recent_end`` is then O(1); ``end_positions`` walks the suffix-link subtree best-first
+by newest end position, so its cost grows with ``limit``, not with the number of occurrences.
+
+The compiled core (``_core``, C++ through nanobind, built by ``pip install``) is used by
+default; ``reference.py`` is a pure-Python implementation with the same state numbering that
+the tests compare against. If the extension was not built (a source tree without ``pip
+install -e .``), ``backend="auto"`` falls back to the reference with a warning: slow, but
+correct.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from lookupdec.automaton.reference import ReferenceAutomaton
+
+try:
+    from lookupdec.automaton import _core
+except ImportError:  # the extension was not built: see the module docstring
+    _core = None
+
+__all__ = ["SuffixAutomaton", "TreeArrays", "compiled_available", "DEFAULT_MAX_MATCH"]
+
+DEFAULT_MAX_MATCH = 64  # context tokens matched by propose_tree; the match costs O(max_match)
+INT32_MAX = 2**31 - 1
+
+
+class TreeArrays(NamedTuple):
+    token_ids: np.ndarray  # [num_nodes] int32
+    parents: np.ndarray  # [num_nodes] int32, -1 = child of the root, parents[i] < i
+    scores: np.ndarray  # [num_nodes] float64, product of next-token frequencies on the path
+
+
+def compiled_available() -> bool:
+    return _core is not None
+
+
+def _int32_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """[n] int32 contiguous array; ValueError for ids outside [0, 2**31 - 1]."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise ValueError(f"token ids must be 1-D, got shape {tokens.shape}")
+        if tokens.dtype == np.int32:
+            return np.ascontiguousarray(tokens)
+        if tokens.size and tokens.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got dtype {tokens.dtype}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() > INT32_MAX):
+            raise ValueError("token ids must be in [0, 2**31 - 1]")
+        return tokens.astype(np.int32)
+    try:
+        return np.asarray(tokens, dtype=np.int32).reshape(-1)
+    except OverflowError as exc:
+        raise ValueError("token ids must be in [0, 2**31 - 1]") from exc
+
+
+def _make_core(backend: str):
+    if backend == "reference":
+        return ReferenceAutomaton()
+    if _core is not None and backend in ("auto", "compiled"):
+        return _core.Automaton()
+    if backend == "compiled":
+        raise ImportError("lookupdec.automaton._core is not built: run `pip install -e .`")
+    if backend == "auto":
+        warnings.warn("lookupdec.automaton: compiled core not built (run `pip install -e .` in "
+                      "the repository); using the slow pure-Python reference", RuntimeWarning,
+                      stacklevel=3)
+        return ReferenceAutomaton()
+    raise ValueError(f"backend must be 'auto', 'compiled' or 'reference', got {backend!r}")
+
+
+class SuffixAutomaton:
+    """APPEND-ONLY suffix automaton over int32 token ids (see the module docstring).
+
+    ``backend``: "auto" (compiled, else the reference with a warning), "compiled" (error if not
+    built) or "reference" (pure Python, for tests).
+    """
+
+    def __init__(self, tokens: Sequence[int] | np.ndarray = (), *, backend: str = "auto") -> None:
+        self._core = _make_core(backend)
+        self.backend = "reference" if isinstance(self._core, ReferenceAutomaton) else "compiled"
+        self.extend(tokens)
+
+    def __repr__(self) -> str:
+        return (f"SuffixAutomaton(backend={self.backend!r}, tokens={len(self)}, "
+                f"states={self.num_states})")
+
+    def extend(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Append tokens to the stream (amortised O(1) per token)."""
+        self._core.extend(_int32_tokens(tokens))
+
+    def __len__(self) -> int:
+        return self._core.size()
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """[len(self)] int32, read-only: a snapshot that later extends leave unchanged."""
+        return self._core.tokens()
+
+    @property
+    def num_states(self) -> int:
+        return self._core.num_states()
+
+    @property
+    def last_state(self) -> int:
+        """The state of the whole stream (only it ends at len(self))."""
+        return self._core.last_state()
+
+    # ------------------------------------------------------------ matching
+
+    def match(self, context: Sequence[int] | np.ndarray, max_len: int | None = None
+              ) -> tuple[int, int]:
+        """(state, length) of the longest suffix of ``context`` (at most ``max_len`` tokens)
+        that occurs in the stream; (0, 0) = only the empty string. Cost O(min(len, max_len))."""
+        if max_len is not None:
+            if max_len < 0:
+                raise ValueError(f"max_len must be >= 0, got {max_len}")
+            context = context[max(len(context) - max_len, 0):]
+        return self._core.match(_int32_tokens(context))
+
+    def shorten_match(self, state: int, length: int, *, min_count: int) -> tuple[int, int]:
+        """Follow suffix links from a match until its state has at least ``min_count``
+        occurrences followed by a token; (0, 0) if no non-empty match has."""
+        while length > 0 and self._core.continuation_count(state) < min_count:
+            state = self._core.suffix_link(state)
+            length = self._core.state_len(state)
+        return state, length
+
+    def state_len(self, state: int) -> int:
+        """Length of the longest string of ``state``."""
+        return self._core.state_len(state)
+
+    def suffix_link(self, state: int) -> int:
+        """The state of the longest suffix that occurs at more end positions (-1 for root)."""
+        return self._core.suffix_link(state)
+
+    # ------------------------------------------------------------ occurrences
+
+    def count(self, state: int) -> int:
+        """Number of end positions (occurrences) of ``state``'s strings."""
+        return self._core.count(state)
+
+    def continuation_count(self, state: int) -> int:
+        """Occurrences followed by a token (all but the one ending the stream, if any)."""
+        return self._core.continuation_count(state)
+
+    def most_recent_end(self, state: int) -> int:
+        """Newest end position of ``state`` (O(1)); continue reading at ``tokens[end]``."""
+        return self._core.most_recent_end(state)
+
+    def end_positions(self, state: int, limit: int) -> np.ndarray:
+        """[min(limit, count)] int32 end positions of ``state``, newest first."""
+        return self._core.end_positions(state, limit)
+
+    def next_counts(self, state: int) -> dict[int, int]:
+        """next token -> number of occurrences of ``state``'s strings followed by it."""
+        tokens, counts = self._core.next_counts(state)
+        return dict(zip(tokens.tolist(), counts.tolist()))
+
+    # ------------------------------------------------------------ drafting
+
+    def expand_tree(self, state: int, *, max_nodes: int, max_depth: int) -> TreeArrays:
+        """Best-first subtree of continuations of ``state`` (module docstring: scores, ties)."""
+        if max_nodes < 0 or max_depth < 0:
+            raise ValueError(f"max_nodes and max_depth must be >= 0, got {max_nodes}, {max_depth}")
+        return TreeArrays(*self._core.expand_tree(state, max_nodes, max_depth))
+
+    def propose_tree(self, context: Sequence[int] | np.ndarray, *, max_nodes: int,
+                     max_depth: int, min_match: int = 1, min_count: int = 1,
+                     max_match: int = DEFAULT_MAX_MATCH) -> TreeArrays:
+        """match -> shorten_match(min_count) -> expand_tree; empty if the match is shorter
+        than ``min_match`` tokens."""
+        state, length = self.match(context, max_len=max_match)
+        state, length = self.shorten_match(state, length, min_count=min_count)
+        if length < min_match:
+            return _empty_tree()
+        return self.expand_tree(state, max_nodes=max_nodes, max_depth=max_depth)
+
+    # ------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant (structure, edges,
+        suffix-link tree, counts against a recount). O(states log states)."""
+        error = self._core.check_invariants()
+        if error:
+            raise AssertionError(f"SuffixAutomaton ({self.backend}): {error}")
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes allocated per part (capacities, not sizes) of the compiled core."""
+        return dict(self._core.memory_report())
+
+    def memory_bytes(self) -> int:
+        return sum(self.memory_report().values())
+
+
+def _empty_tree() -> TreeArrays:
+    return TreeArrays(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float64))

@@ -1,0 +1,142 @@
+"""Replay recorded (prompt, response) pairs through the proposers, with no model.
+
+At each step the proposers see the prompt plus the response so far, the draft tree is built
+exactly as the engine builds it with a fixed budget, and the step accepts the longest tree path
+that matches the recorded response, plus one bonus token. For greedy decoding this is exactly
+what the real model would accept, since its output is the recorded response. Requests are
+replayed in order with the proposers kept across them, so caches learn as in serving.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from lookupdec.proposers import Proposer
+from lookupdec.tree import TokenTree
+
+
+@dataclass
+class RecordResult:
+    id: str
+    prompt_tokens: int
+    response_tokens: int
+    steps: int
+    tree_nodes: int  # summed over steps
+    accepted_by_source: dict = field(default_factory=dict)
+
+    @property
+    def mat(self) -> float:
+        return self.response_tokens / self.steps if self.steps else 0.0
+
+
+def tokenize_record(record: dict, tokenizer, index: int) -> tuple[str, list[int], list[int]]:
+    rid = str(record.get("id", index))
+    if "prompt_ids" in record:
+        prompt, response = list(map(int, record["prompt_ids"])), list(map(int, record["response_ids"]))
+    else:
+        for key in ("prompt", "response"):
+            if not isinstance(record.get(key), str):
+                raise ValueError(f"record {rid}: field {key!r} must be a string (or give prompt_ids/response_ids)")
+        prompt = list(tokenizer.encode(record["prompt"]))
+        response = list(tokenizer.encode(record["response"], add_special_tokens=False))
+    if not prompt:
+        raise ValueError(f"record {rid}: empty prompt")
+    return rid, prompt, response
+
+
+def accepted_path(tree: TokenTree, target: Sequence[int]) -> list[int]:
+    """Nodes of the longest root path whose tokens equal ``target``'s first tokens."""
+    path, node = [], 0
+    for token in target:
+        node = tree.children[node].get(token)
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
+def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequence[Proposer], *,
+               budget: int, max_depth: int, draft_seconds: list) -> RecordResult:
+    result = RecordResult(rid, len(prompt), len(response), 0, 0)
+    context = list(prompt)
+    for p in proposers:
+        p.start(rid, context)
+    try:
+        pos = 0
+        while pos < len(response):
+            t = time.perf_counter()
+            drafts = [d for p in proposers for d in p.propose(rid, context, budget)]
+            tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=budget, max_depth=max_depth)
+            draft_seconds.append(time.perf_counter() - t)
+            path = accepted_path(tree, response[pos:])
+            new = response[pos : pos + len(path) + 1]
+            for node in path:
+                source = tree.sources[node]
+                result.accepted_by_source[source] = result.accepted_by_source.get(source, 0) + 1
+            for p in proposers:
+                p.observe(rid, new)
+            context.extend(new)
+            pos += len(new)
+            result.steps += 1
+            result.tree_nodes += tree.num_draft_nodes
+    finally:
+        for p in proposers:
+            p.stop(rid)
+    return result
+
+
+def replay(records: Iterable[dict], tokenizer, proposers: Sequence[Proposer], *, budget: int,
+           max_depth: int, progress: bool = False) -> dict:
+    """Replay every record; returns the summary and per-record figures (JSON-ready)."""
+    from tqdm import tqdm
+
+    results, draft_seconds = [], []
+    records = list(records)
+    for i, record in enumerate(tqdm(records, disable=not progress, desc="replay", unit="rec")):
+        rid, prompt, response = tokenize_record(record, tokenizer, i)
+        if response:
+            results.append(replay_one(rid, prompt, response, proposers, budget=budget,
+                                      max_depth=max_depth, draft_seconds=draft_seconds))
+    return summarize(results, draft_seconds, budget=budget, max_depth=max_depth,
+                     proposers=[p.name for p in proposers])
+
+
+def summarize(results: list[RecordResult], draft_seconds: list, **settings) -> dict:
+    tokens = sum(r.response_tokens for r in results)
+    steps = sum(r.steps for r in results)
+    by_source: dict[str, int] = {}
+    for r in results:
+        for s, n in r.accepted_by_source.items():
+            by_source[s] = by_source.get(s, 0) + n
+    accepted = sum(by_source.values())
+    us = np.array(draft_seconds) * 1e6 if draft_seconds else np.zeros(1)
+    return {
+        **settings,
+        "records": len(results),
+        "response_tokens": tokens,
+        "steps": steps,
+        "mat": tokens / steps if steps else 0.0,
+        "mean_tree_nodes": sum(r.tree_nodes for r in results) / steps if steps else 0.0,
+        "draft_us_p50": float(np.percentile(us, 50)),
+        "draft_us_p99": float(np.percentile(us, 99)),
+        "accepted_share_by_source": {s: n / accepted for s, n in by_source.items()} if accepted else {},
+        "per_record": [{"id": r.id, "prompt_tokens": r.prompt_tokens, "response_tokens": r.response_tokens,
+                        "steps": r.steps, "mat": round(r.mat, 4)} for r in results],
+    }
+
+
+def read_jsonl(path: str) -> list[dict]:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+    return records
