@@ -174,7 +174,8 @@ class ReferenceAutomaton:
         compiled core pushes only as many as can still be taken: same result)."""
         self._check_state(state)
         counts = self._fresh_counts()
-        heap: list[tuple[float, int, int, int, int, int]] = []  # -score, seq, parent, state, token, depth
+        heap: list[tuple[float, int, int, int, int, int]] = []  # -score, seq, parent, state,
+        #                                                            token, depth
         order = itertools.count()  # push order, breaks ties of score
         token_ids, parents, scores = [], [], []
 
@@ -183,7 +184,8 @@ class ReferenceAutomaton:
                               key=lambda c: (-c[0], c[1]))
             total = sum(c[0] for c in children)
             for count, tok, target in children:
-                heapq.heappush(heap, (-(score * (count / total)), next(order), node, target, tok, depth))
+                child_score = score * (count / total)
+                heapq.heappush(heap, (-child_score, next(order), node, target, tok, depth))
 
         if max_depth >= 1:
             push_children(state, -1, 1.0, 1)
@@ -211,4 +213,4 @@ class ReferenceAutomaton:
         return ""
 
     def memory_report(self) -> dict[str, int]:
-        return {"python_objects": 0}  # not measured: the reference is not meant to be small
+        return {}  # not measured: the reference is not meant to be small

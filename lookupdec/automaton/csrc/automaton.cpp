@@ -14,12 +14,12 @@ constexpr size_t kMinIndexSlots = 64;
 constexpr size_t kMinTokenCapacity = 1024;
 constexpr size_t kMinPendingLeaves = 4096;  // below this, never switch to a full recount
 constexpr size_t kPendingShareOfStates = 8;  // more pending leaves than states/8: full recount
-
-// Grow a vector by 1.5x (not libstdc++'s 2x) so that capacity tracks size closely.
-template <class T>
-void reserve_one_more(std::vector<T>* v) {
-  if (v->size() == v->capacity()) v->reserve(v->capacity() + v->capacity() / 2 + 16);
-}
+constexpr size_t kFirstMatchWindow = 16;     // context tokens matched first (see match)
+constexpr size_t kMatchWindowGrowth = 4;     // ... and widened by this factor while filled
+constexpr size_t kPrefetchAhead = 8;          // children whose counts are prefetched in advance
+constexpr size_t kWalkLanes = 8;              // suffix-path walks interleaved by flush
+constexpr size_t kMinCachedChildren = 64;     // best children cached per heavy state, at least
+constexpr size_t kMaxCachedStates = 16384;    // the cache is emptied when it holds this many
 
 }  // namespace
 
@@ -51,14 +51,13 @@ void EdgeIndex::insert(int32_t state, int32_t token, int32_t edge) {
 }
 
 void EdgeIndex::grow() {
-  std::vector<Slot> old;
-  old.swap(slots_);
-  size_t capacity = std::max(kMinIndexSlots, old.size() * 2);
-  slots_.assign(capacity, Slot{kNone, 0, kNone});
+  size_t capacity = std::max(kMinIndexSlots, slots_.size() * 2);
+  FixedArray<Slot> old(std::move(slots_));
+  slots_ = FixedArray<Slot>(capacity, Slot{kNone, 0, kNone});
   shift_ = 64 - __builtin_ctzll(capacity);
   used_ = 0;
-  for (const Slot& slot : old)
-    if (slot.state != kNone) insert(slot.state, slot.token, slot.edge);
+  for (size_t i = 0; i < old.size(); ++i)
+    if (old[i].state != kNone) insert(old[i].state, old[i].token, old[i].edge);
 }
 
 // ---------------------------------------------------------------- construction
@@ -97,6 +96,7 @@ void Automaton::extend_one(int32_t token) {
   int32_t p = last_;
   int32_t edge = kNone;
   while (p != kNone) {
+    if (states_[p].link != kNone) __builtin_prefetch(&states_[states_[p].link]);
     int32_t degree = 0;
     edge = find_edge(p, token, &degree);
     if (edge != kNone) break;
@@ -120,27 +120,28 @@ void Automaton::extend_one(int32_t token) {
 }
 
 int32_t Automaton::new_state(uint32_t len_flags) {
-  reserve_one_more(&states_);
-  states_.push_back(State{len_flags, kNone, kNone, 0, 0, kNone, kNone, kNone});
-  return static_cast<int32_t>(states_.size() - 1);
+  return static_cast<int32_t>(
+      states_.push_back(State{len_flags, kNone, kNone, 0, 0, kNone, kNone}));
 }
 
-// A copy of q holding q's strings of length <= len; it takes q's place in the suffix-link tree.
+// A copy of q holding q's strings of length <= len. It takes q's place in the suffix-link
+// tree: q's entry in its parent's list goes stale and the clone inherits q's next sibling.
 int32_t Automaton::clone_state(int32_t q, uint32_t len) {
   int32_t clone = new_state(len | kCloneBit);
   State& c = states_[clone];
-  const State& old = states_[q];
+  State& old = states_[q];
   c.count = old.count;  // endpos(clone) = endpos(q) + the pending new leaf
   c.last_end = old.last_end;
+  c.link = old.link;
+  c.next_sibling = old.next_sibling;
+  c.first_child = q;
+  old.link = clone;
+  old.next_sibling = kNone;
   for (int32_t e = old.edge_head; e != kNone; e = edges_[e].next) {
-    reserve_one_more(&edges_);
     Edge copy{edges_[e].token, edges_[e].target, states_[clone].edge_head};
-    edges_.push_back(copy);
-    states_[clone].edge_head = static_cast<int32_t>(edges_.size() - 1);
+    states_[clone].edge_head = static_cast<int32_t>(edges_.push_back(copy));
   }
   if (is_heavy(q)) make_heavy(clone);
-  replace_child(q, clone);
-  add_child(clone, q);
   return clone;
 }
 
@@ -165,9 +166,7 @@ int32_t Automaton::find_edge(int32_t s, int32_t token, int32_t* degree) const {
 
 // `degree` is the number of edges s had (known from the failed find_edge); unused when heavy.
 void Automaton::add_edge(int32_t s, int32_t token, int32_t target, int32_t degree) {
-  reserve_one_more(&edges_);
-  edges_.push_back(Edge{token, target, states_[s].edge_head});
-  int32_t e = static_cast<int32_t>(edges_.size() - 1);
+  int32_t e = static_cast<int32_t>(edges_.push_back(Edge{token, target, states_[s].edge_head}));
   states_[s].edge_head = e;
   if (is_heavy(s)) {
     heavy_.insert(s, token, e);
@@ -185,28 +184,26 @@ void Automaton::make_heavy(int32_t s) {
 // ---------------------------------------------------------------- suffix-link tree
 
 void Automaton::add_child(int32_t parent, int32_t child) {
-  int32_t head = states_[parent].first_child;
-  states_[child].prev_sibling = kNone;
-  states_[child].next_sibling = head;
-  if (head != kNone) states_[head].prev_sibling = child;
+  states_[child].next_sibling = states_[parent].first_child;
   states_[parent].first_child = child;
   states_[child].link = parent;
 }
 
-// new_child takes old_child's parent and sibling slot; old_child is left detached.
-void Automaton::replace_child(int32_t old_child, int32_t new_child) {
-  State& o = states_[old_child];
-  State& n = states_[new_child];
-  n.link = o.link;
-  n.prev_sibling = o.prev_sibling;
-  n.next_sibling = o.next_sibling;
-  if (o.prev_sibling != kNone) {
-    states_[o.prev_sibling].next_sibling = new_child;
-  } else {
-    states_[o.link].first_child = new_child;
-  }
-  if (o.next_sibling != kNone) states_[o.next_sibling].prev_sibling = new_child;
-  o.prev_sibling = o.next_sibling = o.link = kNone;
+// The child of `parent` that the list entry `*entry` stands for: the entry itself, or, if it
+// went stale (clones were put above it), its ancestor just below `parent`, spliced in.
+int32_t Automaton::resolve_child(int32_t parent, int32_t* entry) {
+  int32_t child = *entry;
+  while (child != kNone && states_[child].link != parent) child = states_[child].link;
+  *entry = child;
+  return child;
+}
+
+int32_t Automaton::first_child(int32_t parent) {
+  return resolve_child(parent, &states_[parent].first_child);
+}
+
+int32_t Automaton::next_sibling(int32_t parent, int32_t child) {
+  return resolve_child(parent, &states_[child].next_sibling);
 }
 
 // ---------------------------------------------------------------- counts
@@ -224,53 +221,63 @@ void Automaton::record_leaf(int32_t leaf) {
 // Make count and last_end exact: walk the pending leaves' suffix paths, or recount everything
 // when the walks would cost more than the full pass.
 void Automaton::flush() {
-  if (recount_all_) {
-    recount_all();
-    return;
-  }
-  size_t work_budget = states_.size() / 2 + kMinPendingLeaves;
-  size_t work = 0;
-  for (int32_t leaf : pending_leaves_) {
-    int32_t end = static_cast<int32_t>(len(leaf));
-    for (int32_t u = leaf; u != kNone; u = states_[u].link, ++work) {
-      states_[u].count += 1;
-      states_[u].last_end = end;  // leaves are flushed in stream order: end is the newest
-    }
-    if (work > work_budget) {
-      recount_all();
-      return;
-    }
-  }
+  if (recount_all_ || !walk_pending_leaves(states_.size() / 2 + kMinPendingLeaves)) recount_all();
   pending_leaves_.clear();
 }
 
-// count = leaves in the subtree, last_end = newest leaf in it: one post-order pass over the
-// suffix-link tree, without a stack (parents are the suffix links).
+// +1 and the leaf's end position on every state of each pending leaf's suffix path. kWalkLanes
+// walks advance in turn, each prefetching its next state, so that their cache misses overlap.
+// false (counts half-updated) once the work passes `work_budget`.
+bool Automaton::walk_pending_leaves(size_t work_budget) {
+  size_t work = 0;
+  for (size_t first = 0; first < pending_leaves_.size(); first += kWalkLanes) {
+    size_t lanes = std::min(kWalkLanes, pending_leaves_.size() - first);
+    int32_t cursor[kWalkLanes], end[kWalkLanes];
+    for (size_t i = 0; i < lanes; ++i) {
+      cursor[i] = pending_leaves_[first + i];
+      end[i] = static_cast<int32_t>(len(cursor[i]));
+    }
+    for (size_t live = lanes; live > 0;) {
+      live = 0;
+      for (size_t i = 0; i < lanes; ++i) {
+        if (cursor[i] == kNone) continue;
+        State& u = states_[cursor[i]];
+        u.count += 1;
+        u.last_end = std::max(u.last_end, end[i]);
+        cursor[i] = u.link;
+        if (cursor[i] == kNone) continue;
+        __builtin_prefetch(&states_[cursor[i]], 1);
+        ++live;
+      }
+      work += lanes;
+    }
+    if (work > work_budget) return false;
+  }
+  return true;
+}
+
+// count = leaves in the suffix-link subtree, last_end = newest leaf in it: states sorted by
+// length (counting sort; a suffix link always points to a shorter state), then one pass from
+// the longest adds each state into its suffix link.
 void Automaton::recount_all() {
-  for (size_t s = 0; s < states_.size(); ++s) {
+  size_t num_states = states_.size();
+  std::vector<int32_t> start_of_len(static_cast<size_t>(num_tokens_) + 2, 0);
+  for (size_t s = 0; s < num_states; ++s) ++start_of_len[len(static_cast<int32_t>(s)) + 1];
+  for (size_t l = 1; l < start_of_len.size(); ++l) start_of_len[l] += start_of_len[l - 1];
+  std::vector<int32_t> by_len(num_states);
+  for (size_t s = 0; s < num_states; ++s) {
+    by_len[start_of_len[len(static_cast<int32_t>(s))]++] = static_cast<int32_t>(s);
     bool leaf = is_leaf(static_cast<int32_t>(s));
     states_[s].count = leaf ? 1 : 0;
     states_[s].last_end = leaf ? static_cast<int32_t>(len(static_cast<int32_t>(s))) : 0;
   }
-  int32_t u = kRoot;
-  for (;;) {
-    while (states_[u].first_child != kNone) u = states_[u].first_child;
-    for (;;) {  // u and its subtree are done
-      if (u == kRoot) {
-        pending_leaves_.clear();
-        recount_all_ = false;
-        return;
-      }
-      int32_t parent = states_[u].link;
-      states_[parent].count += states_[u].count;
-      states_[parent].last_end = std::max(states_[parent].last_end, states_[u].last_end);
-      if (states_[u].next_sibling != kNone) {
-        u = states_[u].next_sibling;
-        break;
-      }
-      u = parent;
-    }
+  for (size_t i = num_states - 1; i > 0; --i) {  // by_len[0] is the root, the only len 0
+    const State& child = states_[by_len[i]];
+    State& parent = states_[child.link];
+    parent.count += child.count;
+    parent.last_end = std::max(parent.last_end, child.last_end);
   }
+  recount_all_ = false;
 }
 
 // ---------------------------------------------------------------- queries
@@ -281,7 +288,19 @@ void Automaton::check_state(int32_t s) const {
                             std::to_string(states_.size()) + ")");
 }
 
+// The longest match is usually much shorter than the context: match a short tail first and
+// widen it only while the match fills it.
 std::pair<int32_t, int32_t> Automaton::match(const int32_t* context, size_t n) const {
+  size_t window = std::min(n, kFirstMatchWindow);
+  for (;;) {
+    std::pair<int32_t, int32_t> found = match_all(context + (n - window), window);
+    if (static_cast<size_t>(found.second) < window || window == n) return found;
+    window = std::min(n, window * kMatchWindowGrowth);
+  }
+}
+
+// Run the automaton over all of context[0:n], falling back along suffix links on a mismatch.
+std::pair<int32_t, int32_t> Automaton::match_all(const int32_t* context, size_t n) const {
   int32_t s = kRoot;
   int32_t length = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -355,7 +374,7 @@ std::vector<int32_t> Automaton::end_positions(int32_t state, int32_t limit) {
       heap.push_back({static_cast<int32_t>(len(item.state)), item.state, true});
       std::push_heap(heap.begin(), heap.end());
     }
-    for (int32_t c = states_[item.state].first_child; c != kNone; c = states_[c].next_sibling) {
+    for (int32_t c = first_child(item.state); c != kNone; c = next_sibling(item.state, c)) {
       heap.push_back({states_[c].last_end, c, false});
       std::push_heap(heap.begin(), heap.end());
     }
@@ -379,7 +398,8 @@ struct Automaton::Candidate {
   double score;
   int64_t seq;  // push order: ties go to the earlier push
   int32_t parent_node;
-  int32_t state;
+  int32_t state;      // automaton state of the node's string, or kNone on a chain (below)
+  int32_t chain_end;  // >= 0: the string occurs once, ending here; its child is tokens[chain_end]
   int32_t token;
   int32_t depth;
   bool operator<(const Candidate& other) const {  // max-heap: higher score, then lower seq
@@ -387,31 +407,75 @@ struct Automaton::Candidate {
   }
 };
 
-// Push the `budget` best children of `state` (count desc, token asc); a child ranked below
-// the budget can never be taken, since each of its better siblings would be taken first.
-void Automaton::push_children(int32_t state, int32_t node, double score, int32_t depth,
-                              int32_t budget, std::vector<Candidate>* heap, int64_t* seq) {
-  struct Child {
-    int32_t count, token, target;
-  };
-  std::vector<Child> children;
-  int64_t total = 0;
-  for (int32_t e = states_[state].edge_head; e != kNone; e = edges_[e].next) {
-    int32_t target = edges_[e].target;
-    children.push_back({states_[target].count, edges_[e].token, target});
-    total += states_[target].count;
+// All children of `state`, the best `keep` of them sorted first. Targets' counts are read in a
+// second pass with prefetches, so that their cache misses overlap.
+void Automaton::collect_children(int32_t state, size_t keep, std::vector<Child>* children) {
+  children->clear();
+  for (int32_t e = states_[state].edge_head; e != kNone; e = edges_[e].next)
+    children->push_back({0, edges_[e].token, edges_[e].target});
+  size_t n = children->size();
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) {
+      __builtin_prefetch(&states_[(*children)[i + kPrefetchAhead].target]);
+    }
+    (*children)[i].count = states_[(*children)[i].target].count;
   }
-  size_t keep = std::min(children.size(), static_cast<size_t>(std::max(budget, 0)));
-  auto better = [](const Child& a, const Child& b) {
-    return a.count > b.count || (a.count == b.count && a.token < b.token);
-  };
-  std::partial_sort(children.begin(), children.begin() + keep, children.end(), better);
+  keep = std::min(keep, n);
+  std::partial_sort(children->begin(), children->begin() + keep, children->end(),
+                    [](const Child& a, const Child& b) {
+                      return a.count > b.count || (a.count == b.count && a.token < b.token);
+                    });
+  children->resize(keep);
+}
+
+// The best `budget` children (or all, if fewer), best first. Heavy states' lists are cached.
+const std::vector<Child>& Automaton::best_children(int32_t state, int32_t budget, int64_t total) {
+  size_t wanted = static_cast<size_t>(std::max(budget, 0));
+  if (!is_heavy(state)) {
+    collect_children(state, wanted, &scratch_children_);
+    return scratch_children_;
+  }
+  if (children_cache_.size() >= kMaxCachedStates) children_cache_.clear();
+  CachedChildren& cached = children_cache_[state];
+  if (cached.total != total || (!cached.complete && cached.best.size() < wanted)) {
+    size_t keep = std::max(wanted, kMinCachedChildren);
+    collect_children(state, keep, &cached.best);
+    cached.complete = cached.best.size() < keep;
+    cached.total = total;
+  }
+  return cached.best;
+}
+
+// Push the `budget` best children of `parent`; a child ranked below the budget can never be
+// taken, since each of its better siblings would be taken first. A string that occurs once
+// has at most one child, read from the stream (sequential) instead of the automaton.
+void Automaton::push_children(const Candidate& parent, int32_t node, int32_t budget,
+                              std::vector<Candidate>* heap, int64_t* seq) {
+  if (budget <= 0) return;
+  int32_t end = parent.chain_end;
+  if (end == kNone && states_[parent.state].count == 1) end = states_[parent.state].last_end;
+  if (end != kNone) {
+    if (end < num_tokens_) {
+      push_candidate({parent.score, (*seq)++, node, kNone, end + 1, token_data()[end],
+                      parent.depth + 1}, heap);
+    }
+    return;
+  }
+  const State& s = states_[parent.state];
+  int64_t total = s.count - (s.last_end == num_tokens_ ? 1 : 0);  // = sum of children counts
+  if (total <= 0) return;
+  const std::vector<Child>& children = best_children(parent.state, budget, total);
+  size_t keep = std::min(children.size(), static_cast<size_t>(budget));
   for (size_t i = 0; i < keep; ++i) {
-    double child_score =
-        score * (static_cast<double>(children[i].count) / static_cast<double>(total));
-    heap->push_back({child_score, (*seq)++, node, children[i].target, children[i].token, depth});
-    std::push_heap(heap->begin(), heap->end());
+    double frequency = static_cast<double>(children[i].count) / static_cast<double>(total);
+    push_candidate({parent.score * frequency, (*seq)++, node, children[i].target, kNone,
+                    children[i].token, parent.depth + 1}, heap);
   }
+}
+
+void Automaton::push_candidate(const Candidate& candidate, std::vector<Candidate>* heap) {
+  heap->push_back(candidate);
+  std::push_heap(heap->begin(), heap->end());
 }
 
 TreeDraft Automaton::expand_tree(int32_t state, int32_t max_nodes, int32_t max_depth) {
@@ -420,7 +484,8 @@ TreeDraft Automaton::expand_tree(int32_t state, int32_t max_nodes, int32_t max_d
   TreeDraft tree;
   std::vector<Candidate> heap;
   int64_t seq = 0;
-  if (max_depth >= 1) push_children(state, kNone, 1.0, 1, max_nodes, &heap, &seq);
+  Candidate root{1.0, -1, kNone, state, kNone, 0, 0};  // the matched string, depth 0
+  if (max_depth >= 1) push_children(root, kNone, max_nodes, &heap, &seq);
   while (!heap.empty() && static_cast<int32_t>(tree.token_ids.size()) < max_nodes) {
     std::pop_heap(heap.begin(), heap.end());
     Candidate best = heap.back();
@@ -429,9 +494,7 @@ TreeDraft Automaton::expand_tree(int32_t state, int32_t max_nodes, int32_t max_d
     tree.token_ids.push_back(best.token);
     tree.parents.push_back(best.parent_node);
     tree.scores.push_back(best.score);
-    if (best.depth < max_depth)
-      push_children(best.state, node, best.score, best.depth + 1, max_nodes - node - 1, &heap,
-                    &seq);
+    if (best.depth < max_depth) push_children(best, node, max_nodes - node - 1, &heap, &seq);
   }
   return tree;
 }
@@ -458,7 +521,7 @@ std::string Automaton::check_structure() const {
   }
   if (leaves != num_tokens_) return "number of leaf states != number of tokens";
   if (static_cast<int64_t>(len(last_)) != num_tokens_) return "last state's len != tokens";
-  std::pair<int32_t, int32_t> whole = match(token_data(), num_tokens_);
+  std::pair<int32_t, int32_t> whole = match_all(token_data(), num_tokens_);
   if (whole.second != num_tokens_ || whole.first != last_)
     return "the whole stream does not lead to the last state";
   return "";
@@ -493,20 +556,17 @@ std::string Automaton::check_edges() const {
   return "";
 }
 
-std::string Automaton::check_tree() const {
-  int64_t children = 0;
+// Every state but the root is listed exactly once, under its suffix link.
+std::string Automaton::check_tree() {
+  std::vector<bool> listed(states_.size(), false);
   for (int32_t s = 0; s < static_cast<int32_t>(states_.size()); ++s) {
-    int32_t prev = kNone;
-    for (int32_t c = states_[s].first_child; c != kNone; c = states_[c].next_sibling) {
-      if (states_[c].link != s || states_[c].prev_sibling != prev)
-        return "suffix-link tree: child " + std::to_string(c) + " of " + std::to_string(s) +
-               " is linked wrongly";
-      prev = c;
-      if (++children >= static_cast<int64_t>(states_.size())) return "suffix-link tree: cycle";
+    for (int32_t c = first_child(s); c != kNone; c = next_sibling(s, c)) {
+      if (listed[c]) return "suffix-link tree: state " + std::to_string(c) + " listed twice";
+      listed[c] = true;
     }
   }
-  if (children != static_cast<int64_t>(states_.size()) - 1)
-    return "suffix-link tree: some state is in no child list";
+  for (int32_t s = 1; s < static_cast<int32_t>(states_.size()); ++s)
+    if (!listed[s]) return "suffix-link tree: state " + std::to_string(s) + " is in no list";
   return "";
 }
 
@@ -533,13 +593,22 @@ std::string Automaton::check_counts() {
   return "";
 }
 
+int64_t Automaton::children_cache_bytes() const {
+  constexpr int64_t kEntryOverhead = 64;  // hash node, bucket and CachedChildren, roughly
+  int64_t bytes = static_cast<int64_t>(children_cache_.bucket_count() * sizeof(void*));
+  for (const auto& entry : children_cache_)
+    bytes += kEntryOverhead + static_cast<int64_t>(entry.second.best.capacity() * sizeof(Child));
+  return bytes;
+}
+
 std::map<std::string, int64_t> Automaton::memory_report() const {
   return {
       {"tokens", static_cast<int64_t>(tokens_->capacity * sizeof(int32_t))},
-      {"states", static_cast<int64_t>(states_.capacity() * sizeof(State))},
-      {"edges", static_cast<int64_t>(edges_.capacity() * sizeof(Edge))},
+      {"states", static_cast<int64_t>(states_.memory_bytes())},
+      {"edges", static_cast<int64_t>(edges_.memory_bytes())},
       {"heavy_index", static_cast<int64_t>(heavy_.memory_bytes())},
       {"pending_leaves", static_cast<int64_t>(pending_leaves_.capacity() * sizeof(int32_t))},
+      {"children_cache", children_cache_bytes()},
   };
 }
 

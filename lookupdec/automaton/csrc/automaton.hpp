@@ -4,25 +4,35 @@
 //
 // Layout (about 70-80 bytes per stored token on real text, see memory_report()):
 //   tokens_   int32 [n]            the stored stream, shared with numpy views (snapshots)
-//   states_   State [num_states]   32 bytes each, at most 2n states
+//   states_   State [num_states]   28 bytes each, at most 2n states (~1.6n on real text)
 //   edges_    Edge  [num_edges]    12 bytes each, one singly linked list of out-edges per state
 //   heavy_    EdgeIndex            (state, token) -> edge, only for states with >= kHeavyDegree
 //                                  edges (the root, frequent short strings): O(1) lookups there
+// states_ and edges_ grow in fixed blocks (BlockVector, arrays.hpp): no copy on growth,
+// little slack, transparent huge pages past the first block.
+// The suffix-link tree (children of each state) is kept as singly linked sibling lists. When
+// a clone takes q's place under q's parent P, the entry of P's list that points to q is left
+// as it is (q is "stale" there: its link is now the clone) and the clone inherits q's next
+// sibling; readers resolve a stale entry by following links up to the child of P and splice
+// the resolved child in (resolve_child). So extend never needs a list predecessor.
 // Occurrence counts (|endpos|) and the most recent end position of each state are exact after
 // flush(): a new leaf (the state of the whole stream after each append) is recorded as
 // pending, and the first query after an extend walks each pending leaf's suffix path adding 1
-// (cost: the depth of that leaf in the suffix-link tree). When that would cost more than a
-// full recount (a bulk extend), the counts are recomputed by one post-order pass over the
-// suffix-link tree instead (O(num_states)).
+// (cost: the depth of that leaf in the suffix-link tree, ~15 on real text; 8 walks interleaved).
+// When that would cost more than a full recount (a bulk extend), the counts are recomputed
+// from scratch instead: states sorted by length, then one pass (O(num_states)).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <unordered_map>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "arrays.hpp"
 
 namespace lookupdec {
 
@@ -48,8 +58,7 @@ struct State {
   int32_t count;         // number of end positions (exact after flush)
   int32_t last_end;      // most recent end position (exact after flush), 0 if none
   int32_t first_child;   // suffix-link tree: children are states whose link is this state
-  int32_t next_sibling;
-  int32_t prev_sibling;
+  int32_t next_sibling;  // (both may point to a stale entry: see resolve_child)
 };
 
 // Open-addressing map (state, token) -> edge index; linear probing, load factor <= 1/2.
@@ -58,7 +67,7 @@ class EdgeIndex {
   int32_t find(int32_t state, int32_t token) const;
   void insert(int32_t state, int32_t token, int32_t edge);
   size_t size() const { return used_; }
-  size_t memory_bytes() const { return slots_.capacity() * sizeof(Slot); }
+  size_t memory_bytes() const { return slots_.memory_bytes(); }
 
  private:
   struct Slot {
@@ -68,7 +77,7 @@ class EdgeIndex {
   };
   size_t home(int32_t state, int32_t token) const;
   void grow();
-  std::vector<Slot> slots_;
+  FixedArray<Slot> slots_;
   size_t used_ = 0;
   int shift_ = 64;
 };
@@ -80,6 +89,21 @@ struct TokenBuffer {
   size_t capacity = 0;
 };
 
+// A child of a state in expand_tree's order: count descending, then token ascending.
+struct Child {
+  int32_t count;
+  int32_t token;
+  int32_t target;
+};
+
+// The best children of one heavy state, valid while the state's continuation count (the sum
+// of its children's counts: any new occurrence of a child raises it) is unchanged.
+struct CachedChildren {
+  int64_t total = -1;
+  bool complete = false;  // holds every child
+  std::vector<Child> best;
+};
+
 struct TreeDraft {
   std::vector<int32_t> token_ids;  // [num_nodes]
   std::vector<int32_t> parents;    // [num_nodes] parent node, kNone = child of the root
@@ -89,6 +113,8 @@ struct TreeDraft {
 class Automaton {
  public:
   Automaton();
+  Automaton(const Automaton&) = delete;
+  Automaton& operator=(const Automaton&) = delete;
 
   void extend(const int32_t* tokens, size_t num_tokens);
   int64_t size() const { return num_tokens_; }
@@ -111,6 +137,7 @@ class Automaton {
 
   std::string check_invariants();  // "" when fine, else the first broken invariant
   std::map<std::string, int64_t> memory_report() const;
+  int64_t children_cache_bytes() const;
 
  private:
   struct Candidate;
@@ -127,25 +154,34 @@ class Automaton {
   void add_edge(int32_t s, int32_t token, int32_t target, int32_t degree);
   void make_heavy(int32_t s);
   void add_child(int32_t parent, int32_t child);
-  void replace_child(int32_t old_child, int32_t new_child);
+  int32_t resolve_child(int32_t parent, int32_t* entry);
+  int32_t first_child(int32_t parent);
+  int32_t next_sibling(int32_t parent, int32_t child);
   void record_leaf(int32_t leaf);
   void flush();
+  bool walk_pending_leaves(size_t work_budget);
   void recount_all();
-  void push_children(int32_t state, int32_t node, double score, int32_t depth, int32_t budget,
+  std::pair<int32_t, int32_t> match_all(const int32_t* context, size_t n) const;
+  void push_children(const Candidate& parent, int32_t node, int32_t budget,
                      std::vector<Candidate>* heap, int64_t* seq);
+  static void push_candidate(const Candidate& candidate, std::vector<Candidate>* heap);
+  const std::vector<Child>& best_children(int32_t state, int32_t budget, int64_t total);
+  void collect_children(int32_t state, size_t keep, std::vector<Child>* children);
   std::string check_structure() const;
   std::string check_edges() const;
-  std::string check_tree() const;
+  std::string check_tree();
   std::string check_counts();
 
   std::shared_ptr<TokenBuffer> tokens_;
   int64_t num_tokens_ = 0;
-  std::vector<State> states_;
-  std::vector<Edge> edges_;
+  BlockVector<State> states_;
+  BlockVector<Edge> edges_;
   EdgeIndex heavy_;
   int32_t last_ = kRoot;
   std::vector<int32_t> pending_leaves_;  // leaves whose +1 is not yet on their suffix paths
   bool recount_all_ = false;             // pending_leaves_ overflowed: recount everything
+  std::unordered_map<int32_t, CachedChildren> children_cache_;  // heavy states only
+  std::vector<Child> scratch_children_;
 };
 
 }  // namespace lookupdec

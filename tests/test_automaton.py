@@ -1,0 +1,345 @@
+"""Suffix automaton: compiled core vs pure-Python reference vs brute-force search.
+
+Brute force is the definition: the longest suffix of the context that occurs as a substring of
+the stream; its end positions; the tokens that follow them. The compiled core must agree with
+it and with the reference (which builds the same states in the same order) after random
+extends, for small alphabets (many repeats) and for token ids above 65,535.
+"""
+from __future__ import annotations
+
+import gc
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from lookupdec.automaton import SuffixAutomaton, compiled_available
+
+if not compiled_available():  # fail, never skip: the compiled core is the product
+    pytest.fail("lookupdec.automaton._core is not importable: build it with `pip install -e .` "
+                "(or, after a non-editable install, run `pytest`, not `python -m pytest`, from "
+                "the repository root, whose lookupdec/ would shadow the installed one)",
+                pytrace=False)
+
+from lookupdec.automaton import _core  # noqa: E402
+
+BACKENDS = ("compiled", "reference")
+BIG_VOCAB_BASE = 100_000  # ids above 65,535 (REST's uint16 limit)
+INT32_MAX = 2**31 - 1
+
+
+# ---------------------------------------------------------------- brute force
+
+
+def brute_match_len(stream: list[int], context: list[int], max_len: int | None = None) -> int:
+    longest = len(context) if max_len is None else min(len(context), max_len)
+    for length in range(longest, 0, -1):
+        if brute_end_positions(stream, context[len(context) - length:]):
+            return length
+    return 0
+
+
+def brute_end_positions(stream: list[int], pattern: list[int]) -> list[int]:
+    """End positions (index just after) of every occurrence, newest first."""
+    m = len(pattern)
+    return [e for e in range(len(stream), m - 1, -1) if stream[e - m:e] == pattern]
+
+
+def brute_next_counts(stream: list[int], pattern: list[int]) -> dict[int, int]:
+    ends = brute_end_positions(stream, pattern)
+    return dict(Counter(stream[e] for e in ends if e < len(stream)))
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def random_stream(rng: np.random.Generator, n: int, vocab: list[int]) -> list[int]:
+    """Zipf-like: token i of the vocab has weight 1 / (i + 1), so some contexts repeat a lot."""
+    weights = 1.0 / np.arange(1, len(vocab) + 1)
+    return [int(t) for t in rng.choice(vocab, size=n, p=weights / weights.sum())]
+
+
+def random_contexts(rng: np.random.Generator, stream: list[int], vocab: list[int], k: int):
+    """Half copied from the stream (long matches), half random (short ones)."""
+    for i in range(k):
+        length = int(rng.integers(1, 12))
+        if i % 2 == 0 and len(stream) > length:
+            start = int(rng.integers(0, len(stream) - length + 1))
+            yield stream[start:start + length] + random_stream(rng, int(rng.integers(0, 2)), vocab)
+        else:
+            yield random_stream(rng, length, vocab)
+
+
+def both(tokens=()) -> tuple[SuffixAutomaton, SuffixAutomaton]:
+    return SuffixAutomaton(tokens, backend="compiled"), SuffixAutomaton(tokens, backend="reference")
+
+
+def check_queries(compiled: SuffixAutomaton, reference: SuffixAutomaton, stream: list[int],
+                  context: list[int]) -> None:
+    state, length = compiled.match(context)
+    assert (state, length) == reference.match(context), context
+    assert length == brute_match_len(stream, context), context
+    pattern = context[len(context) - length:]
+    if length == 0:
+        assert state == 0
+        return
+    ends = brute_end_positions(stream, pattern)
+    assert compiled.end_positions(state, len(ends) + 5).tolist() == ends
+    assert compiled.end_positions(state, 2).tolist() == ends[:2]
+    assert reference.end_positions(state, len(ends)).tolist() == ends
+    assert compiled.count(state) == len(ends) == reference.count(state)
+    assert compiled.most_recent_end(state) == ends[0]
+    assert compiled.next_counts(state) == brute_next_counts(stream, pattern)
+    assert reference.next_counts(state) == compiled.next_counts(state)
+    assert compiled.continuation_count(state) == sum(compiled.next_counts(state).values())
+
+
+# ---------------------------------------------------------------- worked example
+
+
+def test_worked_example_from_the_docstring():
+    tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 6]
+    context = [0, 1, 2]
+    for backend in BACKENDS:
+        automaton = SuffixAutomaton(tokens, backend=backend)
+        state, length = automaton.match(context)
+        assert length == 2  # [0, 1, 2] never occurred, [1, 2] did
+        assert automaton.end_positions(state, 8).tolist() == [14, 10, 6, 2]
+        assert automaton.next_counts(state) == {3: 3, 6: 1}
+        tree = automaton.propose_tree(context, max_nodes=4, max_depth=3)
+        assert tree.token_ids.tolist() == [3, 4, 1, 6]
+        assert tree.parents.tolist() == [-1, 0, 1, -1]
+        # 6 (1/4) and 5 (3/4 * 1/3) tie at .25: the one pushed first (6) wins, not 5
+        assert tree.scores.tolist() == pytest.approx([0.75, 0.5, 0.5, 0.25])
+        automaton.check_invariants()
+
+
+def test_compiled_core_is_the_default():
+    assert compiled_available()
+    assert SuffixAutomaton().backend == "compiled"
+
+
+# ---------------------------------------------------------------- random agreement
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("vocab_kind", ["small", "medium", "big"])
+def test_random_extends_agree_with_reference_and_brute_force(seed, vocab_kind):
+    rng = np.random.default_rng(seed)
+    if vocab_kind == "small":
+        vocab = list(range(int(rng.integers(2, 5))))
+    elif vocab_kind == "medium":  # states with >= HEAVY_DEGREE edges use the hashed index
+        vocab = list(range(3 * _core.HEAVY_DEGREE))
+    else:  # above 65,535, up to the int32 limit
+        vocab = [BIG_VOCAB_BASE + i for i in range(6)] + [70_000, INT32_MAX - 1, INT32_MAX]
+    compiled, reference = both()
+    stream: list[int] = []
+    for _ in range(5):
+        chunk = random_stream(rng, int(rng.integers(1, 120)), vocab)
+        compiled.extend(chunk)
+        reference.extend(np.asarray(chunk, dtype=np.int64))
+        stream += chunk
+        compiled.check_invariants()
+        reference.check_invariants()
+        assert len(compiled) == len(stream) and compiled.tokens.tolist() == stream
+        assert compiled.num_states == reference.num_states
+        for context in random_contexts(rng, stream, vocab, 12):
+            check_queries(compiled, reference, stream, context)
+
+
+def test_match_max_len_caps_the_match():
+    stream = [5, 6, 7, 8, 9] * 3
+    automaton = SuffixAutomaton(stream)
+    context = [1, 5, 6, 7, 8, 9, 5, 6]
+    assert automaton.match(context)[1] == 7
+    for max_len in range(0, 9):
+        expected = brute_match_len(stream, context, max_len)
+        assert automaton.match(context, max_len=max_len)[1] == expected
+
+
+def test_counts_exact_across_bulk_and_small_extends():
+    """A bulk extend (full recount) followed by small ones (suffix-path walks)."""
+    rng = np.random.default_rng(7)
+    compiled, reference = both()
+    chunks = [random_stream(rng, 12_000, [0, 1, 2])] + [random_stream(rng, 5, [0, 1, 2, 3])] * 20
+    for chunk in chunks:
+        compiled.extend(chunk)
+        reference.extend(chunk)
+        state = compiled.match(chunk[-6:])[0]
+        assert compiled.count(state) == reference.count(state)
+        assert compiled.next_counts(state) == reference.next_counts(state)
+    compiled.check_invariants()
+
+
+def test_repeated_token_stream():
+    """A model stuck repeating one token: the deepest suffix-link chain (a path of n states)."""
+    compiled, reference = both([9] * 3000)
+    compiled.extend([9] * 10)
+    reference.extend([9] * 10)
+    compiled.check_invariants()
+    state, length = compiled.match([9] * 5)
+    assert length == 5 and compiled.count(state) == 3010 - 4
+    assert compiled.end_positions(state, 3).tolist() == [3010, 3009, 3008]
+    assert compiled.next_counts(state) == reference.next_counts(state) == {9: 3005}
+
+
+def test_clone_of_a_state_with_many_edges():
+    """[7, 8] always came as [6, 7, 8] and was followed by 3 * HEAVY_DEGREE different tokens;
+    then [5, 7, 8] splits its state: the clone copies every edge (and the hashed index)."""
+    fanout = [200 + k for k in range(3 * _core.HEAVY_DEGREE)]
+    stream = [t for k in fanout for t in (6, 7, 8, k)] + [5, 7, 8]
+    compiled, reference = both(stream)
+    compiled.check_invariants()
+    state, length = compiled.match([9, 7, 8])
+    assert (state, length) == reference.match([9, 7, 8]) and length == 2
+    assert compiled.next_counts(state) == {k: 1 for k in fanout}
+    compiled.extend([fanout[-1], 7, 8, 300])
+    reference.extend([fanout[-1], 7, 8, 300])
+    compiled.check_invariants()
+    assert compiled.next_counts(state) == reference.next_counts(state)
+    assert compiled.next_counts(state)[fanout[-1]] == 2
+
+
+# ---------------------------------------------------------------- draft trees
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p == -1 else depths[p] + 1)
+    return depths
+
+
+def check_tree_format(tree, max_nodes: int, max_depth: int) -> None:
+    ids, parents, scores = tree.token_ids.tolist(), tree.parents.tolist(), tree.scores.tolist()
+    assert len(ids) == len(parents) == len(scores) <= max_nodes
+    assert tree.token_ids.dtype == np.int32 and tree.parents.dtype == np.int32
+    seen: set[tuple[int, int]] = set()
+    for i, (tok, p) in enumerate(zip(ids, parents)):
+        assert -1 <= p < i
+        assert (p, tok) not in seen  # children of a node are distinct tokens
+        seen.add((p, tok))
+        assert 0 < scores[i] <= (1.0 if p == -1 else scores[p])
+    assert all(d <= max_depth for d in tree_depths(parents))
+
+
+def check_tree_against_brute_force(tree, stream: list[int], pattern: list[int]) -> None:
+    """Each node's path continues the pattern somewhere in the stream, and its score is the
+    product of brute-force next-token frequencies along the path."""
+    paths: list[list[int]] = []
+    for tok, p in zip(tree.token_ids.tolist(), tree.parents.tolist()):
+        paths.append(([] if p == -1 else paths[p]) + [tok])
+    for path, score in zip(paths, tree.scores.tolist()):
+        expected = 1.0
+        for k, tok in enumerate(path):
+            counts = brute_next_counts(stream, pattern + path[:k])
+            expected *= counts[tok] / sum(counts.values())
+        assert score == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_propose_tree_format_and_agreement(seed):
+    rng = np.random.default_rng(100 + seed)
+    if seed % 2:
+        vocab = list(range(int(rng.integers(2, 30))))
+    else:
+        vocab = [BIG_VOCAB_BASE + i for i in range(12)]
+    compiled, reference = both()
+    stream: list[int] = []
+    for _ in range(3):  # extends between proposals: cached children must not go stale
+        chunk = random_stream(rng, int(rng.integers(50, 300)), vocab)
+        compiled.extend(chunk)
+        reference.extend(chunk)
+        stream += chunk
+        for context in random_contexts(rng, stream, vocab, 10):
+            check_proposal(compiled, reference, stream, context, rng)
+
+
+def check_proposal(compiled, reference, stream, context, rng) -> None:
+    max_nodes, max_depth = int(rng.integers(1, 80)), int(rng.integers(1, 8))
+    kwargs = dict(max_nodes=max_nodes, max_depth=max_depth, min_count=int(rng.integers(1, 4)))
+    tree = compiled.propose_tree(context, **kwargs)
+    expected = reference.propose_tree(context, **kwargs)
+    for got, want in zip(tree, expected):
+        assert got.tolist() == want.tolist()
+    check_tree_format(tree, max_nodes, max_depth)
+    state, length = compiled.shorten_match(*compiled.match(context), min_count=kwargs["min_count"])
+    if length:
+        check_tree_against_brute_force(tree, stream, context[len(context) - length:])
+
+
+def test_propose_falls_back_to_a_shorter_match_with_continuations():
+    """Per-request use: the context IS the stream, so its longest match is the whole stream,
+    which has no next token; the proposal comes from the longest repeated suffix."""
+    stream = [4, 5, 6, 7, 1, 2, 3, 4, 5, 6]
+    automaton = SuffixAutomaton(stream)
+    assert automaton.match(stream) == (automaton.last_state, len(stream))
+    assert automaton.shorten_match(automaton.last_state, len(stream), min_count=1)[1] == 3
+    tree = automaton.propose_tree(stream, max_nodes=3, max_depth=3)
+    assert tree.token_ids.tolist() == [7, 1, 2]  # what followed [4, 5, 6] before
+    assert tree.parents.tolist() == [-1, 0, 1]
+    assert len(automaton.propose_tree(stream, max_nodes=3, max_depth=3, min_match=4).token_ids) == 0
+
+
+def test_propose_budget_edges():
+    automaton = SuffixAutomaton([1, 2, 3, 1, 2, 4])
+    assert len(automaton.propose_tree([1, 2], max_nodes=0, max_depth=4).token_ids) == 0
+    assert len(automaton.propose_tree([1, 2], max_nodes=5, max_depth=0).token_ids) == 0
+    assert len(automaton.propose_tree([8], max_nodes=5, max_depth=4).token_ids) == 0  # no match
+    assert len(SuffixAutomaton().propose_tree([1], max_nodes=5, max_depth=4).token_ids) == 0
+    with pytest.raises(ValueError):
+        automaton.expand_tree(0, max_nodes=-1, max_depth=2)
+
+
+# ---------------------------------------------------------------- API contracts
+
+
+def test_tokens_view_is_a_stable_snapshot():
+    automaton = SuffixAutomaton(range(10))
+    view = automaton.tokens
+    assert not view.flags.writeable
+    for i in range(200):  # many buffer growths
+        automaton.extend(np.arange(1000, dtype=np.int32) + i)
+    gc.collect()
+    assert view.tolist() == list(range(10))
+    assert len(automaton.tokens) == 10 + 200 * 1000
+    del automaton
+    gc.collect()
+    assert view.tolist() == list(range(10))  # the view keeps its buffer alive
+
+
+def test_invalid_input_is_loud():
+    automaton = SuffixAutomaton([1, 2, 3])
+    with pytest.raises(ValueError):
+        automaton.extend([4, -1])
+    with pytest.raises(ValueError):
+        automaton.extend([2**31])
+    with pytest.raises(ValueError):
+        automaton.extend(np.array([2**40], dtype=np.int64))
+    with pytest.raises(TypeError):
+        automaton.extend(np.array([1.5]))
+    with pytest.raises(ValueError):
+        automaton.extend([[4, 5], [6, 7]])  # 2-D: never flattened silently
+    assert len(automaton) == 3  # nothing of a rejected extend was kept
+    with pytest.raises(IndexError):
+        automaton.count(automaton.num_states)
+    with pytest.raises(ValueError):
+        SuffixAutomaton(backend="gpu")
+
+
+def test_check_invariants_raises_assertion_error_on_a_broken_automaton():
+    automaton = SuffixAutomaton([1, 2, 1, 2, 3], backend="reference")
+    automaton.check_invariants()
+    automaton._core._link[3] = 3  # a state cannot be its own suffix link
+    with pytest.raises(AssertionError, match="link"):
+        automaton.check_invariants()
+
+
+def test_memory_report():
+    rng = np.random.default_rng(3)
+    automaton = SuffixAutomaton(np.minimum(rng.zipf(1.3, size=200_000), 32_000))
+    report = automaton.memory_report()
+    assert set(report) == {"tokens", "states", "edges", "heavy_index", "pending_leaves",
+                           "children_cache"}
+    assert automaton.memory_bytes() == sum(report.values())
+    assert automaton.memory_bytes() / len(automaton) < 150
