@@ -221,7 +221,10 @@ def run_method(method: str, model, engine, prompt: list[int], max_new: int) -> t
         s = gen.stats
         extra = {"steps": s.steps, "mean_accepted": s.mean_accepted, "overhead_us": s.overhead_us,
                  "draft_us": s.draft_us, "forward_ms": s.forward_ms, "prefill_ms": s.prefill_ms,
-                 "mean_tree_nodes": s.mean_tree_nodes, "accepted_by_source": dict(s.accepted_by_source)}
+                 "mean_tree_nodes": s.mean_tree_nodes, "accepted_by_source": dict(s.accepted_by_source),
+                 # wall time outside prefill and the steps' forward + overhead (text assembly, set-up)
+                 "other_ms_per_step": (seconds * 1e3 - s.prefill_ms - s.steps * (s.forward_ms + s.overhead_us / 1e3))
+                 / s.steps if s.steps else None}
     else:
         kwargs = {"prompt_lookup_num_tokens": PLD_NUM_TOKENS} if method == "pld" else {}
         ids = torch.tensor([prompt])
@@ -329,7 +332,9 @@ def summarize(all_runs: list[dict]) -> list[dict]:
                    lookupdec_tree_nodes=weighted(ld, "mean_tree_nodes", "steps"),
                    lookupdec_overhead_us=weighted(ld, "overhead_us", "steps"),
                    lookupdec_draft_us=weighted(ld, "draft_us", "steps"),
-                   lookupdec_forward_ms=weighted(ld, "forward_ms", "steps"))
+                   lookupdec_forward_ms=weighted(ld, "forward_ms", "steps"),
+                   lookupdec_other_ms_per_step=weighted(ld, "other_ms_per_step", "steps"),
+                   lookupdec_prefill_ms=statistics.fmean(r["prefill_ms"] for r in ld))
         for a, b in (("lookupdec", "greedy"), ("lookupdec", "pld"), ("pld", "greedy")):
             row[f"{a}/{b}"] = row[f"{a}_tok_s"] / row[f"{b}_tok_s"]
             da, db = row[f"{a}_decode_tok_s"], row[f"{b}_decode_tok_s"]
@@ -386,6 +391,7 @@ TABLE = [("model", "model", ""), ("workload", "workload", ""), ("prompts", "n", 
          ("lookupdec_mean_accepted", "ld MAT", ".2f"), ("pld_tok_per_fwd", "pld tok/fwd", ".2f"),
          ("lookupdec_tok_per_fwd", "ld tok/fwd", ".2f"), ("lookupdec_tree_nodes", "ld nodes", ".1f"),
          ("lookupdec_overhead_us", "ld ovh us", ".0f"), ("lookupdec_forward_ms", "ld fwd ms", ".2f"),
+         ("lookupdec_other_ms_per_step", "ld other ms", ".2f"),
          ("pld_decode_forward_ms", "pld fwd ms", ".2f"), ("greedy_decode_forward_ms", "greedy fwd ms", ".2f"),
          ("identical", "identical", "")]
 
