@@ -31,33 +31,33 @@ size_t EdgeIndex::home(int32_t state, int32_t token) const {
   return static_cast<size_t>((key * kFibonacciHash) >> shift_);
 }
 
-int32_t EdgeIndex::find(int32_t state, int32_t token) const {
-  if (slots_.empty()) return kNone;
+const EdgeIndex::Slot* EdgeIndex::find(int32_t state, int32_t token) const {
+  if (slots_.empty()) return nullptr;
   size_t mask = slots_.size() - 1;
   for (size_t i = home(state, token);; i = (i + 1) & mask) {
     const Slot& slot = slots_[i];
-    if (slot.state == kNone) return kNone;
-    if (slot.state == state && slot.token == token) return slot.edge;
+    if (slot.state == kNone) return nullptr;
+    if (slot.state == state && slot.token == token) return &slot;
   }
 }
 
-void EdgeIndex::insert(int32_t state, int32_t token, int32_t edge) {
+void EdgeIndex::insert(const Slot& slot) {
   if (2 * (used_ + 1) > slots_.size()) grow();
   size_t mask = slots_.size() - 1;
-  size_t i = home(state, token);
+  size_t i = home(slot.state, slot.token);
   while (slots_[i].state != kNone) i = (i + 1) & mask;
-  slots_[i] = Slot{state, token, edge};
+  slots_[i] = slot;
   ++used_;
 }
 
 void EdgeIndex::grow() {
   size_t capacity = std::max(kMinIndexSlots, slots_.size() * 2);
   FixedArray<Slot> old(std::move(slots_));
-  slots_ = FixedArray<Slot>(capacity, Slot{kNone, 0, kNone});
+  slots_ = FixedArray<Slot>(capacity, Slot{kNone, 0, kNone, kNone});
   shift_ = 64 - __builtin_ctzll(capacity);
   used_ = 0;
   for (size_t i = 0; i < old.size(); ++i)
-    if (old[i].state != kNone) insert(old[i].state, old[i].token, old[i].edge);
+    if (old[i].state != kNone) insert(old[i]);
 }
 
 // ---------------------------------------------------------------- construction
@@ -94,18 +94,18 @@ void Automaton::append_token(int32_t token) {
 void Automaton::extend_one(int32_t token) {
   int32_t cur = new_state(len(last_) + 1);
   int32_t p = last_;
-  int32_t edge = kNone;
+  const int32_t* target = nullptr;
   while (p != kNone) {
     if (states_[p].link != kNone) __builtin_prefetch(&states_[states_[p].link]);
     int32_t degree = 0;
-    edge = find_edge(p, token, &degree);
-    if (edge != kNone) break;
+    target = find_target(p, token, &degree);
+    if (target != nullptr) break;
     add_edge(p, token, cur, degree);
     p = states_[p].link;
   }
   int32_t parent = kRoot;
   if (p != kNone) {
-    int32_t q = edges_[edge].target;
+    int32_t q = *target;
     if (len(p) + 1 == len(q)) {
       parent = q;
     } else {
@@ -137,48 +137,114 @@ int32_t Automaton::clone_state(int32_t q, uint32_t len) {
   c.first_child = q;
   old.link = clone;
   old.next_sibling = kNone;
-  for (int32_t e = old.edge_head; e != kNone; e = edges_[e].next) {
-    Edge copy{edges_[e].token, edges_[e].target, states_[clone].edge_head};
-    states_[clone].edge_head = static_cast<int32_t>(edges_.push_back(copy));
-  }
-  if (is_heavy(q)) make_heavy(clone);
+  copy_edges(q, clone);
   return clone;
+}
+
+void Automaton::copy_edges(int32_t from, int32_t to) {
+  if (!is_heavy(from)) {
+    for (int32_t e = states_[from].edge_head; e != kNone; e = edges_[e].next)
+      states_[to].edge_head = new_list_edge(edges_[e].token, edges_[e].target,
+                                            states_[to].edge_head);
+    return;
+  }
+  std::vector<HeavyEdge> copy = heavy_edges_[states_[from].edge_head];
+  num_edges_ += static_cast<int64_t>(copy.size());
+  states_[to].len_flags |= kHeavyBit;
+  states_[to].edge_head = static_cast<int32_t>(heavy_edges_.size());
+  heavy_edges_.push_back(std::move(copy));
+  index_heavy(to);
 }
 
 void Automaton::redirect(int32_t p, int32_t token, int32_t from, int32_t to) {
   for (; p != kNone; p = states_[p].link) {
-    int32_t e = find_edge(p, token);
-    if (e == kNone || edges_[e].target != from) return;
-    edges_[e].target = to;
+    const int32_t* target = find_target(p, token);
+    if (target == nullptr || *target != from) return;
+    set_target(p, token, to);
   }
 }
 
 // ---------------------------------------------------------------- edges
 
-int32_t Automaton::find_edge(int32_t s, int32_t token, int32_t* degree) const {
-  if (is_heavy(s)) return heavy_.find(s, token);
-  int32_t scanned = 0;
-  for (int32_t e = states_[s].edge_head; e != kNone; e = edges_[e].next, ++scanned)
-    if (edges_[e].token == token) return e;
-  if (degree) *degree = scanned;
-  return kNone;
-}
-
-// `degree` is the number of edges s had (known from the failed find_edge); unused when heavy.
-void Automaton::add_edge(int32_t s, int32_t token, int32_t target, int32_t degree) {
-  int32_t e = static_cast<int32_t>(edges_.push_back(Edge{token, target, states_[s].edge_head}));
-  states_[s].edge_head = e;
-  if (is_heavy(s)) {
-    heavy_.insert(s, token, e);
-  } else if (degree + 1 >= kHeavyDegree) {
-    make_heavy(s);
+// The target of s's edge on `token`, null if none; for a light state without it, *degree
+// gets the number of its edges.
+const int32_t* Automaton::find_target(int32_t s, int32_t token, int32_t* degree) const {
+  const State& state = states_[s];
+  if (state.len_flags & kHeavyBit) {
+    const EdgeIndex::Slot* slot = heavy_.find(s, token);
+    return slot == nullptr ? nullptr : &slot->target;
   }
+  int32_t scanned = 0;
+  for (int32_t e = state.edge_head; e != kNone; e = edges_[e].next, ++scanned)
+    if (edges_[e].token == token) return &edges_[e].target;
+  if (degree) *degree = scanned;
+  return nullptr;
 }
 
-void Automaton::make_heavy(int32_t s) {
-  states_[s].len_flags |= kHeavyBit;
+// Redirect s's existing edge on `token` (for a heavy state: its array and its index slot).
+void Automaton::set_target(int32_t s, int32_t token, int32_t target) {
+  if (is_heavy(s)) {
+    EdgeIndex::Slot* slot = heavy_.find(s, token);
+    slot->target = target;
+    heavy_edges_[states_[s].edge_head][slot->position].target = target;
+    return;
+  }
   for (int32_t e = states_[s].edge_head; e != kNone; e = edges_[e].next)
-    heavy_.insert(s, edges_[e].token, e);
+    if (edges_[e].token == token) edges_[e].target = target;
+}
+
+template <class F>
+void Automaton::for_each_edge(int32_t s, F&& f) const {
+  if (is_heavy(s)) {
+    for (const HeavyEdge& edge : heavy_edges_[states_[s].edge_head]) f(edge.token, edge.target);
+    return;
+  }
+  for (int32_t e = states_[s].edge_head; e != kNone; e = edges_[e].next)
+    f(edges_[e].token, edges_[e].target);
+}
+
+// `degree` is the number of edges s had (known from the failed lookup); unused when heavy.
+void Automaton::add_edge(int32_t s, int32_t token, int32_t target, int32_t degree) {
+  if (is_heavy(s)) {
+    std::vector<HeavyEdge>& edges = heavy_edges_[states_[s].edge_head];
+    heavy_.insert({s, token, static_cast<int32_t>(edges.size()), target});
+    edges.push_back({token, target});
+    ++num_edges_;
+    return;
+  }
+  states_[s].edge_head = new_list_edge(token, target, states_[s].edge_head);
+  if (degree + 1 >= kHeavyDegree) make_heavy(s);
+}
+
+int32_t Automaton::new_list_edge(int32_t token, int32_t target, int32_t next) {
+  ++num_edges_;
+  if (free_edge_ == kNone) return static_cast<int32_t>(edges_.push_back(Edge{token, target, next}));
+  int32_t e = free_edge_;
+  free_edge_ = edges_[e].next;
+  edges_[e] = Edge{token, target, next};
+  return e;
+}
+
+// Move s's edges from its list (whose nodes go to the free list) to a contiguous array.
+void Automaton::make_heavy(int32_t s) {
+  std::vector<HeavyEdge> edges;
+  for (int32_t e = states_[s].edge_head; e != kNone;) {
+    int32_t next = edges_[e].next;
+    edges.push_back({edges_[e].token, edges_[e].target});
+    edges_[e].next = free_edge_;
+    free_edge_ = e;
+    e = next;
+  }
+  states_[s].len_flags |= kHeavyBit;
+  states_[s].edge_head = static_cast<int32_t>(heavy_edges_.size());
+  heavy_edges_.push_back(std::move(edges));
+  index_heavy(s);
+}
+
+void Automaton::index_heavy(int32_t s) {
+  const std::vector<HeavyEdge>& edges = heavy_edges_[states_[s].edge_head];
+  for (size_t i = 0; i < edges.size(); ++i)
+    heavy_.insert({s, edges[i].token, static_cast<int32_t>(i), edges[i].target});
 }
 
 // ---------------------------------------------------------------- suffix-link tree
@@ -304,16 +370,16 @@ std::pair<int32_t, int32_t> Automaton::match_all(const int32_t* context, size_t 
   int32_t s = kRoot;
   int32_t length = 0;
   for (size_t i = 0; i < n; ++i) {
-    int32_t e = find_edge(s, context[i]);
-    while (e == kNone && s != kRoot) {
+    const int32_t* target = find_target(s, context[i]);
+    while (target == nullptr && s != kRoot) {
       s = states_[s].link;
       length = static_cast<int32_t>(len(s));
-      e = find_edge(s, context[i]);
+      target = find_target(s, context[i]);
     }
-    if (e == kNone) {
+    if (target == nullptr) {
       length = 0;
     } else {
-      s = edges_[e].target;
+      s = *target;
       length += 1;
     }
   }
@@ -386,10 +452,10 @@ void Automaton::next_counts(int32_t state, std::vector<int32_t>* tokens,
                             std::vector<int32_t>* counts) {
   check_state(state);
   flush();
-  for (int32_t e = states_[state].edge_head; e != kNone; e = edges_[e].next) {
-    tokens->push_back(edges_[e].token);
-    counts->push_back(states_[edges_[e].target].count);
-  }
+  for_each_edge(state, [&](int32_t token, int32_t target) {
+    tokens->push_back(token);
+    counts->push_back(states_[target].count);
+  });
 }
 
 // ---------------------------------------------------------------- tree expansion
@@ -411,8 +477,9 @@ struct Automaton::Candidate {
 // second pass with prefetches, so that their cache misses overlap.
 void Automaton::collect_children(int32_t state, size_t keep, std::vector<Child>* children) {
   children->clear();
-  for (int32_t e = states_[state].edge_head; e != kNone; e = edges_[e].next)
-    children->push_back({0, edges_[e].token, edges_[e].target});
+  for_each_edge(state, [&](int32_t token, int32_t target) {
+    children->push_back({0, token, target});
+  });
   size_t n = children->size();
   for (size_t i = 0; i < n; ++i) {
     if (i + kPrefetchAhead < n) {
@@ -527,32 +594,42 @@ std::string Automaton::check_structure() const {
   return "";
 }
 
+static bool slot_matches(const EdgeIndex::Slot* slot, size_t position, int32_t target) {
+  return slot != nullptr && slot->position == static_cast<int32_t>(position) &&
+         slot->target == target;
+}
+
 // Every edge (s, c) -> t: the strings of s followed by c lie in t:
 //   len(link(t)) + 1 <= len(link(s)) + 2  and  len(s) + 1 <= len(t).
 std::string Automaton::check_edges() const {
-  size_t heavy_edges = 0;
+  int64_t edges = 0, heavy_edges = 0;
   for (int32_t s = 0; s < static_cast<int32_t>(states_.size()); ++s) {
     std::vector<int32_t> tokens;
-    std::string where = "state " + std::to_string(s) + ": ";
-    for (int32_t e = states_[s].edge_head; e != kNone; e = edges_[e].next) {
-      const Edge& edge = edges_[e];
-      if (edge.target <= kRoot || edge.target >= static_cast<int32_t>(states_.size()))
-        return where + "edge target out of range";
-      if (len(edge.target) < len(s) + 1) return where + "edge to a state with len < len + 1";
-      int32_t min_len_s = s == kRoot ? 0 : static_cast<int32_t>(len(states_[s].link)) + 1;
-      if (static_cast<int32_t>(len(states_[edge.target].link)) + 1 > min_len_s + 1)
-        return where + "edge target misses the shortest extended string";
-      if (is_heavy(s) && heavy_.find(s, edge.token) != e) return where + "heavy index wrong";
-      tokens.push_back(edge.token);
-    }
+    std::string error;
+    int32_t min_len_s = s == kRoot ? 0 : static_cast<int32_t>(len(states_[s].link)) + 1;
+    for_each_edge(s, [&](int32_t token, int32_t target) {
+      if (target <= kRoot || target >= static_cast<int32_t>(states_.size())) {
+        error = "edge target out of range";
+      } else if (len(target) < len(s) + 1) {
+        error = "edge to a state with len < len + 1";
+      } else if (static_cast<int32_t>(len(states_[target].link)) + 1 > min_len_s + 1) {
+        error = "edge target misses the shortest extended string";
+      } else if (is_heavy(s) && !slot_matches(heavy_.find(s, token), tokens.size(), target)) {
+        error = "heavy index wrong";
+      }
+      tokens.push_back(token);
+    });
+    if (!error.empty()) return "state " + std::to_string(s) + ": " + error;
+    edges += static_cast<int64_t>(tokens.size());
+    if (is_heavy(s)) heavy_edges += static_cast<int64_t>(tokens.size());
     std::sort(tokens.begin(), tokens.end());
     if (std::adjacent_find(tokens.begin(), tokens.end()) != tokens.end())
-      return where + "two edges with the same token";
+      return "state " + std::to_string(s) + ": two edges with the same token";
     if (!is_heavy(s) && static_cast<int32_t>(tokens.size()) >= kHeavyDegree)
-      return where + "light state with too many edges";
-    if (is_heavy(s)) heavy_edges += tokens.size();
+      return "state " + std::to_string(s) + ": light state with too many edges";
   }
-  if (heavy_edges != heavy_.size()) return "heavy index holds edges of no heavy state";
+  if (heavy_edges != static_cast<int64_t>(heavy_.size())) return "heavy index size is wrong";
+  if (edges != num_edges_) return "edge count is wrong";
   return "";
 }
 
@@ -593,6 +670,14 @@ std::string Automaton::check_counts() {
   return "";
 }
 
+int64_t Automaton::heavy_edges_bytes() const {
+  constexpr int64_t kMallocOverhead = 16;
+  int64_t bytes = static_cast<int64_t>(heavy_edges_.capacity() * sizeof(heavy_edges_[0]));
+  for (const std::vector<HeavyEdge>& edges : heavy_edges_)
+    bytes += kMallocOverhead + static_cast<int64_t>(edges.capacity() * sizeof(HeavyEdge));
+  return bytes;
+}
+
 int64_t Automaton::children_cache_bytes() const {
   constexpr int64_t kEntryOverhead = 64;  // hash node, bucket and CachedChildren, roughly
   int64_t bytes = static_cast<int64_t>(children_cache_.bucket_count() * sizeof(void*));
@@ -607,6 +692,7 @@ std::map<std::string, int64_t> Automaton::memory_report() const {
       {"states", static_cast<int64_t>(states_.memory_bytes())},
       {"edges", static_cast<int64_t>(edges_.memory_bytes())},
       {"heavy_index", static_cast<int64_t>(heavy_.memory_bytes())},
+      {"heavy_edges", heavy_edges_bytes()},
       {"pending_leaves", static_cast<int64_t>(pending_leaves_.capacity() * sizeof(int32_t))},
       {"children_cache", children_cache_bytes()},
   };

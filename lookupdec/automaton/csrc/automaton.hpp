@@ -2,12 +2,14 @@
 //
 // APPEND-ONLY: tokens are only ever appended; a change in the middle needs a rebuild.
 //
-// Layout (about 70-80 bytes per stored token on real text, see memory_report()):
+// Layout (about 80-90 bytes per stored token on real text, see memory_report()):
 //   tokens_   int32 [n]            the stored stream, shared with numpy views (snapshots)
 //   states_   State [num_states]   28 bytes each, at most 2n states (~1.6n on real text)
-//   edges_    Edge  [num_edges]    12 bytes each, one singly linked list of out-edges per state
-//   heavy_    EdgeIndex            (state, token) -> edge, only for states with >= kHeavyDegree
-//                                  edges (the root, frequent short strings): O(1) lookups there
+//   edges_    Edge  [...]          12 bytes each, one linked list of out-edges per light state
+//   heavy_edges_                   a contiguous array of 8-byte edges per heavy state (one with
+//                                  >= kHeavyDegree edges: the root, frequent short strings), so
+//                                  enumerating its thousands of children is a sequential read
+//   heavy_    EdgeIndex            (heavy state, token) -> (position in its array, target)
 // states_ and edges_ grow in fixed blocks (BlockVector, arrays.hpp): no copy on growth,
 // little slack, transparent huge pages past the first block.
 // The suffix-link tree (children of each state) is kept as singly linked sibling lists. When
@@ -45,36 +47,46 @@ constexpr uint32_t kHeavyBit = 1u << 30;  // state's edges are in the EdgeIndex
 constexpr uint32_t kLenMask = kHeavyBit - 1;
 constexpr int64_t kMaxTokens = kLenMask;  // lengths share a word with the two flags
 
-struct Edge {
+struct Edge {  // an out-edge of a light state, in its state's linked list
   int32_t token;
   int32_t target;
   int32_t next;  // next out-edge of the same state, kNone at the end
 };
 
+struct HeavyEdge {  // an out-edge of a heavy state, in its state's contiguous array
+  int32_t token;
+  int32_t target;
+};
+
 struct State {
   uint32_t len_flags;    // length of the longest string of the state | kCloneBit | kHeavyBit
   int32_t link;          // suffix link, kNone for the root
-  int32_t edge_head;     // first out-edge, kNone if none
+  int32_t edge_head;     // light: first out-edge, kNone if none; heavy: index in heavy_edges_
   int32_t count;         // number of end positions (exact after flush)
   int32_t last_end;      // most recent end position (exact after flush), 0 if none
   int32_t first_child;   // suffix-link tree: children are states whose link is this state
   int32_t next_sibling;  // (both may point to a stale entry: see resolve_child)
 };
 
-// Open-addressing map (state, token) -> edge index; linear probing, load factor <= 1/2.
+// Open-addressing map (heavy state, token) -> (position in the state's edge array, target);
+// linear probing, load factor <= 1/2. The target is a copy, so a lookup costs one cache miss.
 class EdgeIndex {
  public:
-  int32_t find(int32_t state, int32_t token) const;
-  void insert(int32_t state, int32_t token, int32_t edge);
+  struct Slot {
+    int32_t state;  // kNone = empty
+    int32_t token;
+    int32_t position;
+    int32_t target;
+  };
+  const Slot* find(int32_t state, int32_t token) const;
+  Slot* find(int32_t state, int32_t token) {
+    return const_cast<Slot*>(static_cast<const EdgeIndex*>(this)->find(state, token));
+  }
+  void insert(const Slot& slot);
   size_t size() const { return used_; }
   size_t memory_bytes() const { return slots_.memory_bytes(); }
 
  private:
-  struct Slot {
-    int32_t state;  // kNone = empty
-    int32_t token;
-    int32_t edge;
-  };
   size_t home(int32_t state, int32_t token) const;
   void grow();
   FixedArray<Slot> slots_;
@@ -119,7 +131,7 @@ class Automaton {
   void extend(const int32_t* tokens, size_t num_tokens);
   int64_t size() const { return num_tokens_; }
   int64_t num_states() const { return static_cast<int64_t>(states_.size()); }
-  int64_t num_edges() const { return static_cast<int64_t>(edges_.size()); }
+  int64_t num_edges() const { return num_edges_; }
   int32_t last_state() const { return last_; }
   std::shared_ptr<TokenBuffer> token_buffer() const { return tokens_; }
   const int32_t* token_data() const { return tokens_->data.get(); }
@@ -138,6 +150,7 @@ class Automaton {
   std::string check_invariants();  // "" when fine, else the first broken invariant
   std::map<std::string, int64_t> memory_report() const;
   int64_t children_cache_bytes() const;
+  int64_t heavy_edges_bytes() const;
 
  private:
   struct Candidate;
@@ -150,9 +163,15 @@ class Automaton {
   int32_t new_state(uint32_t len_flags);
   int32_t clone_state(int32_t q, uint32_t len);
   void redirect(int32_t p, int32_t token, int32_t from, int32_t to);
-  int32_t find_edge(int32_t s, int32_t token, int32_t* degree = nullptr) const;
+  const int32_t* find_target(int32_t s, int32_t token, int32_t* degree = nullptr) const;
+  void set_target(int32_t s, int32_t token, int32_t target);
+  template <class F>
+  void for_each_edge(int32_t s, F&& f) const;
   void add_edge(int32_t s, int32_t token, int32_t target, int32_t degree);
+  int32_t new_list_edge(int32_t token, int32_t target, int32_t next);
+  void copy_edges(int32_t from, int32_t to);
   void make_heavy(int32_t s);
+  void index_heavy(int32_t s);
   void add_child(int32_t parent, int32_t child);
   int32_t resolve_child(int32_t parent, int32_t* entry);
   int32_t first_child(int32_t parent);
@@ -176,7 +195,10 @@ class Automaton {
   int64_t num_tokens_ = 0;
   BlockVector<State> states_;
   BlockVector<Edge> edges_;
+  int32_t free_edge_ = kNone;  // list nodes freed when their state turned heavy, for reuse
+  std::vector<std::vector<HeavyEdge>> heavy_edges_;
   EdgeIndex heavy_;
+  int64_t num_edges_ = 0;
   int32_t last_ = kRoot;
   std::vector<int32_t> pending_leaves_;  // leaves whose +1 is not yet on their suffix paths
   bool recount_all_ = false;             // pending_leaves_ overflowed: recount everything
