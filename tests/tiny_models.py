@@ -32,9 +32,13 @@ CONFIGS = {
 FAMILIES = sorted(CONFIGS)
 
 
-def tiny_model(family: str, seed: int = 0):
+def tiny_model(family: str, seed: int = 0, *, tie_word_embeddings: bool | None = None):
+    """``tie_word_embeddings=False`` unties gemma and gpt2 (tied by default): tied and scaled,
+    their greedy output just repeats the last prompt token, which tests little."""
     torch.manual_seed(seed)
     config = CONFIGS[family]()
+    if tie_word_embeddings is not None:
+        config.tie_word_embeddings = tie_word_embeddings
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     # Random init gives near-uniform logits; scale the output layer so argmaxes are clear and
     # greedy decoding has some structure (still random weights).

@@ -1,0 +1,50 @@
+"""Session-wide fixtures: tiny models (built once), their transformers reference outputs, and the
+real stories260K model. Models are float32 throughout: tests demanding token identity must not
+depend on fp16/bf16 near-ties (DESIGN.md §3)."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+import torch
+
+# The test models are tiny: one thread is faster than two fighting over 2 shared cores.
+torch.set_num_threads(int(os.environ.get("LOOKUPDEC_TEST_THREADS", "1")))
+
+sys.path.insert(0, os.path.dirname(__file__))  # helpers / tiny_models, whatever the rootdir
+
+from helpers import hf_greedy, make_prompts  # noqa: E402
+from tiny_models import tiny_model  # noqa: E402
+
+STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "stories260K")
+STORIES = os.environ.get("LOOKUPDEC_STORIES", os.path.normpath(STORIES))
+
+
+@functools.cache
+def cached_tiny(family: str):
+    """One untied tiny model per family for the whole session (read-only in tests)."""
+    return tiny_model(family, tie_word_embeddings=False)
+
+
+@functools.cache
+def cached_references(family: str) -> tuple:
+    """(prompt, max_new_tokens, transformers greedy output) for the family's prompts."""
+    model = cached_tiny(family)
+    return tuple((prompt, n, hf_greedy(model, prompt, n)) for prompt, n in make_prompts(seed=1234))
+
+
+@functools.cache
+def load_stories():
+    """(model, tokenizer) of the real stories260K model, loaded through lookupdec.model.load."""
+    from lookupdec.model import load
+
+    return load(STORIES, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def stories():
+    if not os.path.isdir(STORIES):
+        pytest.skip(f"stories260K not found at {STORIES}")
+    return load_stories()

@@ -1,0 +1,214 @@
+"""Shared test helpers: a fake tokenizer for tiny random models, plain-transformers reference
+decoding, and scripted proposers whose right answer is obvious (STYLE.md item 10).
+
+The scripted proposers know the true greedy continuation (``truth`` = prompt + reference output,
+computed beforehand by ``transformers`` ``generate``) and follow the ``Proposer`` protocol of
+``lookupdec.proposers.base`` with its lifecycle checks, so a test also catches an engine that
+calls them out of order or forgets to ``observe`` what it emitted.
+"""
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace
+from typing import Sequence
+
+import torch
+
+from lookupdec.proposers.base import Draft, RequestRegistry
+from tiny_models import VOCAB
+
+EOS = 2  # eos_token_id of every tiny config
+PROMPT_TOKENS = range(3, VOCAB)  # random prompt tokens: no pad (0), bos (1) or eos (2)
+
+
+class FakeTokenizer:
+    """What the engine needs from a tokenizer for id prompts: eos id, decode, __call__."""
+
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = [int(t) for t in ids]
+        if skip_special_tokens:
+            ids = [t for t in ids if t != EOS]
+        return "".join(f" {t}" for t in ids)
+
+    def __call__(self, text: str):
+        return SimpleNamespace(input_ids=[int(t) for t in text.split()])
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """The reference: plain ``transformers`` greedy decoding (stops at EOS, EOS included)."""
+    ids = torch.tensor([list(prompt_ids)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, pad_token_id=0, **kwargs)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def make_prompts(seed: int, count: int = 24) -> list[tuple[list[int], int]]:
+    """``count`` (prompt ids, max_new_tokens) pairs: half random (lengths 1..60), half periodic
+    (so that n-gram drafting triggers); max_new_tokens in 40..64. Every prompt + output is longer
+    than mistral's sliding window of 24, so the window mask is exercised."""
+    rng = random.Random(seed)
+    lengths = [1, 2, 3, 5, 8, 13, 17, 21, 30, 40, 50, 60]
+    prompts = []
+    for i in range(count):
+        if i % 2 == 0:
+            length = lengths[(i // 2) % len(lengths)]
+            prompt = [rng.choice(PROMPT_TOKENS) for _ in range(length)]
+        else:
+            period = rng.randint(2, 8)
+            pattern = [rng.choice(PROMPT_TOKENS) for _ in range(period)]
+            length = rng.randint(10, 60)
+            prompt = (pattern * (length // period + 1))[:length]
+            if i % 6 == 1:  # a broken repetition: drafts that are right for a while, then wrong
+                prompt[rng.randrange(length)] = rng.choice(PROMPT_TOKENS)
+        if i == 5:
+            prompt[len(prompt) // 2] = EOS  # an EOS inside the prompt does not end anything
+        prompts.append((prompt, 40 + (7 * i) % 25))
+    return prompts
+
+
+class _Scripted:
+    """Lifecycle bookkeeping shared by the scripted proposers: per request, the truth and the
+    number of tokens seen; ``propose`` checks the context is exactly what was observed."""
+
+    name = "scripted"
+
+    def __init__(self, truths: dict[tuple[int, ...], list[int]]) -> None:
+        self.truths = truths  # prompt ids -> prompt + reference output
+        self._requests = RequestRegistry(type(self).__name__)
+        self.calls = 0
+        self.active: set[str] = set()  # started and not yet stopped
+
+    def start(self, request_id, prompt_ids) -> None:
+        prompt = tuple(int(t) for t in prompt_ids)
+        self._requests.add(request_id, SimpleNamespace(truth=self.truths.get(prompt), seen=list(prompt)))
+        self.active.add(request_id)
+
+    def observe(self, request_id, new_ids) -> None:
+        self._requests.get(request_id).seen.extend(int(t) for t in new_ids)
+
+    def stop(self, request_id) -> None:
+        self._requests.pop(request_id)
+        self.active.discard(request_id)
+
+    def propose(self, request_id, context, budget) -> list[Draft]:
+        state = self._requests.get(request_id)
+        assert list(context) == state.seen, "engine context differs from what it let the proposer observe"
+        self.calls += 1
+        truth = state.truth
+        on_track = truth is not None and list(context) == truth[: len(context)]
+        return self._drafts(list(context), truth if on_track else None, budget)
+
+    def _drafts(self, context, truth, budget) -> list[Draft]:
+        raise NotImplementedError
+
+
+class OracleProposer(_Scripted):
+    """Drafts the true continuation (every draft token must be accepted).
+
+    With ``distractors`` > 0, wrong chains come first in the draft list (so they take the low
+    node indices and cache slots) and the true chain after them, with a higher score so that
+    pruning keeps it whole: accepting it forces the KV commit to gather non-contiguous slots.
+    With ``overrun`` > 0 the drafts run that many tokens past the end of the reference (past EOS
+    or max_new_tokens): the engine must cut its output there.
+    """
+
+    name = "oracle"
+
+    def __init__(self, truths, *, distractors: int = 0, distractor_len: int = 3, overrun: int = 0) -> None:
+        super().__init__(truths)
+        self.distractors = distractors
+        self.distractor_len = distractor_len
+        self.overrun = overrun
+
+    def _drafts(self, context, truth, budget):
+        if truth is None:
+            return []
+        truth = truth + [3 + (5 * j) % (VOCAB - 3) for j in range(self.overrun)]
+        true_chain = truth[len(context) : len(context) + budget]
+        drafts = []
+        for b in range(self.distractors if true_chain else 0):
+            wrong = (true_chain[0] + 1 + b) % VOCAB
+            chain = [wrong] + true_chain[1 : self.distractor_len]
+            drafts.append(Draft.chain(chain, [0.5] * len(chain), "distractor"))
+        if true_chain:
+            drafts.append(Draft.chain(true_chain, [1.0] * len(true_chain), self.name))
+        return drafts
+
+
+def oracle_expectation(n_out: int, k: int) -> tuple[int, int]:
+    """(steps, accepted draft tokens) when an oracle's drafts of up to ``k`` tokens per step
+    (k = min(max_nodes, max_depth)) are all accepted: every step emits k accepted + 1 bonus
+    token, except the last, which emits the rest ``r`` (its bonus is cut when r <= k)."""
+    steps = math.ceil(n_out / (k + 1))
+    last = n_out - (steps - 1) * (k + 1)
+    return steps, (steps - 1) * k + min(last, k)
+
+
+class AdversarialProposer(_Scripted):
+    """Several branches whose first token is wrong (followed by the true continuation shifted by
+    one, the most tempting mistake for an off-by-one row index): nothing may be accepted."""
+
+    name = "adversary"
+
+    def __init__(self, truths, *, branches: int = 3, length: int = 6) -> None:
+        super().__init__(truths)
+        self.branches = branches
+        self.length = length
+
+    def _drafts(self, context, truth, budget):
+        n = len(context)
+        right = truth[n] if truth is not None and n < len(truth) else None
+        rest = (truth[n + 1 : n + self.length] if truth is not None else [])
+        drafts = []
+        for b in range(self.branches):
+            wrong = (context[-1] + 7 * b + 1) % VOCAB
+            if wrong == right:
+                wrong = (wrong + 1) % VOCAB
+            drafts.append(Draft.chain([wrong] + rest, [0.9 - 0.1 * b] * (1 + len(rest)), self.name))
+        return drafts
+
+
+class RandomTreeProposer(_Scripted):
+    """Random trees with random parents; a node's token is the true one with probability
+    ``p_true`` when its path is still on the truth, else a random token. Deterministic."""
+
+    name = "random"
+
+    def __init__(self, truths, *, seed: int = 0, p_true: float = 0.6, max_drafts: int = 3) -> None:
+        super().__init__(truths)
+        self.rng = random.Random(seed)
+        self.p_true = p_true
+        self.max_drafts = max_drafts
+
+    def _drafts(self, context, truth, budget):
+        rng, n = self.rng, len(context)
+        drafts = []
+        for _ in range(rng.randint(0, self.max_drafts)):
+            size = rng.randint(1, max(1, budget))
+            tokens, parents, depth, on_truth = [], [], [], []
+            for i in range(size):
+                par = rng.randint(-1, i - 1)
+                d = 1 if par < 0 else depth[par] + 1
+                on = par < 0 or on_truth[par]
+                if on and truth is not None and n + d - 1 < len(truth) and rng.random() < self.p_true:
+                    tok, good = truth[n + d - 1], True
+                else:
+                    tok, good = rng.randrange(VOCAB), False
+                tokens.append(tok)
+                parents.append(par)
+                depth.append(d)
+                on_truth.append(on and good)
+            scores = tuple(rng.uniform(0.05, 1.0) for _ in tokens)
+            drafts.append(Draft(tuple(tokens), tuple(parents), scores, self.name))
+        return drafts
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -1,0 +1,87 @@
+"""The public API: bad input raises ValueError with a message naming the problem (raised by the
+call itself, also for ``stream``, not at the first ``next``), and the result's documented fields."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import cached_references, cached_tiny
+from helpers import FakeTokenizer
+from lookupdec import Engine, EngineConfig, Generation, GenerationStats
+
+CONTEXT = 512  # max_position_embeddings of the tiny models
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig(budget="fixed"))
+
+
+BAD_CALLS = [
+    ("empty id list", dict(prompt=[]), "prompt is empty"),
+    ("empty string", dict(prompt=""), "prompt is empty"),
+    ("max_new_tokens 0", dict(max_new_tokens=0), "max_new_tokens"),
+    ("max_new_tokens < 0", dict(max_new_tokens=-3), "max_new_tokens"),
+    ("max_new_tokens float", dict(max_new_tokens=2.5), "max_new_tokens"),
+    ("prompt fills the context", dict(prompt=[5] * CONTEXT), "context"),
+    ("prompt longer than the context", dict(prompt=[5] * (CONTEXT + 40)), "context"),
+    ("temperature < 0", dict(temperature=-0.1), "temperature"),
+    ("temperature NaN", dict(temperature=float("nan")), "temperature"),
+    ("top_p 0", dict(temperature=1.0, top_p=0.0), "top_p"),
+    ("top_p > 1", dict(temperature=1.0, top_p=1.5), "top_p"),
+    ("top_p < 0", dict(temperature=1.0, top_p=-0.2), "top_p"),
+    ("top_k 0", dict(temperature=1.0, top_k=0), "top_k"),
+    ("repetition_penalty 0", dict(repetition_penalty=0.0), "repetition_penalty"),
+    ("empty stop string", dict(stop=[""]), "stop"),
+    ("token id outside the vocabulary", dict(prompt=[5, 96]), "vocabulary"),
+    ("negative token id", dict(prompt=[-1, 5]), "vocabulary"),
+]
+
+
+@pytest.mark.parametrize("what,kwargs,message", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+@pytest.mark.parametrize("method", ["generate", "stream"])
+def test_bad_input_raises_value_error(engine, method, what, kwargs, message):
+    call = dict(prompt=[5, 6, 7], max_new_tokens=4) | kwargs
+    prompt = call.pop("prompt")
+    with pytest.raises(ValueError, match=message) as info:
+        getattr(engine, method)(prompt, **call)  # stream raises here, before any iteration
+    assert "\n" not in str(info.value), "one-line message"
+
+
+def test_good_edge_values_are_accepted(engine):
+    ref = cached_references("llama")[0]
+    engine.generate([5] * (CONTEXT - 1), max_new_tokens=3)  # the longest prompt that fits
+    engine.generate([5, 6], max_new_tokens=1, temperature=1.0, top_p=1.0, top_k=1, seed=0)
+    assert engine.generate(" ".join(map(str, ref[0])), max_new_tokens=ref[1]).token_ids == ref[2]  # a string
+
+
+def test_bad_config_raises_value_error_naming_the_field():
+    for kwargs, field in [(dict(max_nodes=-1), "max_nodes"), (dict(max_depth=0), "max_depth"),
+                          (dict(budget="huge"), "budget"), (dict(verify="maybe"), "verify"),
+                          (dict(proposers=("telepathy",)), "proposers")]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**kwargs)
+
+
+def test_generation_fields(engine):
+    prompt, n, ref = cached_references("llama")[3]
+    gen = engine.generate(prompt, max_new_tokens=n)
+    assert isinstance(gen, Generation) and isinstance(gen.stats, GenerationStats)
+    assert gen.token_ids == ref and gen.text == FakeTokenizer().decode(ref)
+    assert gen.finish_reason in ("length", "eos")
+    stats = gen.stats.to_dict()
+    for key in ("steps", "new_tokens", "mean_accepted", "accepted_by_source", "draft_us", "overhead_us",
+                "forward_ms", "tokens_per_s"):
+        assert key in stats, key
+    assert stats["steps"] >= 1 and stats["new_tokens"] == len(ref)
+    assert stats["forward_ms"] > 0 and stats["tokens_per_s"] > 0 and stats["overhead_us"] >= stats["draft_us"] >= 0
+
+
+def test_length_and_eos_finish_reasons(engine):
+    refs = cached_references("llama")
+    eos_case = next((r for r in refs if r[2][-1] == 2 and len(r[2]) < r[1]), None)
+    length_case = next(r for r in refs if len(r[2]) == r[1] and r[2][-1] != 2)
+    gen = engine.generate(length_case[0], max_new_tokens=length_case[1])
+    assert gen.finish_reason == "length" and len(gen.token_ids) == length_case[1]
+    if eos_case is not None:
+        gen = engine.generate(eos_case[0], max_new_tokens=eos_case[1])
+        assert gen.finish_reason == "eos" and gen.token_ids[-1] == 2 and gen.token_ids == eos_case[2]
