@@ -29,6 +29,23 @@ class NgramConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SuffixConfig:
+    """Suffix-automaton proposer (``lookupdec.proposers.suffix``)."""
+
+    max_match: int = 64  # context tokens matched (cost of a match is O(max_match))
+    min_match: int = 1  # request automaton: shortest match that may draft
+    global_min_match: int = 2  # global automaton: shortest match that may draft
+    global_capacity: int = 10_000_000  # tokens of earlier outputs kept (0 = no global cache)
+
+    def __post_init__(self) -> None:
+        for name in ("max_match", "min_match", "global_min_match"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
+        if self.global_capacity < 0:
+            raise ValueError(f"global_capacity={self.global_capacity!r}: must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How the engine drafts and verifies. Sampling settings are per call, not here."""
 
@@ -38,6 +55,7 @@ class EngineConfig:
     max_depth: int = 48  # longest root-to-leaf path in the draft tree
     proposers: tuple[str, ...] = ("ngram",)  # drafting sources, in priority order
     ngram: NgramConfig = field(default_factory=NgramConfig)
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
     verify: str = "auto"  # "auto" (probe tree masks), "tree", or "chain" (one path per step)
 
     def __post_init__(self) -> None:
@@ -45,6 +63,6 @@ class EngineConfig:
         _require(self.max_depth >= 1, "max_depth", self.max_depth, "must be >= 1")
         _require(self.budget in ("auto", "fixed"), "budget", self.budget, "must be auto or fixed")
         _require(self.verify in ("auto", "tree", "chain"), "verify", self.verify, "must be auto, tree or chain")
-        known = {"ngram"}
+        known = {"ngram", "suffix"}
         for name in self.proposers:
             _require(name in known, "proposers", self.proposers, f"unknown proposer {name!r} (known: {sorted(known)})")

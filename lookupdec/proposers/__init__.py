@@ -10,8 +10,9 @@ __all__ = ["Draft", "Proposer", "build_proposers"]
 
 def build_proposers(config: EngineConfig) -> list[Proposer]:
     from lookupdec.proposers.ngram import NgramProposer
+    from lookupdec.proposers.suffix import SuffixProposer
 
-    factories = {"ngram": lambda: NgramProposer(config.ngram)}
+    factories = {"ngram": lambda: NgramProposer(config.ngram), "suffix": lambda: SuffixProposer(config.suffix)}
     out = []
     for name in config.proposers:
         if name not in factories:

@@ -1,0 +1,168 @@
+"""Suffix-automaton cache: drafts from everything seen before, in this request and earlier ones.
+
+Two automata (``lookupdec.automaton.SuffixAutomaton``, compiled core):
+
+- per request: the prompt and the output so far, extended every step;
+- global: the outputs of earlier requests, joined by a separator token no vocabulary uses, with
+  a capacity in tokens. When a finished request pushes it past the capacity, the oldest outputs
+  are dropped until ``GLOBAL_RETAIN`` of the capacity is left and the automaton is rebuilt from
+  what remains: O(retained tokens) once per ``(1 - GLOBAL_RETAIN) * capacity`` new tokens, so
+  amortised about three appends per cached token (measured: ~2M appends/s).
+
+Each step, each automaton matches the longest suffix of the context that occurred before with
+a continuation, then grows a best-first subtree from it: a node's score is the product along
+its path of empirical next-token frequencies, times a confidence in the match length
+``L / (L + MATCH_PRIOR)``. A second, shorter match with at least ``RETRY_MIN_COUNT``
+occurrences is tried too when the longest one rests on fewer; both subtrees merge in the trie.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from typing import Sequence
+
+import numpy as np
+
+from lookupdec.automaton import SuffixAutomaton
+from lookupdec.config import SuffixConfig
+from lookupdec.proposers.base import Draft, RequestRegistry
+
+SEPARATOR = 2**31 - 1  # joins outputs in the global stream; never a real token id
+MATCH_PRIOR = 1.0  # confidence in a match of length L is L / (L + MATCH_PRIOR)
+RETRY_MIN_COUNT = 3  # a second subtree from the longest match with this many occurrences
+GLOBAL_RETAIN = 0.75  # share of the capacity kept when the global cache is trimmed
+CACHE_FORMAT_VERSION = 1
+
+
+class _Request:
+    def __init__(self, prompt_ids: Sequence[int]) -> None:
+        self.automaton = SuffixAutomaton(np.asarray(prompt_ids, dtype=np.int64))
+        self.output: list[int] = []
+
+
+class SuffixProposer:
+    name = "suffix"
+
+    def __init__(self, config: SuffixConfig | None = None) -> None:
+        self.config = config or SuffixConfig()
+        self._requests = RequestRegistry("SuffixProposer")
+        self._outputs: deque[np.ndarray] = deque()  # earlier outputs in the global cache, oldest first
+        self._global_tokens = 0
+        self.global_automaton = SuffixAutomaton()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        self._requests.add(request_id, _Request(prompt_ids))
+
+    def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
+        request: _Request = self._requests.get(request_id)
+        request.automaton.extend(np.asarray(new_ids, dtype=np.int64))
+        request.output.extend(new_ids)
+
+    def stop(self, request_id: str) -> None:
+        request: _Request = self._requests.pop(request_id)
+        if request.output and self.config.global_capacity:
+            self.add_to_global(request.output)
+
+    def propose(self, request_id: str, context: Sequence[int], budget: int) -> list[Draft]:
+        request: _Request = self._requests.get(request_id)
+        if budget <= 0:
+            return []
+        ctx = np.asarray(context[-self.config.max_match :], dtype=np.int64)
+        drafts = self._drafts(request.automaton, ctx, budget, self.config.min_match, "suffix")
+        if self._global_tokens:
+            drafts += self._drafts(self.global_automaton, ctx, budget, self.config.global_min_match, "suffix-global")
+        return drafts
+
+    # -- drafting -------------------------------------------------------------------------------
+    def _drafts(self, automaton: SuffixAutomaton, ctx: np.ndarray, budget: int, min_match: int,
+                source: str) -> list[Draft]:
+        state, length = automaton.match(ctx)
+        state, length = automaton.shorten_match(state, length, min_count=1)
+        if length < min_match:
+            return []
+        out = [self._expand(automaton, state, length, budget, source)]
+        if automaton.continuation_count(state) < RETRY_MIN_COUNT:
+            short, short_len = automaton.shorten_match(state, length, min_count=RETRY_MIN_COUNT)
+            if short_len >= min_match:
+                out.append(self._expand(automaton, short, short_len, budget, source))
+        return [d for d in out if d is not None]
+
+    @staticmethod
+    def _expand(automaton, state: int, length: int, budget: int, source: str) -> Draft | None:
+        tree = automaton.expand_tree(state, max_nodes=budget, max_depth=budget)
+        tokens, parents, scores = without_separator(tree.token_ids, tree.parents, tree.scores)
+        if not tokens:
+            return None
+        confidence = length / (length + MATCH_PRIOR)
+        return Draft(tuple(tokens), tuple(parents), tuple(s * confidence for s in scores), source)
+
+    # -- the global cache -----------------------------------------------------------------------
+    def add_to_global(self, output: Sequence[int]) -> None:
+        """Append one finished output; trim the oldest and rebuild past the capacity."""
+        chunk = np.append(np.asarray(output, dtype=np.int64), SEPARATOR)
+        self._outputs.append(chunk)
+        self._global_tokens += len(chunk)
+        if self._global_tokens <= self.config.global_capacity:
+            self.global_automaton.extend(chunk)
+            return
+        keep = GLOBAL_RETAIN * self.config.global_capacity
+        while self._outputs and self._global_tokens > keep:
+            self._global_tokens -= len(self._outputs.popleft())
+        self.global_automaton = SuffixAutomaton(np.concatenate(list(self._outputs)) if self._outputs else ())
+
+    @property
+    def global_tokens(self) -> int:
+        return self._global_tokens
+
+    def save_global(self, path: str, *, tokenizer_fingerprint: str) -> None:
+        """Write the global cache (the retained outputs) to ``path`` (.npz), atomically."""
+        stream = np.concatenate(list(self._outputs)) if self._outputs else np.zeros(0, np.int64)
+        header = {"format_version": CACHE_FORMAT_VERSION, "tokenizer_fingerprint": tokenizer_fingerprint,
+                  "tokens": int(len(stream)), "outputs": len(self._outputs)}
+        tmp = f"{path}.tmp.npz"
+        np.savez(tmp, stream=stream.astype(np.int32), header=np.array(json.dumps(header)))
+        os.replace(tmp, path)
+
+    def load_global(self, path: str, *, tokenizer_fingerprint: str) -> None:
+        """Replace the global cache with one saved by ``save_global`` for the same tokenizer."""
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                header = json.loads(str(f["header"]))
+                stream = f["stream"].astype(np.int64)
+        except (OSError, KeyError, ValueError) as exc:
+            raise ValueError(f"{path}: not a lookupdec suffix cache ({exc})") from None
+        if header.get("format_version") != CACHE_FORMAT_VERSION:
+            raise ValueError(f"{path}: cache format_version {header.get('format_version')!r}, "
+                             f"this lookupdec reads {CACHE_FORMAT_VERSION}")
+        if header.get("tokenizer_fingerprint") != tokenizer_fingerprint:
+            raise ValueError(f"{path}: cache built for tokenizer {header.get('tokenizer_fingerprint')}, "
+                             f"this model's tokenizer is {tokenizer_fingerprint}")
+        if len(stream) != header.get("tokens"):
+            raise ValueError(f"{path}: truncated ({len(stream)} of {header.get('tokens')} tokens)")
+        ends = np.flatnonzero(stream == SEPARATOR)
+        self._outputs = deque(np.split(stream, ends[:-1] + 1)) if len(ends) else deque()
+        self._global_tokens = int(len(stream))
+        self.global_automaton = SuffixAutomaton(stream)
+
+
+def without_separator(token_ids, parents, scores) -> tuple[list[int], list[int], list[float]]:
+    """Drop separator nodes and their descendants; renumber parents.
+
+    >>> without_separator([5, SEPARATOR, 7, 8], [-1, -1, 1, 0], [.9, .5, .5, .8])
+    ([5, 8], [-1, 0], [0.9, 0.8])
+    """
+    token_ids, parents = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids), list(parents)
+    scores = scores.tolist() if hasattr(scores, "tolist") else list(scores)
+    if SEPARATOR not in token_ids:
+        return token_ids, [int(p) for p in parents], scores
+    new_index, out_t, out_p, out_s = {}, [], [], []
+    for i, (tok, par) in enumerate(zip(token_ids, parents)):
+        if tok == SEPARATOR or (par >= 0 and par not in new_index):
+            continue
+        new_index[i] = len(out_t)
+        out_t.append(tok)
+        out_p.append(-1 if par < 0 else new_index[par])
+        out_s.append(scores[i])
+    return out_t, out_p, out_s
