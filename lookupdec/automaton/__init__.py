@@ -8,7 +8,8 @@ Vocabulary used below. The *stream* is every token appended so far (``tokens``).
 positions*; an end position is the index just after an occurrence, so an occurrence of ``s``
 ending at ``e`` is ``tokens[e - len(s):e]`` and its *next token* is ``tokens[e]`` (none when
 ``e == len(tokens)``). State 0 is the root: the empty string. Token ids are int32 (any
-vocabulary up to 2**31 - 1; ids above 65,535 are ordinary).
+vocabulary up to 2**31 - 1; ids above 65,535 are ordinary); the stream holds up to 2**29 - 1
+tokens (int32 state and edge ids).
 
 Worked example (tests/test_automaton.py uses the same arrays)::
 

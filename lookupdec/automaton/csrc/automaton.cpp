@@ -68,7 +68,7 @@ Automaton::Automaton() : tokens_(std::make_shared<TokenBuffer>()) {
 
 void Automaton::extend(const int32_t* tokens, size_t num_tokens) {
   if (num_tokens_ + static_cast<int64_t>(num_tokens) > kMaxTokens)
-    throw std::length_error("SuffixAutomaton holds at most 2^30 - 1 tokens");
+    throw std::length_error("SuffixAutomaton holds at most 2^29 - 1 tokens");
   for (size_t i = 0; i < num_tokens; ++i)
     if (tokens[i] < 0) throw std::invalid_argument("token ids must be >= 0");
   for (size_t i = 0; i < num_tokens; ++i) {

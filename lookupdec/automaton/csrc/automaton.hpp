@@ -44,8 +44,9 @@ constexpr int32_t kRoot = 0;
 constexpr int32_t kHeavyDegree = 8;
 constexpr uint32_t kCloneBit = 1u << 31;  // state was made by cloning (it is not a leaf)
 constexpr uint32_t kHeavyBit = 1u << 30;  // state's edges are in the EdgeIndex
-constexpr uint32_t kLenMask = kHeavyBit - 1;
-constexpr int64_t kMaxTokens = kLenMask;  // lengths share a word with the two flags
+constexpr uint32_t kLenMask = kHeavyBit - 1;  // lengths share a word with the two flags
+// At most 2n states and 3n edges, indexed by int32: n < 2^29 keeps 3n below 2^31.
+constexpr int64_t kMaxTokens = (int64_t{1} << 29) - 1;
 
 struct Edge {  // an out-edge of a light state, in its state's linked list
   int32_t token;
