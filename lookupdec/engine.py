@@ -158,8 +158,8 @@ class Engine:
             t = time.perf_counter()
             target.prefill(context[:-1])
             stats.prefill_ms = (time.perf_counter() - t) * 1e3
-            produced = 0
-            while produced < max_new_tokens and self._room(context):
+            produced, seen = 0, set(context)  # seen: distinct ids so far (repetition penalty)
+            while produced < max_new_tokens and self._room(context) > 0:
                 t0 = time.perf_counter()
                 drafts = [d for p in self.proposers for d in p.propose(rid, context, self.config.max_nodes)]
                 t1 = time.perf_counter()
@@ -168,14 +168,15 @@ class Engine:
                 logits = target.verify(tree)  # [1 + n, vocab]
                 t3 = time.perf_counter()
                 result = accept(tree, logits, params, generator=generator,
-                                context_ids=self._unique_ids(context) if params.uses_prefix else None)
+                                context_ids=self._seen_ids(seen) if params.uses_prefix else None)
                 target.commit(tree, result.accepted)
                 new = [tree.token_ids[i] for i in result.accepted] + [result.next_token]
-                new, eos = self._clip(new, max_new_tokens - produced)
+                new, eos = self._clip(new, min(max_new_tokens - produced, self._room(context)))
                 for proposer in self.proposers:
                     proposer.observe(rid, new)
                 self._learn(drafts, new)
                 context.extend(new)
+                seen.update(new)
                 produced += len(new)
                 self._count(stats, timer, tree, result.accepted[: len(new)], t0, t1, t2, t3)
                 yield new, "eos" if eos else "length"
@@ -233,8 +234,8 @@ class Engine:
                 return new[: i + 1], True
         return new, False
 
-    def _unique_ids(self, context) -> torch.Tensor:
-        return torch.unique(torch.tensor(context, device=self.target.device))
+    def _seen_ids(self, seen: set) -> torch.Tensor:
+        return torch.tensor(sorted(seen), device=self.target.device)
 
     @staticmethod
     def _count(stats, timer, tree, accepted, t0, t1, t2, t3) -> None:

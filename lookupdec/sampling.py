@@ -101,7 +101,7 @@ class PrefixTracker:
     """Token ids of each node's own prefix, for repetition penalty.  Built lazily."""
 
     def __init__(self, context_ids: torch.Tensor, tree: TokenTree) -> None:
-        self.context_ids = context_ids  # [c] unique committed token ids (root included)
+        self.context_ids = context_ids  # [c] committed token ids (root included), any order
         self.tree = tree
 
     def of(self, node: int) -> torch.Tensor:
@@ -109,7 +109,8 @@ class PrefixTracker:
         if not path:
             return self.context_ids
         extra = torch.tensor([self.tree.token_ids[i] for i in path], device=self.context_ids.device)
-        return torch.unique(torch.cat([self.context_ids, extra]))
+        # duplicates are harmless: gather/scatter of one token read and write the same value
+        return torch.cat([self.context_ids, extra])
 
 
 def accept(

@@ -131,11 +131,14 @@ class TextAssembler:
         return piece
 
     def _tokens_covering(self, chars: int) -> int:
-        """Fewest tokens whose text reaches ``chars`` characters (binary search on decodes)."""
+        """Fewest tokens whose text reaches ``chars`` characters (binary search on decodes).
+
+        A prefix ending inside a multi-byte character decodes to replacement characters, so
+        the length searched on is that of the complete characters (monotone in the prefix)."""
         lo, hi = 0, len(self.token_ids)
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(self._decode(self.token_ids[:mid])) >= chars:
+            if len(self._decode(self.token_ids[:mid]).rstrip(INCOMPLETE_CHAR)) >= chars:
                 hi = mid
             else:
                 lo = mid + 1

@@ -84,7 +84,7 @@ def brute_force(tokens, config: NgramConfig, budget: int) -> list[list[int]]:
         for end in range(n - 1, match_len - 1, -1):
             if tokens[end - match_len : end] != tokens[n - match_len :]:
                 continue
-            key = tuple(tokens[end : end + length])
+            key = tuple(periodic_continuation(tokens, end, length))  # the draft itself, periodic tail included
             if key in seen:
                 continue
             seen.add(key)
@@ -141,11 +141,6 @@ def test_lifecycle_misuse_raises_naming_the_request():
     assert [list(d.token_ids) for d in proposer.propose("b", [9, 9], 3)] == [[9, 9, 9]]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG ngram.py NgramProposer.propose: branches are deduplicated on the literal slice "
-    "tokens[end:end + length] but the draft is the periodic continuation, so in a repeating context "
-    "two occurrences give the same draft; the copy takes part of the budget from branch 0 "
-    "(here 22 of 24 tokens) and then vanishes in the trie merge"))
 def test_branches_are_distinct_continuations():
     drafts = propose_once([5, 1, 2, 1, 2, 1, 2], budget=30, max_draft_tokens=24)
     chains = [d.token_ids for d in drafts]

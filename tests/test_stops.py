@@ -133,10 +133,6 @@ def test_assembler_holds_back_incomplete_utf8(stories):
     assert "".join(pieces) == asm.text == text[: text.find("😀 and")]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG stops.py TextAssembler._tokens_covering: binary search over len(decode(ids[:k])), which is not "
-    "monotone in k: a prefix ending inside a multi-byte character decodes to several U+FFFD, so "
-    "Generation.token_ids is cut in the middle of the character before the stop string"))
 @pytest.mark.parametrize("block", [1, 100])
 def test_output_ids_after_multibyte_characters(stories, block):
     _, tokenizer = stories

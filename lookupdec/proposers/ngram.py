@@ -63,7 +63,7 @@ class NgramProposer:
         length = min(self.config.max_draft_tokens, budget)
         found, seen = [], set()  # (first score, continuation start)
         for match_len, end in self._occurrences(state):
-            key = tuple(state.tokens[end : end + length])  # same continuation, same branch
+            key = tuple(periodic_continuation(state.tokens, end, length))  # same draft, same branch
             if key in seen:
                 continue
             seen.add(key)
