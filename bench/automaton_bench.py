@@ -21,12 +21,13 @@ builds (the first, reported beside it, also pays this VM's first touch of fresh 
 seconds per GiB here; a long-running server reuses its memory); ``first query`` = the recount
 that the first query after a bulk extend pays; ``incremental`` = the last 1M tokens appended in
 512-token chunks (one request's output), each followed by a query: append plus exact count
-maintenance, at the full size; ``bytes/token`` = memory_report() (resident estimate of the
-arrays) and the RSS growth of a fresh process that builds the same automaton; ``propose`` =
-``propose_tree(context, max_nodes=64, max_depth=64)`` through the Python API (match of the
-last 64 context tokens + best-first subtree), p50/p99 over 3,000 contexts taken from a held-out
-pass (new order and substitutions, not in the automaton: the realistic case) and from the
-stored stream itself (long matches).
+maintenance, at the full size (all of its memory is fresh, so it pays the first touch);
+``bytes/token`` = memory_report() (resident estimate of the arrays) and the RSS growth of a
+fresh process that builds the same automaton; ``propose`` = ``propose_tree(context,
+max_nodes=64, max_depth=64)`` through the Python API (64-token contexts, of which the default
+max_match=32 are matched, then the best-first subtree), p50/p99 over 3,000 contexts taken from
+a held-out pass (new order and substitutions, not in the automaton: the realistic case) and
+from the stored stream itself (long matches).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ INCREMENTAL_CHUNK = 512  # tokens per extend in the incremental measurement (one
 INCREMENTAL_TOKENS = 1_000_000
 PROPOSE_NODES = 64
 PROPOSE_DEPTH = 64
-PROPOSE_CONTEXT = 64  # context tokens given to propose_tree (= its default max_match)
+PROPOSE_CONTEXT = 64  # context tokens given to propose_tree (it matches DEFAULT_MAX_MATCH)
 PROPOSE_CALLS = 3000
 TARGETS = {"append_tokens_per_s": 2e6, "bytes_per_token_10m": 100, "propose_p50_us": 50,
            "propose_p99_us": 300}
