@@ -34,11 +34,12 @@ class SuffixConfig:
 
     max_match: int = 64  # context tokens matched (cost of a match is O(max_match))
     min_match: int = 1  # request automaton: shortest match that may draft
-    global_min_match: int = 2  # global automaton: shortest match that may draft
+    global_min_match: int = 0  # global automaton: shortest match that may draft (0: its
+    #                            most frequent tokens when nothing longer matched)
     global_capacity: int = 10_000_000  # tokens of earlier outputs kept (0 = no global cache)
 
     def __post_init__(self) -> None:
-        for name in ("max_match", "min_match", "global_min_match"):
+        for name in ("max_match", "min_match"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
         if self.global_capacity < 0:

@@ -30,7 +30,11 @@ from lookupdec.proposers.base import Draft, RequestRegistry
 
 SEPARATOR = 2**31 - 1  # joins outputs in the global stream; never a real token id
 MATCH_PRIOR = 1.0  # confidence in a match of length L is L / (L + MATCH_PRIOR)
-RETRY_MIN_COUNT = 3  # a second subtree from the longest match with this many occurrences
+EMPTY_MATCH_CONFIDENCE = 0.2  # pseudo match length: a 0-token match still scores above 0
+MATCH_LEVELS = 3  # subtrees from this many match lengths (the longest and shorter ones)
+CERTAIN_STEP = 0.9  # prior probability that a step all earlier occurrences agree on is right
+CERTAIN_PRIOR_WEIGHT = 20.0  # observations the prior is worth
+CERTAIN_DECAY = 0.998  # per observation: the estimate follows the last ~500 certain steps  # subtrees from this many match lengths (the longest and shorter ones)
 GLOBAL_RETAIN = 0.75  # share of the capacity kept when the global cache is trimmed
 CACHE_FORMAT_VERSION = 1
 
@@ -39,6 +43,32 @@ class _Request:
     def __init__(self, prompt_ids: Sequence[int]) -> None:
         self.automaton = SuffixAutomaton(np.asarray(prompt_ids, dtype=np.int64))
         self.output: list[int] = []
+        self.pending: dict[str, tuple[list[int], list[bool]]] = {}  # source -> best chain, certain flags
+
+
+class CertainStepEstimate:
+    """How often a draft step that every earlier occurrence agreed on turns out right.
+
+    Copy-heavy work (code edits) continues a copied span almost surely; chat does not. Learnt
+    from the committed tokens after each step (history only), with decayed counts so it follows
+    the workload, starting from ``CERTAIN_STEP`` worth ``CERTAIN_PRIOR_WEIGHT`` observations.
+    """
+
+    def __init__(self) -> None:
+        self.trials = CERTAIN_PRIOR_WEIGHT
+        self.hits = CERTAIN_PRIOR_WEIGHT * CERTAIN_STEP
+
+    @property
+    def value(self) -> float:
+        return self.hits / self.trials
+
+    def update(self, chain: Sequence[int], certain: Sequence[bool], committed: Sequence[int]) -> None:
+        for token, is_certain, actual in zip(chain, certain, committed):
+            if is_certain:
+                self.trials = self.trials * CERTAIN_DECAY + 1
+                self.hits = self.hits * CERTAIN_DECAY + (token == actual)
+            if token != actual:
+                break
 
 
 class SuffixProposer:
@@ -50,6 +80,7 @@ class SuffixProposer:
         self._outputs: deque[np.ndarray] = deque()  # earlier outputs in the global cache, oldest first
         self._global_tokens = 0
         self.global_automaton = SuffixAutomaton()
+        self.certain_step = {"suffix": CertainStepEstimate(), "suffix-global": CertainStepEstimate()}
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
@@ -59,6 +90,9 @@ class SuffixProposer:
         request: _Request = self._requests.get(request_id)
         request.automaton.extend(np.asarray(new_ids, dtype=np.int64))
         request.output.extend(new_ids)
+        for source, (chain, certain) in request.pending.items():
+            self.certain_step[source].update(chain, certain, new_ids)
+        request.pending.clear()
 
     def stop(self, request_id: str) -> None:
         request: _Request = self._requests.pop(request_id)
@@ -70,33 +104,41 @@ class SuffixProposer:
         if budget <= 0:
             return []
         ctx = np.asarray(context[-self.config.max_match :], dtype=np.int64)
-        drafts = self._drafts(request.automaton, ctx, budget, self.config.min_match, "suffix")
+        drafts = self._drafts(request, request.automaton, ctx, budget, self.config.min_match, "suffix")
         if self._global_tokens:
-            drafts += self._drafts(self.global_automaton, ctx, budget, self.config.global_min_match, "suffix-global")
+            drafts += self._drafts(request, self.global_automaton, ctx, budget, self.config.global_min_match,
+                                   "suffix-global")
         return drafts
 
     # -- drafting -------------------------------------------------------------------------------
-    def _drafts(self, automaton: SuffixAutomaton, ctx: np.ndarray, budget: int, min_match: int,
-                source: str) -> list[Draft]:
+    def _drafts(self, request: _Request, automaton: SuffixAutomaton, ctx: np.ndarray, budget: int,
+                min_match: int, source: str) -> list[Draft]:
+        """Subtrees from the longest match and from up to ``MATCH_LEVELS - 1`` shorter ones
+        (suffix links: fewer context tokens, more occurrences, more varied continuations)."""
         state, length = automaton.match(ctx)
-        state, length = automaton.shorten_match(state, length, min_count=1)
-        if length < min_match:
-            return []
-        out = [self._expand(automaton, state, length, budget, source)]
-        if automaton.continuation_count(state) < RETRY_MIN_COUNT:
-            short, short_len = automaton.shorten_match(state, length, min_count=RETRY_MIN_COUNT)
-            if short_len >= min_match:
-                out.append(self._expand(automaton, short, short_len, budget, source))
-        return [d for d in out if d is not None]
+        out = []
+        while state >= 0 and length >= min_match and len(out) < MATCH_LEVELS:
+            if automaton.continuation_count(state):
+                draft = self._expand(request, automaton, state, length, budget, source)
+                if draft is not None:
+                    out.append(draft)
+            state = automaton.suffix_link(state)
+            length = automaton.state_len(state) if state >= 0 else -1
+        return out
 
-    @staticmethod
-    def _expand(automaton, state: int, length: int, budget: int, source: str) -> Draft | None:
+    def _expand(self, request: _Request, automaton, state: int, length: int, budget: int,
+                source: str) -> Draft | None:
         tree = automaton.expand_tree(state, max_nodes=budget, max_depth=budget)
-        tokens, parents, scores = without_separator(tree.token_ids, tree.parents, tree.scores)
+        tokens, parents, raw = without_separator(tree.token_ids, tree.parents, tree.scores)
         if not tokens:
             return None
-        confidence = length / (length + MATCH_PRIOR)
-        return Draft(tuple(tokens), tuple(parents), tuple(s * confidence for s in scores), source)
+        confidence = (length + EMPTY_MATCH_CONFIDENCE) / (length + EMPTY_MATCH_CONFIDENCE + MATCH_PRIOR)
+        scores, certain = decay_certain_steps(parents, raw, confidence, self.certain_step[source].value)
+        draft = Draft(tuple(tokens), tuple(parents), tuple(scores), source)
+        if source not in request.pending:  # the longest match's best chain is checked afterwards
+            chain, _ = draft.best_chain()
+            request.pending[source] = (chain, _chain_flags(draft, chain, certain))
+        return draft
 
     # -- the global cache -----------------------------------------------------------------------
     def add_to_global(self, output: Sequence[int]) -> None:
@@ -145,6 +187,39 @@ class SuffixProposer:
         self._outputs = deque(np.split(stream, ends[:-1] + 1)) if len(ends) else deque()
         self._global_tokens = int(len(stream))
         self.global_automaton = SuffixAutomaton(stream)
+
+
+def decay_certain_steps(parents: Sequence[int], scores: Sequence[float], scale: float,
+                        certain_step: float) -> tuple[list[float], list[bool]]:
+    """Scores times ``scale``, where a step every earlier occurrence agreed on (conditional
+    frequency 1, often a single occurrence) counts ``certain_step`` instead of 1: copying goes
+    on with high but not total probability, learnt per workload. Also returns which nodes are
+    such certain steps.
+
+    >>> s, c = decay_certain_steps([-1, 0, 1], [1.0, 1.0, 0.5], 0.5, 0.9)
+    >>> [round(x, 3) for x in s], c
+    ([0.45, 0.405, 0.203], [True, True, False])
+    """
+    out: list[float] = []
+    certain: list[bool] = []
+    for i, p in enumerate(parents):
+        parent_raw = 1.0 if p < 0 else scores[p]
+        parent_new = scale if p < 0 else out[p]
+        cond = scores[i] / parent_raw if parent_raw > 0 else 0.0
+        certain.append(cond >= 1.0 - 1e-9)
+        out.append(parent_new * (certain_step if certain[-1] else cond))
+    return out, certain
+
+
+def _chain_flags(draft: Draft, chain: Sequence[int], certain: Sequence[bool]) -> list[bool]:
+    """``certain`` flags of the nodes along ``chain`` (the draft's best path)."""
+    flags, node, children = [], -1, {}
+    for i, p in enumerate(draft.parents):
+        children.setdefault((p, draft.token_ids[i]), i)
+    for token in chain:
+        node = children[(node, token)]
+        flags.append(certain[node])
+    return flags
 
 
 def without_separator(token_ids, parents, scores) -> tuple[list[int], list[int], list[float]]:
