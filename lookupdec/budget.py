@@ -24,6 +24,8 @@ import bisect
 import time
 from typing import Callable, Sequence
 
+from lookupdec.proposers.base import Draft
+
 
 CALIBRATION_SECONDS = 1.5  # start-up budget for measuring t(n)
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
@@ -108,22 +110,26 @@ class AcceptanceCalibrator:
         """Every observed source's factor (``TokenTree.from_drafts(factors=...)``)."""
         return {source: self.factor(source) for source in self._predicted}
 
-    def observe(self, chain: Sequence[int], cond_probs: Sequence[float], source: str,
-                committed: Sequence[int]) -> None:
-        """Check a draft chain (raw conditional probs) against the tokens committed after it."""
-        for s in self._predicted:
-            self._predicted[s] *= HISTORY_DECAY
-            self._matched[s] *= HISTORY_DECAY
-        if not chain:
-            return
-        predicted = matched = 0.0
-        for token, prob, actual in zip(chain, cond_probs, committed):
-            predicted += prob
-            if token != actual:
-                break
-            matched += 1
-        self._predicted[source] = self._predicted.get(source, 0.0) + predicted
-        self._matched[source] = self._matched.get(source, 0.0) + matched
+    def learn(self, drafts: Sequence[Draft], committed: Sequence[int]) -> None:
+        """After a step: decay the history once, then shadow-check each source's first (best)
+        draft's best chain against the tokens committed by the step."""
+        for source in self._predicted:
+            self._predicted[source] *= HISTORY_DECAY
+            self._matched[source] *= HISTORY_DECAY
+        checked = set()
+        for draft in drafts:
+            if draft.source in checked:
+                continue
+            checked.add(draft.source)
+            chain, cond_probs = draft.best_chain()
+            predicted = matched = 0.0
+            for token, prob, actual in zip(chain, cond_probs, committed):
+                predicted += prob
+                if token != actual:
+                    break
+                matched += 1
+            self._predicted[draft.source] = self._predicted.get(draft.source, 0.0) + predicted
+            self._matched[draft.source] = self._matched.get(draft.source, 0.0) + matched
 
 
 def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int) -> int:

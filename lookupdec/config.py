@@ -42,6 +42,8 @@ class SuffixConfig:
         for name in ("max_match", "min_match"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
+        if self.global_min_match < 0:
+            raise ValueError(f"global_min_match={self.global_min_match!r}: must be >= 0")
         if self.global_capacity < 0:
             raise ValueError(f"global_capacity={self.global_capacity!r}: must be >= 0")
 
@@ -54,7 +56,7 @@ class EngineConfig:
     budget: str = "auto"  # "auto": per step, the node count that maximises expected tokens/s
     #                       from measured verify cost; "fixed": always up to max_nodes
     max_depth: int = 48  # longest root-to-leaf path in the draft tree
-    proposers: tuple[str, ...] = ("ngram",)  # drafting sources, in priority order
+    proposers: tuple[str, ...] = ("ngram", "suffix")  # drafting sources, in priority order
     ngram: NgramConfig = field(default_factory=NgramConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
     verify: str = "auto"  # "auto" (probe tree masks), "tree", or "chain" (one path per step)

@@ -75,7 +75,6 @@ class Engine:
         self.target = model_lib.TargetModel(model, verify=self.config.verify)
         self.eos_token_ids = model_lib.tokenizer_info(tokenizer)["eos_token_ids"]
         self.proposers: list[Proposer] = build_proposers(self.config)
-        self._sources = {p.name for p in self.proposers}
         self.calibrator = AcceptanceCalibrator()
         self._cost: CostModel | None = None  # measured on first use (budget="auto")
         self._request_ids = itertools.count()
@@ -174,7 +173,7 @@ class Engine:
                 new, eos = self._clip(new, min(max_new_tokens - produced, self._room(context)))
                 for proposer in self.proposers:
                     proposer.observe(rid, new)
-                self._learn(drafts, new)
+                self.calibrator.learn(drafts, new)
                 context.extend(new)
                 seen.update(new)
                 produced += len(new)
@@ -199,17 +198,6 @@ class Engine:
             scores = sorted(tree.scores[1:], reverse=True)
             tree = tree.prune(choose_num_nodes(scores, cost, overhead, self.config.max_nodes))
         return tree
-
-    def _learn(self, drafts, new) -> None:
-        """Shadow-check each source's best chain against the committed tokens."""
-        seen = set()
-        for draft in drafts:
-            if draft.source not in seen:
-                seen.add(draft.source)
-                tokens, cond = draft.best_chain()
-                self.calibrator.observe(tokens, cond, draft.source, new)
-        for source in self._sources - seen:  # a silent source's history still decays
-            self.calibrator.observe((), (), source, new)
 
     def cost_model(self) -> CostModel:
         """t(n) on this machine, measured once per engine (first use)."""

@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from lookupdec.budget import AcceptanceCalibrator
 from lookupdec.proposers import Proposer
 from lookupdec.tree import TokenTree
 
@@ -60,7 +61,9 @@ def accepted_path(tree: TokenTree, target: Sequence[int]) -> list[int]:
 
 
 def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequence[Proposer], *,
-               budget: int, max_depth: int, draft_seconds: list) -> RecordResult:
+               budget: int, max_depth: int, draft_seconds: list,
+               calibrator: AcceptanceCalibrator | None = None) -> RecordResult:
+    """One record; ``calibrator`` scales each source's scores as the engine does (and learns)."""
     result = RecordResult(rid, len(prompt), len(response), 0, 0)
     context = list(prompt)
     for p in proposers:
@@ -70,7 +73,8 @@ def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequ
         while pos < len(response):
             t = time.perf_counter()
             drafts = [d for p in proposers for d in p.propose(rid, context, budget)]
-            tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=budget, max_depth=max_depth)
+            tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=budget, max_depth=max_depth,
+                                         factors=calibrator.factors() if calibrator else None)
             draft_seconds.append(time.perf_counter() - t)
             path = accepted_path(tree, response[pos:])
             new = response[pos : pos + len(path) + 1]
@@ -79,6 +83,8 @@ def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequ
                 result.accepted_by_source[source] = result.accepted_by_source.get(source, 0) + 1
             for p in proposers:
                 p.observe(rid, new)
+            if calibrator:
+                calibrator.learn(drafts, new)
             context.extend(new)
             pos += len(new)
             result.steps += 1
@@ -94,13 +100,14 @@ def replay(records: Iterable[dict], tokenizer, proposers: Sequence[Proposer], *,
     """Replay every record; returns the summary and per-record figures (JSON-ready)."""
     from tqdm import tqdm
 
-    results, draft_seconds = [], []
+    results, draft_seconds, calibrator = [], [], AcceptanceCalibrator()
     records = list(records)
     for i, record in enumerate(tqdm(records, disable=not progress, desc="replay", unit="rec")):
         rid, prompt, response = tokenize_record(record, tokenizer, i)
         if response:
             results.append(replay_one(rid, prompt, response, proposers, budget=budget,
-                                      max_depth=max_depth, draft_seconds=draft_seconds))
+                                      max_depth=max_depth, draft_seconds=draft_seconds,
+                                      calibrator=calibrator))
     return summarize(results, draft_seconds, budget=budget, max_depth=max_depth,
                      proposers=[p.name for p in proposers])
 
