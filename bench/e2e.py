@@ -7,7 +7,8 @@ noise and cache warmth hit all of them alike:
 * ``pld``     -- ``model.generate(do_sample=False, prompt_lookup_num_tokens=10)`` (transformers'
   prompt lookup decoding)
 * ``lookupdec`` -- ``Engine(model, tokenizer, EngineConfig()).generate(ids, max_new_tokens=N)``
-  with the default configuration (n-gram proposer, tree verification)
+  with the engine's default configuration (``--proposers`` overrides its proposers); one
+  Engine per model, kept across prompts as a server keeps it
 
 The generated token ids of the three must be identical (float32 greedy); mismatches are counted
 and reported, never hidden. A forward-pre-hook on the model counts (and a forward hook times)
@@ -253,7 +254,7 @@ def bench_model(name: str, args) -> tuple[dict, list[dict]]:
     t_load = time.perf_counter()
     model, tokenizer, encode, info = load_model(spec, args.init_std)
     workloads = build_workloads(spec, model, tokenizer, encode, n_prompts, max_new, max_prompt)
-    engine_config = EngineConfig()
+    engine_config = EngineConfig(proposers=tuple(args.proposers)) if args.proposers else EngineConfig()
     engine = Engine(model, tokenizer, engine_config)  # before the meter: its start-up probe is not counted
     info.update(prompts_per_workload=n_prompts, max_new_tokens=max_new, max_prompt_tokens=max_prompt,
                 engine_config=repr(engine_config), tree_mode=engine.target.tree_mode,
@@ -424,6 +425,9 @@ def parse_args(argv=None):
     p.add_argument("--init-std", type=float, default=DEFAULT_INIT_STD, metavar="S",
                    help=f"initializer_range of the random models (default {DEFAULT_INIT_STD}: outputs do not "
                         "repeat, so nothing is accepted; 0.02 makes them loop, so everything is)")
+    p.add_argument("--proposers", type=lambda v: [x for x in v.split(",") if x], default=None, metavar="A,B",
+                   help="lookupdec's proposers, comma-separated (default: EngineConfig()'s default; "
+                        "the issue-2 bars name the n-gram proposer: --proposers ngram)")
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="run each prompt's three methods R times (order rotated each time) and time each "
                         "method by its fastest repeat; identity is checked on every run (default 1)")
@@ -468,7 +472,11 @@ def main(argv=None) -> int:
     out = args.out or RESULTS_DIR / ("e2e_quick.json" if args.quick else "e2e.json")
     config = {"methods": {"greedy": "model.generate(do_sample=False)",
                           "pld": f"model.generate(do_sample=False, prompt_lookup_num_tokens={PLD_NUM_TOKENS})",
-                          "lookupdec": "Engine(model, tokenizer, EngineConfig()).generate(ids, max_new_tokens=N)"},
+                          "lookupdec": "Engine(model, tokenizer, EngineConfig(" + (
+                              f"proposers={tuple(args.proposers)!r}" if args.proposers else "")
+                          + ")).generate(ids, max_new_tokens=N)"},
+              "engine_state": "one Engine per model, kept across prompts as a server keeps it (any global "
+                              "cache its proposers have sees the warm-up and earlier prompts' outputs)",
               "dtype": "float32", "device": "cpu", "init_std": args.init_std, "seed": SEED,
               "method_order": "rotated per prompt (and per repeat)", "repeats": args.repeats,
               "timing_statistic": "sum over prompts of each prompt's fastest repeat", "warmup": "one short run per method per model",
