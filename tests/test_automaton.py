@@ -339,7 +339,7 @@ def test_memory_report():
     rng = np.random.default_rng(3)
     automaton = SuffixAutomaton(np.minimum(rng.zipf(1.3, size=200_000), 32_000))
     report = automaton.memory_report()
-    assert set(report) == {"tokens", "states", "edges", "heavy_index", "heavy_edges",
-                           "pending_leaves", "children_cache"}
+    assert set(report) == {"tokens", "states", "edges", "heavy_tables", "pending_leaves",
+                           "children_cache"}
     assert automaton.memory_bytes() == sum(report.values())
     assert automaton.memory_bytes() / len(automaton) < 150

@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <new>
-#include <utility>
 #include <vector>
 
 namespace lookupdec {
@@ -67,42 +66,6 @@ class BlockVector {
 
  private:
   std::vector<T*> blocks_;
-  size_t size_ = 0;
-};
-
-// A fixed-size array (the hash index's slots); huge pages from 8 MiB on.
-template <class T>
-class FixedArray {
- public:
-  static constexpr size_t kHugeFrom = 4 * kHugePage;
-
-  FixedArray() = default;
-  explicit FixedArray(size_t size, const T& fill)
-      : data_(static_cast<T*>(allocate_array(size * sizeof(T), size * sizeof(T) >= kHugeFrom))),
-        size_(size) {
-    for (size_t i = 0; i < size; ++i) data_[i] = fill;
-  }
-  FixedArray(const FixedArray&) = delete;
-  FixedArray& operator=(const FixedArray&) = delete;
-  FixedArray(FixedArray&& other) noexcept : data_(other.data_), size_(other.size_) {
-    other.data_ = nullptr;
-    other.size_ = 0;
-  }
-  FixedArray& operator=(FixedArray&& other) noexcept {
-    std::swap(data_, other.data_);
-    std::swap(size_, other.size_);
-    return *this;
-  }
-  ~FixedArray() { std::free(data_); }
-
-  T& operator[](size_t i) { return data_[i]; }
-  const T& operator[](size_t i) const { return data_[i]; }
-  size_t size() const { return size_; }
-  bool empty() const { return size_ == 0; }
-  size_t memory_bytes() const { return size_ * sizeof(T); }
-
- private:
-  T* data_ = nullptr;
   size_t size_ = 0;
 };
 

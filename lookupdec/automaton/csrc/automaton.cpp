@@ -10,7 +10,7 @@ namespace lookupdec {
 namespace {
 
 constexpr uint64_t kFibonacciHash = 0x9E3779B97F4A7C15ull;
-constexpr size_t kMinIndexSlots = 64;
+constexpr uint32_t kFirstHeavyCapacity = 2 * kHeavyDegree;  // slots of a new HeavyTable
 constexpr size_t kMinTokenCapacity = 1024;
 constexpr size_t kMinPendingLeaves = 4096;  // below this, never switch to a full recount
 constexpr size_t kPendingShareOfStates = 8;  // more pending leaves than states/8: full recount
@@ -23,41 +23,41 @@ constexpr size_t kMaxCachedStates = 16384;    // the cache is emptied when it ho
 
 }  // namespace
 
-// ---------------------------------------------------------------- EdgeIndex
+// ---------------------------------------------------------------- HeavyTable
 
-size_t EdgeIndex::home(int32_t state, int32_t token) const {
-  uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(state)) << 32) |
-                 static_cast<uint32_t>(token);
-  return static_cast<size_t>((key * kFibonacciHash) >> shift_);
+HeavyTable::HeavyTable(uint32_t capacity) : slots_(new HeavyEdge[capacity]), mask_(capacity - 1) {
+  for (uint32_t i = 0; i < capacity; ++i) slots_[i] = HeavyEdge{kNone, kNone};
 }
 
-const EdgeIndex::Slot* EdgeIndex::find(int32_t state, int32_t token) const {
-  if (slots_.empty()) return nullptr;
-  size_t mask = slots_.size() - 1;
-  for (size_t i = home(state, token);; i = (i + 1) & mask) {
-    const Slot& slot = slots_[i];
-    if (slot.state == kNone) return nullptr;
-    if (slot.state == state && slot.token == token) return &slot;
+HeavyTable::HeavyTable(const HeavyTable& other)
+    : slots_(new HeavyEdge[other.capacity()]), mask_(other.mask_), size_(other.size_) {
+  std::memcpy(slots_.get(), other.slots_.get(), other.capacity() * sizeof(HeavyEdge));
+}
+
+size_t HeavyTable::home(int32_t token) const {
+  return static_cast<size_t>((static_cast<uint64_t>(static_cast<uint32_t>(token)) *
+                              kFibonacciHash) >> 32) & mask_;
+}
+
+const HeavyEdge* HeavyTable::find(int32_t token) const {
+  for (size_t i = home(token);; i = (i + 1) & mask_) {
+    const HeavyEdge& slot = slots_[i];
+    if (slot.token == token) return &slot;
+    if (slot.token == kNone) return nullptr;
   }
 }
 
-void EdgeIndex::insert(const Slot& slot) {
-  if (2 * (used_ + 1) > slots_.size()) grow();
-  size_t mask = slots_.size() - 1;
-  size_t i = home(slot.state, slot.token);
-  while (slots_[i].state != kNone) i = (i + 1) & mask;
-  slots_[i] = slot;
-  ++used_;
-}
-
-void EdgeIndex::grow() {
-  size_t capacity = std::max(kMinIndexSlots, slots_.size() * 2);
-  FixedArray<Slot> old(std::move(slots_));
-  slots_ = FixedArray<Slot>(capacity, Slot{kNone, 0, kNone, kNone});
-  shift_ = 64 - __builtin_ctzll(capacity);
-  used_ = 0;
-  for (size_t i = 0; i < old.size(); ++i)
-    if (old[i].state != kNone) insert(old[i]);
+void HeavyTable::insert(int32_t token, int32_t target) {
+  if (4 * (size_ + 1) > 3 * capacity()) {  // grow: rehash into twice the slots
+    HeavyTable grown(2 * capacity());
+    for (const HeavyEdge& slot : *this)
+      if (slot.token != kNone) grown.insert(slot.token, slot.target);
+    *this = std::move(grown);
+  }
+  size_t i = home(token);
+  while (slots_[i].token != kNone) i = (i + 1) & mask_;
+  slots_[i] = HeavyEdge{token, target};
+  ++size_;
 }
 
 // ---------------------------------------------------------------- construction
@@ -148,12 +148,11 @@ void Automaton::copy_edges(int32_t from, int32_t to) {
                                             states_[to].edge_head);
     return;
   }
-  std::vector<HeavyEdge> copy = heavy_edges_[states_[from].edge_head];
-  num_edges_ += static_cast<int64_t>(copy.size());
+  HeavyTable copy(heavy_tables_[states_[from].edge_head]);
+  num_edges_ += copy.size();
   states_[to].len_flags |= kHeavyBit;
-  states_[to].edge_head = static_cast<int32_t>(heavy_edges_.size());
-  heavy_edges_.push_back(std::move(copy));
-  index_heavy(to);
+  states_[to].edge_head = static_cast<int32_t>(heavy_tables_.size());
+  heavy_tables_.push_back(std::move(copy));
 }
 
 void Automaton::redirect(int32_t p, int32_t token, int32_t from, int32_t to) {
@@ -171,8 +170,8 @@ void Automaton::redirect(int32_t p, int32_t token, int32_t from, int32_t to) {
 const int32_t* Automaton::find_target(int32_t s, int32_t token, int32_t* degree) const {
   const State& state = states_[s];
   if (state.len_flags & kHeavyBit) {
-    const EdgeIndex::Slot* slot = heavy_.find(s, token);
-    return slot == nullptr ? nullptr : &slot->target;
+    const HeavyEdge* edge = heavy_tables_[state.edge_head].find(token);
+    return edge == nullptr ? nullptr : &edge->target;
   }
   int32_t scanned = 0;
   for (int32_t e = state.edge_head; e != kNone; e = edges_[e].next, ++scanned)
@@ -181,12 +180,10 @@ const int32_t* Automaton::find_target(int32_t s, int32_t token, int32_t* degree)
   return nullptr;
 }
 
-// Redirect s's existing edge on `token` (for a heavy state: its array and its index slot).
+// Redirect s's existing edge on `token`.
 void Automaton::set_target(int32_t s, int32_t token, int32_t target) {
   if (is_heavy(s)) {
-    EdgeIndex::Slot* slot = heavy_.find(s, token);
-    slot->target = target;
-    heavy_edges_[states_[s].edge_head][slot->position].target = target;
+    heavy_tables_[states_[s].edge_head].find(token)->target = target;
     return;
   }
   for (int32_t e = states_[s].edge_head; e != kNone; e = edges_[e].next)
@@ -196,7 +193,8 @@ void Automaton::set_target(int32_t s, int32_t token, int32_t target) {
 template <class F>
 void Automaton::for_each_edge(int32_t s, F&& f) const {
   if (is_heavy(s)) {
-    for (const HeavyEdge& edge : heavy_edges_[states_[s].edge_head]) f(edge.token, edge.target);
+    for (const HeavyEdge& edge : heavy_tables_[states_[s].edge_head])
+      if (edge.token != kNone) f(edge.token, edge.target);
     return;
   }
   for (int32_t e = states_[s].edge_head; e != kNone; e = edges_[e].next)
@@ -206,9 +204,7 @@ void Automaton::for_each_edge(int32_t s, F&& f) const {
 // `degree` is the number of edges s had (known from the failed lookup); unused when heavy.
 void Automaton::add_edge(int32_t s, int32_t token, int32_t target, int32_t degree) {
   if (is_heavy(s)) {
-    std::vector<HeavyEdge>& edges = heavy_edges_[states_[s].edge_head];
-    heavy_.insert({s, token, static_cast<int32_t>(edges.size()), target});
-    edges.push_back({token, target});
+    heavy_tables_[states_[s].edge_head].insert(token, target);
     ++num_edges_;
     return;
   }
@@ -225,26 +221,19 @@ int32_t Automaton::new_list_edge(int32_t token, int32_t target, int32_t next) {
   return e;
 }
 
-// Move s's edges from its list (whose nodes go to the free list) to a contiguous array.
+// Move s's edges from its list (whose nodes go to the free list) to a HeavyTable.
 void Automaton::make_heavy(int32_t s) {
-  std::vector<HeavyEdge> edges;
+  HeavyTable table(kFirstHeavyCapacity);
   for (int32_t e = states_[s].edge_head; e != kNone;) {
     int32_t next = edges_[e].next;
-    edges.push_back({edges_[e].token, edges_[e].target});
+    table.insert(edges_[e].token, edges_[e].target);
     edges_[e].next = free_edge_;
     free_edge_ = e;
     e = next;
   }
   states_[s].len_flags |= kHeavyBit;
-  states_[s].edge_head = static_cast<int32_t>(heavy_edges_.size());
-  heavy_edges_.push_back(std::move(edges));
-  index_heavy(s);
-}
-
-void Automaton::index_heavy(int32_t s) {
-  const std::vector<HeavyEdge>& edges = heavy_edges_[states_[s].edge_head];
-  for (size_t i = 0; i < edges.size(); ++i)
-    heavy_.insert({s, edges[i].token, static_cast<int32_t>(i), edges[i].target});
+  states_[s].edge_head = static_cast<int32_t>(heavy_tables_.size());
+  heavy_tables_.push_back(std::move(table));
 }
 
 // ---------------------------------------------------------------- suffix-link tree
@@ -594,15 +583,10 @@ std::string Automaton::check_structure() const {
   return "";
 }
 
-static bool slot_matches(const EdgeIndex::Slot* slot, size_t position, int32_t target) {
-  return slot != nullptr && slot->position == static_cast<int32_t>(position) &&
-         slot->target == target;
-}
-
 // Every edge (s, c) -> t: the strings of s followed by c lie in t:
 //   len(link(t)) + 1 <= len(link(s)) + 2  and  len(s) + 1 <= len(t).
 std::string Automaton::check_edges() const {
-  int64_t edges = 0, heavy_edges = 0;
+  int64_t edges = 0;
   for (int32_t s = 0; s < static_cast<int32_t>(states_.size()); ++s) {
     std::vector<int32_t> tokens;
     std::string error;
@@ -614,21 +598,21 @@ std::string Automaton::check_edges() const {
         error = "edge to a state with len < len + 1";
       } else if (static_cast<int32_t>(len(states_[target].link)) + 1 > min_len_s + 1) {
         error = "edge target misses the shortest extended string";
-      } else if (is_heavy(s) && !slot_matches(heavy_.find(s, token), tokens.size(), target)) {
-        error = "heavy index wrong";
+      } else if (find_target(s, token) == nullptr || *find_target(s, token) != target) {
+        error = "the lookup of an edge's token misses it";
       }
       tokens.push_back(token);
     });
     if (!error.empty()) return "state " + std::to_string(s) + ": " + error;
     edges += static_cast<int64_t>(tokens.size());
-    if (is_heavy(s)) heavy_edges += static_cast<int64_t>(tokens.size());
+    if (is_heavy(s) && heavy_tables_[states_[s].edge_head].size() != tokens.size())
+      return "state " + std::to_string(s) + ": heavy table size is wrong";
     std::sort(tokens.begin(), tokens.end());
     if (std::adjacent_find(tokens.begin(), tokens.end()) != tokens.end())
       return "state " + std::to_string(s) + ": two edges with the same token";
     if (!is_heavy(s) && static_cast<int32_t>(tokens.size()) >= kHeavyDegree)
       return "state " + std::to_string(s) + ": light state with too many edges";
   }
-  if (heavy_edges != static_cast<int64_t>(heavy_.size())) return "heavy index size is wrong";
   if (edges != num_edges_) return "edge count is wrong";
   return "";
 }
@@ -670,11 +654,11 @@ std::string Automaton::check_counts() {
   return "";
 }
 
-int64_t Automaton::heavy_edges_bytes() const {
+int64_t Automaton::heavy_tables_bytes() const {
   constexpr int64_t kMallocOverhead = 16;
-  int64_t bytes = static_cast<int64_t>(heavy_edges_.capacity() * sizeof(heavy_edges_[0]));
-  for (const std::vector<HeavyEdge>& edges : heavy_edges_)
-    bytes += kMallocOverhead + static_cast<int64_t>(edges.capacity() * sizeof(HeavyEdge));
+  int64_t bytes = static_cast<int64_t>(heavy_tables_.capacity() * sizeof(HeavyTable));
+  for (const HeavyTable& table : heavy_tables_)
+    bytes += kMallocOverhead + static_cast<int64_t>(table.capacity() * sizeof(HeavyEdge));
   return bytes;
 }
 
@@ -691,8 +675,7 @@ std::map<std::string, int64_t> Automaton::memory_report() const {
       {"tokens", static_cast<int64_t>(tokens_->capacity * sizeof(int32_t))},
       {"states", static_cast<int64_t>(states_.memory_bytes())},
       {"edges", static_cast<int64_t>(edges_.memory_bytes())},
-      {"heavy_index", static_cast<int64_t>(heavy_.memory_bytes())},
-      {"heavy_edges", heavy_edges_bytes()},
+      {"heavy_tables", heavy_tables_bytes()},
       {"pending_leaves", static_cast<int64_t>(pending_leaves_.capacity() * sizeof(int32_t))},
       {"children_cache", children_cache_bytes()},
   };

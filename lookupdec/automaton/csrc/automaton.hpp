@@ -2,14 +2,15 @@
 //
 // APPEND-ONLY: tokens are only ever appended; a change in the middle needs a rebuild.
 //
-// Layout (about 80-90 bytes per stored token on real text, see memory_report()):
+// Layout (about 75 bytes per stored token on real text at 10M tokens, see memory_report()):
 //   tokens_   int32 [n]            the stored stream, shared with numpy views (snapshots)
 //   states_   State [num_states]   28 bytes each, at most 2n states (~1.6n on real text)
 //   edges_    Edge  [...]          12 bytes each, one linked list of out-edges per light state
-//   heavy_edges_                   a contiguous array of 8-byte edges per heavy state (one with
-//                                  >= kHeavyDegree edges: the root, frequent short strings), so
-//                                  enumerating its thousands of children is a sequential read
-//   heavy_    EdgeIndex            (heavy state, token) -> (position in its array, target)
+//   heavy_tables_                  per heavy state (one with >= kHeavyDegree edges: the root,
+//                                  frequent short strings) an open-addressing table of 8-byte
+//                                  edges keyed by token: O(1) lookups, sequential enumeration
+//                                  of its thousands of children, and growth that rehashes only
+//                                  that state's edges (no pause over a global table)
 // states_ and edges_ grow in fixed blocks (BlockVector, arrays.hpp): no copy on growth,
 // little slack, transparent huge pages past the first block.
 // The suffix-link tree (children of each state) is kept as singly linked sibling lists. When
@@ -43,7 +44,7 @@ constexpr int32_t kRoot = 0;
 // States with at least this many out-edges get O(1) hashed lookups; the others scan their list.
 constexpr int32_t kHeavyDegree = 8;
 constexpr uint32_t kCloneBit = 1u << 31;  // state was made by cloning (it is not a leaf)
-constexpr uint32_t kHeavyBit = 1u << 30;  // state's edges are in the EdgeIndex
+constexpr uint32_t kHeavyBit = 1u << 30;  // state's edges are in a HeavyTable
 constexpr uint32_t kLenMask = kHeavyBit - 1;  // lengths share a word with the two flags
 // At most 2n states and 3n edges, indexed by int32: n < 2^29 keeps 3n below 2^31.
 constexpr int64_t kMaxTokens = (int64_t{1} << 29) - 1;
@@ -54,45 +55,43 @@ struct Edge {  // an out-edge of a light state, in its state's linked list
   int32_t next;  // next out-edge of the same state, kNone at the end
 };
 
-struct HeavyEdge {  // an out-edge of a heavy state, in its state's contiguous array
-  int32_t token;
+struct HeavyEdge {  // an out-edge of a heavy state, a slot of its state's HeavyTable
+  int32_t token;   // kNone = empty slot
   int32_t target;
+};
+
+// The out-edges of one heavy state: open addressing keyed by token, linear probing, load <= 3/4.
+class HeavyTable {
+ public:
+  explicit HeavyTable(uint32_t capacity);  // a power of two
+  HeavyTable(const HeavyTable& other);
+  HeavyTable(HeavyTable&&) noexcept = default;
+  HeavyTable& operator=(HeavyTable&&) noexcept = default;
+  const HeavyEdge* find(int32_t token) const;
+  HeavyEdge* find(int32_t token) {
+    return const_cast<HeavyEdge*>(static_cast<const HeavyTable*>(this)->find(token));
+  }
+  void insert(int32_t token, int32_t target);  // token must be absent
+  uint32_t size() const { return size_; }
+  uint32_t capacity() const { return mask_ + 1; }
+  const HeavyEdge* begin() const { return slots_.get(); }
+  const HeavyEdge* end() const { return slots_.get() + capacity(); }
+
+ private:
+  size_t home(int32_t token) const;
+  std::unique_ptr<HeavyEdge[]> slots_;
+  uint32_t mask_;
+  uint32_t size_ = 0;
 };
 
 struct State {
   uint32_t len_flags;    // length of the longest string of the state | kCloneBit | kHeavyBit
   int32_t link;          // suffix link, kNone for the root
-  int32_t edge_head;     // light: first out-edge, kNone if none; heavy: index in heavy_edges_
+  int32_t edge_head;     // light: first out-edge, kNone if none; heavy: index in heavy_tables_
   int32_t count;         // number of end positions (exact after flush)
   int32_t last_end;      // most recent end position (exact after flush), 0 if none
   int32_t first_child;   // suffix-link tree: children are states whose link is this state
   int32_t next_sibling;  // (both may point to a stale entry: see resolve_child)
-};
-
-// Open-addressing map (heavy state, token) -> (position in the state's edge array, target);
-// linear probing, load factor <= 1/2. The target is a copy, so a lookup costs one cache miss.
-class EdgeIndex {
- public:
-  struct Slot {
-    int32_t state;  // kNone = empty
-    int32_t token;
-    int32_t position;
-    int32_t target;
-  };
-  const Slot* find(int32_t state, int32_t token) const;
-  Slot* find(int32_t state, int32_t token) {
-    return const_cast<Slot*>(static_cast<const EdgeIndex*>(this)->find(state, token));
-  }
-  void insert(const Slot& slot);
-  size_t size() const { return used_; }
-  size_t memory_bytes() const { return slots_.memory_bytes(); }
-
- private:
-  size_t home(int32_t state, int32_t token) const;
-  void grow();
-  FixedArray<Slot> slots_;
-  size_t used_ = 0;
-  int shift_ = 64;
 };
 
 // The stored token stream. Views handed to Python keep their buffer alive (shared_ptr), and a
@@ -151,7 +150,7 @@ class Automaton {
   std::string check_invariants();  // "" when fine, else the first broken invariant
   std::map<std::string, int64_t> memory_report() const;
   int64_t children_cache_bytes() const;
-  int64_t heavy_edges_bytes() const;
+  int64_t heavy_tables_bytes() const;
 
  private:
   struct Candidate;
@@ -172,7 +171,6 @@ class Automaton {
   int32_t new_list_edge(int32_t token, int32_t target, int32_t next);
   void copy_edges(int32_t from, int32_t to);
   void make_heavy(int32_t s);
-  void index_heavy(int32_t s);
   void add_child(int32_t parent, int32_t child);
   int32_t resolve_child(int32_t parent, int32_t* entry);
   int32_t first_child(int32_t parent);
@@ -197,8 +195,7 @@ class Automaton {
   BlockVector<State> states_;
   BlockVector<Edge> edges_;
   int32_t free_edge_ = kNone;  // list nodes freed when their state turned heavy, for reuse
-  std::vector<std::vector<HeavyEdge>> heavy_edges_;
-  EdgeIndex heavy_;
+  std::vector<HeavyTable> heavy_tables_;
   int64_t num_edges_ = 0;
   int32_t last_ = kRoot;
   std::vector<int32_t> pending_leaves_;  // leaves whose +1 is not yet on their suffix paths
