@@ -268,6 +268,27 @@ def check_proposal(compiled, reference, stream, context, rng) -> None:
         check_tree_against_brute_force(tree, stream, context[len(context) - length:])
 
 
+def test_proposals_exact_after_bulk_load_and_small_extends():
+    """A bulk extend recounts every state and caches the best children of states with many
+    edges; later extends must make those entries recompute, never serve stale counts."""
+    rng = np.random.default_rng(11)
+    vocab = list(range(60))
+    stream = random_stream(rng, 6000, vocab)  # > 4096 new leaves: a full recount
+    compiled, reference = both(stream)
+    for _ in range(4):
+        for context in random_contexts(rng, stream, vocab, 8):
+            kwargs = dict(max_nodes=int(rng.integers(1, 80)), max_depth=int(rng.integers(1, 6)))
+            tree = compiled.propose_tree(context, **kwargs)
+            for got, want in zip(tree, reference.propose_tree(context, **kwargs)):
+                assert got.tolist() == want.tolist()
+            check_tree_format(tree, **kwargs)
+        chunk = random_stream(rng, 40, vocab)
+        compiled.extend(chunk)
+        reference.extend(chunk)
+        stream += chunk
+    compiled.check_invariants()
+
+
 def test_propose_falls_back_to_a_shorter_match_with_continuations():
     """Per-request use: the context IS the stream, so its longest match is the whole stream,
     which has no next token; the proposal comes from the longest repeated suffix."""

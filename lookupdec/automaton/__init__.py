@@ -39,7 +39,9 @@ scores never increase from parent to child. Deeper nodes follow the automaton's 
 read from the stream. Ties: higher score first, then the candidate pushed first; children are
 pushed in order of count (descending), then token id (ascending). The best children of states
 with many edges are cached; an entry is valid while its state's continuation count is
-unchanged (a new occurrence of any child raises it), so the cache never changes a result.
+unchanged (a new occurrence of any child raises it), so the cache never changes a result. A
+full recount (after a bulk extend, e.g. loading a global cache) fills it for every state with
+32 or more edges, so that no proposal pays their scan cold.
 
 Counts and end positions: each state's occurrence count and most recent end position are
 exact whenever they are read. ``extend`` only notes the new leaf state of each appended token;

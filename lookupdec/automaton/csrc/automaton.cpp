@@ -19,7 +19,8 @@ constexpr size_t kMatchWindowGrowth = 4;     // ... and widened by this factor w
 constexpr size_t kPrefetchAhead = 8;          // children whose counts are prefetched in advance
 constexpr size_t kWalkLanes = 8;              // suffix-path walks interleaved by flush
 constexpr size_t kMinCachedChildren = 64;     // best children cached per heavy state, at least
-constexpr size_t kMaxCachedStates = 16384;    // the cache is emptied when it holds this many
+constexpr size_t kMaxCachedStates = 32768;    // the cache is emptied when it holds this many
+constexpr uint32_t kPrewarmDegree = 32;       // see prewarm_children_cache
 
 }  // namespace
 
@@ -153,6 +154,7 @@ void Automaton::copy_edges(int32_t from, int32_t to) {
   states_[to].len_flags |= kHeavyBit;
   states_[to].edge_head = static_cast<int32_t>(heavy_tables_.size());
   heavy_tables_.push_back(std::move(copy));
+  heavy_owners_.push_back(to);
 }
 
 void Automaton::redirect(int32_t p, int32_t token, int32_t from, int32_t to) {
@@ -234,6 +236,7 @@ void Automaton::make_heavy(int32_t s) {
   states_[s].len_flags |= kHeavyBit;
   states_[s].edge_head = static_cast<int32_t>(heavy_tables_.size());
   heavy_tables_.push_back(std::move(table));
+  heavy_owners_.push_back(s);
 }
 
 // ---------------------------------------------------------------- suffix-link tree
@@ -333,6 +336,7 @@ void Automaton::recount_all() {
     parent.last_end = std::max(parent.last_end, child.last_end);
   }
   recount_all_ = false;
+  prewarm_children_cache();
 }
 
 // ---------------------------------------------------------------- queries
@@ -395,8 +399,7 @@ int32_t Automaton::count(int32_t state) {
 int32_t Automaton::continuation_count(int32_t state) {
   check_state(state);
   flush();
-  const State& s = states_[state];
-  return s.count - (num_tokens_ > 0 && s.last_end == num_tokens_ ? 1 : 0);
+  return static_cast<int32_t>(continuation_total(state));
 }
 
 int32_t Automaton::most_recent_end(int32_t state) {
@@ -493,13 +496,37 @@ const std::vector<Child>& Automaton::best_children(int32_t state, int32_t budget
   }
   if (children_cache_.size() >= kMaxCachedStates) children_cache_.clear();
   CachedChildren& cached = children_cache_[state];
-  if (cached.total != total || (!cached.complete && cached.best.size() < wanted)) {
-    size_t keep = std::max(wanted, kMinCachedChildren);
-    collect_children(state, keep, &cached.best);
-    cached.complete = cached.best.size() < keep;
-    cached.total = total;
-  }
+  if (cached.total != total || (!cached.complete && cached.best.size() < wanted))
+    cache_best_children(state, std::max(wanted, kMinCachedChildren), total, &cached);
   return cached.best;
+}
+
+void Automaton::cache_best_children(int32_t state, size_t keep, int64_t total,
+                                    CachedChildren* cached) {
+  collect_children(state, keep, &cached->best);
+  cached->complete = cached->best.size() < keep || heavy_table(state).size() == keep;
+  cached->total = total;
+}
+
+// After a full recount (a bulk load), cache the best children of every state with at least
+// kPrewarmDegree edges, so that no query pays their scan (~30 ns per edge) cold; the others
+// cost at most kPrewarmDegree edges per expansion. Entries go stale one by one as later
+// extends add occurrences, and are recomputed on use.
+void Automaton::prewarm_children_cache() {
+  children_cache_.clear();
+  for (size_t t = 0; t < heavy_tables_.size(); ++t) {
+    if (children_cache_.size() >= kMaxCachedStates / 2) return;
+    if (heavy_tables_[t].size() < kPrewarmDegree) continue;
+    int32_t state = heavy_owners_[t];
+    int64_t total = continuation_total(state);
+    if (total > 0) cache_best_children(state, kMinCachedChildren, total, &children_cache_[state]);
+  }
+}
+
+// Occurrences followed by a token: the sum of the children's counts.
+int64_t Automaton::continuation_total(int32_t state) const {
+  const State& s = states_[state];
+  return s.count - (num_tokens_ > 0 && s.last_end == num_tokens_ ? 1 : 0);
 }
 
 // Push the `budget` best children of `parent`; a child ranked below the budget can never be
@@ -517,8 +544,7 @@ void Automaton::push_children(const Candidate& parent, int32_t node, int32_t bud
     }
     return;
   }
-  const State& s = states_[parent.state];
-  int64_t total = s.count - (s.last_end == num_tokens_ ? 1 : 0);  // = sum of children counts
+  int64_t total = continuation_total(parent.state);
   if (total <= 0) return;
   const std::vector<Child>& children = best_children(parent.state, budget, total);
   size_t keep = std::min(children.size(), static_cast<size_t>(budget));
@@ -656,7 +682,8 @@ std::string Automaton::check_counts() {
 
 int64_t Automaton::heavy_tables_bytes() const {
   constexpr int64_t kMallocOverhead = 16;
-  int64_t bytes = static_cast<int64_t>(heavy_tables_.capacity() * sizeof(HeavyTable));
+  int64_t bytes = static_cast<int64_t>(heavy_tables_.capacity() * sizeof(HeavyTable) +
+                                      heavy_owners_.capacity() * sizeof(int32_t));
   for (const HeavyTable& table : heavy_tables_)
     bytes += kMallocOverhead + static_cast<int64_t>(table.capacity() * sizeof(HeavyEdge));
   return bytes;

@@ -184,6 +184,10 @@ class Automaton {
                      std::vector<Candidate>* heap, int64_t* seq);
   static void push_candidate(const Candidate& candidate, std::vector<Candidate>* heap);
   const std::vector<Child>& best_children(int32_t state, int32_t budget, int64_t total);
+  void cache_best_children(int32_t state, size_t keep, int64_t total, CachedChildren* cached);
+  void prewarm_children_cache();
+  int64_t continuation_total(int32_t state) const;
+  const HeavyTable& heavy_table(int32_t s) const { return heavy_tables_[states_[s].edge_head]; }
   void collect_children(int32_t state, size_t keep, std::vector<Child>* children);
   std::string check_structure() const;
   std::string check_edges() const;
@@ -196,6 +200,7 @@ class Automaton {
   BlockVector<Edge> edges_;
   int32_t free_edge_ = kNone;  // list nodes freed when their state turned heavy, for reuse
   std::vector<HeavyTable> heavy_tables_;
+  std::vector<int32_t> heavy_owners_;  // [heavy_tables_.size()] the state of each table
   int64_t num_edges_ = 0;
   int32_t last_ = kRoot;
   std::vector<int32_t> pending_leaves_;  // leaves whose +1 is not yet on their suffix paths
