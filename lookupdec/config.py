@@ -17,7 +17,7 @@ class NgramConfig:
     """Prompt n-gram lookup (``lookupdec.proposers.ngram``)."""
 
     min_ngram: int = 1  # shortest context suffix that may anchor a match
-    max_ngram: int = 8  # longest context suffix tried first
+    max_ngram: int = 4  # longest context suffix tried first (longer ones: the suffix proposer)
     max_draft_tokens: int = 48  # tokens copied after a match (long: copy-heavy work)
     max_branches: int = 4  # distinct continuations (occurrences) kept as branches
 

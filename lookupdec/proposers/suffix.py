@@ -31,7 +31,7 @@ from lookupdec.proposers.base import Draft, RequestRegistry
 SEPARATOR = 2**31 - 1  # joins outputs in the global stream; never a real token id
 MATCH_PRIOR = 1.0  # confidence in a match of length L is L / (L + MATCH_PRIOR)
 EMPTY_MATCH_CONFIDENCE = 0.2  # pseudo match length: a 0-token match still scores above 0
-MATCH_LEVELS = 3  # subtrees from this many match lengths (the longest and shorter ones)
+MATCH_LEVELS = 2  # subtrees from this many match lengths (the longest and shorter ones)
 SHORTER_MATCH_BUDGET_DIVISOR = 2  # shorter matches add breadth: half the budget is enough (replay: same MAT, 1.5x less drafting)
 CERTAIN_STEP = 0.9  # prior probability that a step all earlier occurrences agree on is right
 CERTAIN_PRIOR_WEIGHT = 20.0  # observations the prior is worth
