@@ -85,7 +85,7 @@ DEFAULT_MAX_MATCH = 32
 INT32_MAX = 2**31 - 1
 
 
-class TreeArrays(NamedTuple):
+class TreeArrays(NamedTuple):  # read-only arrays
     token_ids: np.ndarray  # [num_nodes] int32
     parents: np.ndarray  # [num_nodes] int32, -1 = child of the root, parents[i] < i
     scores: np.ndarray  # [num_nodes] float64, product of next-token frequencies on the path
@@ -95,8 +95,16 @@ def compiled_available() -> bool:
     return _core is not None
 
 
+def _array(values: bytes | np.ndarray, dtype: type) -> np.ndarray:
+    """The compiled core returns small arrays as bytes (cheaper than numpy arrays to make):
+    a read-only view of them; the reference returns numpy arrays."""
+    return np.frombuffer(values, dtype=dtype) if isinstance(values, bytes) else values
+
+
 def _int32_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """[n] int32 contiguous array; ValueError for ids outside [0, 2**31 - 1] or not 1-D."""
+    if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1:  # fast path
+        return tokens if tokens.flags.c_contiguous else np.ascontiguousarray(tokens)
     if isinstance(tokens, (list, tuple, range)):
         try:
             array = np.asarray(tokens, dtype=np.int32)
@@ -210,13 +218,13 @@ class SuffixAutomaton:
         return self._core.most_recent_end(state)
 
     def end_positions(self, state: int, limit: int) -> np.ndarray:
-        """[min(limit, count)] int32 end positions of ``state``, newest first."""
-        return self._core.end_positions(state, limit)
+        """[min(limit, count)] int32 end positions of ``state``, newest first (read-only)."""
+        return _array(self._core.end_positions(state, limit), np.int32)
 
     def next_counts(self, state: int) -> dict[int, int]:
         """next token -> number of occurrences of ``state``'s strings followed by it."""
         tokens, counts = self._core.next_counts(state)
-        return dict(zip(tokens.tolist(), counts.tolist()))
+        return dict(zip(_array(tokens, np.int32).tolist(), _array(counts, np.int32).tolist()))
 
     # ------------------------------------------------------------ drafting
 
@@ -224,7 +232,9 @@ class SuffixAutomaton:
         """Best-first subtree of continuations of ``state`` (module docstring: scores, ties)."""
         if max_nodes < 0 or max_depth < 0:
             raise ValueError(f"max_nodes and max_depth must be >= 0, got {max_nodes}, {max_depth}")
-        return TreeArrays(*self._core.expand_tree(state, max_nodes, max_depth))
+        token_ids, parents, scores = self._core.expand_tree(state, max_nodes, max_depth)
+        return TreeArrays(_array(token_ids, np.int32), _array(parents, np.int32),
+                          _array(scores, np.float64))
 
     def propose_tree(self, context: Sequence[int] | np.ndarray, *, max_nodes: int,
                      max_depth: int, min_match: int = 1, min_count: int = 1,
