@@ -230,22 +230,18 @@ class SuffixAutomaton:
 
     def expand_tree(self, state: int, *, max_nodes: int, max_depth: int) -> TreeArrays:
         """Best-first subtree of continuations of ``state`` (module docstring: scores, ties)."""
-        if max_nodes < 0 or max_depth < 0:
-            raise ValueError(f"max_nodes and max_depth must be >= 0, got {max_nodes}, {max_depth}")
-        token_ids, parents, scores = self._core.expand_tree(state, max_nodes, max_depth)
-        return TreeArrays(_array(token_ids, np.int32), _array(parents, np.int32),
-                          _array(scores, np.float64))
+        _check_budget(max_nodes, max_depth)
+        return _tree_arrays(self._core.expand_tree(state, max_nodes, max_depth))
 
     def propose_tree(self, context: Sequence[int] | np.ndarray, *, max_nodes: int,
                      max_depth: int, min_match: int = 1, min_count: int = 1,
                      max_match: int = DEFAULT_MAX_MATCH) -> TreeArrays:
-        """match -> shorten_match(min_count) -> expand_tree; empty if the match is shorter
-        than ``min_match`` tokens."""
-        state, length = self.match(context, max_len=max_match)
-        state, length = self.shorten_match(state, length, min_count=min_count)
-        if length < min_match:
-            return _empty_tree()
-        return self.expand_tree(state, max_nodes=max_nodes, max_depth=max_depth)
+        """match (of the last ``max_match`` tokens) -> shorten_match(min_count) -> expand_tree;
+        empty if the match is shorter than ``min_match`` tokens. One call into the core."""
+        _check_budget(max_nodes, max_depth)
+        window = _int32_tokens(context[max(len(context) - max_match, 0):])
+        return _tree_arrays(self._core.propose_tree(window, max_nodes, max_depth, min_match,
+                                                    min_count))
 
     # ------------------------------------------------------------ checks
 
@@ -265,5 +261,12 @@ class SuffixAutomaton:
         return sum(self.memory_report().values())
 
 
-def _empty_tree() -> TreeArrays:
-    return TreeArrays(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float64))
+def _check_budget(max_nodes: int, max_depth: int) -> None:
+    if max_nodes < 0 or max_depth < 0:
+        raise ValueError(f"max_nodes and max_depth must be >= 0, got {max_nodes}, {max_depth}")
+
+
+def _tree_arrays(arrays: tuple) -> TreeArrays:
+    token_ids, parents, scores = arrays
+    return TreeArrays(_array(token_ids, np.int32), _array(parents, np.int32),
+                      _array(scores, np.float64))

@@ -199,6 +199,18 @@ class ReferenceAutomaton:
         return (np.asarray(token_ids, dtype=np.int32), np.asarray(parents, dtype=np.int32),
                 np.asarray(scores, dtype=np.float64))
 
+    def propose_tree(self, context: Sequence[int], max_nodes: int, max_depth: int,
+                     min_match: int, min_count: int):
+        """match, then suffix links while fewer than min_count occurrences continue, then
+        expand_tree; empty if the match is shorter than min_match."""
+        state, length = self.match(context)
+        while length > 0 and self.continuation_count(state) < min_count:
+            state = self._link[state]
+            length = self._len[state]
+        if length < min_match:
+            return self.expand_tree(state, 0, 0)  # empty arrays
+        return self.expand_tree(state, max_nodes, max_depth)
+
     # ------------------------------------------------------------ checks
 
     def check_invariants(self) -> str:

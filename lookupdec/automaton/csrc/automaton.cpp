@@ -560,6 +560,19 @@ void Automaton::push_candidate(const Candidate& candidate, std::vector<Candidate
   std::push_heap(heap->begin(), heap->end());
 }
 
+TreeDraft Automaton::propose_tree(const int32_t* context, size_t n, int32_t max_nodes,
+                                  int32_t max_depth, int32_t min_match, int32_t min_count) {
+  flush();
+  std::pair<int32_t, int32_t> found = match(context, n);
+  int32_t state = found.first, length = found.second;
+  while (length > 0 && continuation_total(state) < min_count) {
+    state = states_[state].link;
+    length = static_cast<int32_t>(len(state));
+  }
+  if (length < min_match) return TreeDraft{};
+  return expand_tree(state, max_nodes, max_depth);
+}
+
 TreeDraft Automaton::expand_tree(int32_t state, int32_t max_nodes, int32_t max_depth) {
   check_state(state);
   flush();

@@ -146,6 +146,10 @@ class Automaton {
   std::vector<int32_t> end_positions(int32_t state, int32_t limit);
   void next_counts(int32_t state, std::vector<int32_t>* tokens, std::vector<int32_t>* counts);
   TreeDraft expand_tree(int32_t state, int32_t max_nodes, int32_t max_depth);
+  // match, then suffix links while fewer than min_count occurrences continue, then expand_tree;
+  // empty if the match is shorter than min_match.
+  TreeDraft propose_tree(const int32_t* context, size_t n, int32_t max_nodes, int32_t max_depth,
+                         int32_t min_match, int32_t min_count);
 
   std::string check_invariants();  // "" when fine, else the first broken invariant
   std::map<std::string, int64_t> memory_report() const;

@@ -40,9 +40,18 @@ nb::tuple next_counts(Automaton& automaton, int32_t state) {
   return nb::make_tuple(to_bytes(tokens), to_bytes(counts));
 }
 
-nb::tuple expand_tree(Automaton& automaton, int32_t state, int32_t max_nodes, int32_t max_depth) {
-  lookupdec::TreeDraft tree = automaton.expand_tree(state, max_nodes, max_depth);
+nb::tuple tree_bytes(const lookupdec::TreeDraft& tree) {
   return nb::make_tuple(to_bytes(tree.token_ids), to_bytes(tree.parents), to_bytes(tree.scores));
+}
+
+nb::tuple expand_tree(Automaton& automaton, int32_t state, int32_t max_nodes, int32_t max_depth) {
+  return tree_bytes(automaton.expand_tree(state, max_nodes, max_depth));
+}
+
+nb::tuple propose_tree(Automaton& automaton, TokensIn context, int32_t max_nodes,
+                       int32_t max_depth, int32_t min_match, int32_t min_count) {
+  return tree_bytes(automaton.propose_tree(context.data(), context.shape(0), max_nodes, max_depth,
+                                           min_match, min_count));
 }
 
 }  // namespace
@@ -70,6 +79,7 @@ NB_MODULE(_core, m) {
       })
       .def("next_counts", &next_counts)
       .def("expand_tree", &expand_tree)
+      .def("propose_tree", &propose_tree)
       .def("check_invariants", &Automaton::check_invariants)
       .def("memory_report", &Automaton::memory_report);
 }
