@@ -79,6 +79,7 @@ STORY_OPENINGS = (
     "Once upon a time, there was a funny clown.",
     "The sun was hot and the children wanted to swim.",
 )
+WARMUP_TEXT = "The quick brown fox jumps over the lazy dog."
 STORY_TOKENS = 160  # length of each generated story before its first half is repeated
 
 
@@ -255,22 +256,27 @@ def bench_model(name: str, args) -> tuple[dict, list[dict]]:
     model, tokenizer, encode, info = load_model(spec, args.init_std)
     workloads = build_workloads(spec, model, tokenizer, encode, n_prompts, max_new, max_prompt)
     engine_config = EngineConfig(proposers=tuple(args.proposers)) if args.proposers else EngineConfig()
-    engine = Engine(model, tokenizer, engine_config)  # before the meter: its start-up probe is not counted
+    # One engine per repeat, built before the meter (start-up probes are not counted): an engine
+    # with a global cache must never have seen the prompt it is timed on, or a repeat would
+    # replay its own earlier output. Each repeat's engine sees the same history as repeat 0's.
+    engines = [Engine(model, tokenizer, engine_config) for _ in range(args.repeats)]
+    engine = engines[0]
     info.update(prompts_per_workload=n_prompts, max_new_tokens=max_new, max_prompt_tokens=max_prompt,
                 engine_config=repr(engine_config), tree_mode=engine.target.tree_mode,
                 load_s=round(time.perf_counter() - t_load, 2), load_average_before=load_average())
     print(f"\n== {name}: {info['params'] / 1e6:.2f}M params, {n_prompts} prompts/workload x {max_new} new tokens, "
           f"prompts <= {max_prompt} tokens, tree_mode={engine.target.tree_mode}", flush=True)
     meter = ForwardMeter(model)
-    warm = next(iter(workloads.values()))[0][-64:]
-    for method in METHODS:  # once per method: allocator, oneDNN and Python caches
-        run_method(method, model, engine, warm, min(max_new, 16))
+    warm = encode(WARMUP_TEXT)  # in no workload: the warm-up output must not help any prompt
+    for method in METHODS:  # once per method (and engine): allocator, oneDNN, cost calibration
+        for e in engines if method == "lookupdec" else engines[:1]:
+            run_method(method, model, e, warm, min(max_new, 16))
     runs = []
     for workload, prompts in workloads.items():
         for i, prompt in enumerate(prompts):
             for repeat in range(args.repeats):
                 order = METHODS[(i + repeat) % 3:] + METHODS[: (i + repeat) % 3]  # rotate who goes first
-                trio = [run_once(method, model, engine, meter, prompt, max_new) for method in order]
+                trio = [run_once(method, model, engines[repeat], meter, prompt, max_new) for method in order]
                 outs = {r["method"]: r.pop("_out") for r in trio}
                 trio = [{"model": name, "workload": workload, "prompt": i, "repeat": repeat, **r} for r in trio]
                 for r in trio:
@@ -479,7 +485,8 @@ def main(argv=None) -> int:
                               "cache its proposers have sees the warm-up and earlier prompts' outputs)",
               "dtype": "float32", "device": "cpu", "init_std": args.init_std, "seed": SEED,
               "method_order": "rotated per prompt (and per repeat)", "repeats": args.repeats,
-              "timing_statistic": "sum over prompts of each prompt's fastest repeat", "warmup": "one short run per method per model",
+              "repeat_engines": "one lookupdec Engine per repeat: none sees a prompt twice",
+              "timing_statistic": "sum over prompts of each prompt's fastest repeat", "warmup": f"one run per method (and engine) per model on {WARMUP_TEXT!r}, in no workload",
               "timer": "time.perf_counter around each generate call (prefill included)",
               "decode_only": "(new tokens - tokens of the first model call) / (run time - the first call), "
                              f"first-call tokens {FIRST_CALL_TOKENS} (pld: a lower bound)",
