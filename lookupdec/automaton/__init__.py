@@ -51,7 +51,7 @@ recounts every state (states sorted by length, one pass: ~1 s at 10M tokens). Th
 ``most_recent_end`` is O(1), and ``end_positions`` walks the suffix-link subtree best-first by
 newest end position, so its cost grows with ``limit``, not with the number of occurrences.
 
-Memory (measured by bench/automaton_bench.py): about 75 bytes per token at 10M tokens of real
+Memory (measured by bench/automaton_bench.py): about 77 bytes per token at 10M tokens of real
 text (1.6 states of 28 B and 1.8 list edges of 12 B per token, a small hash table per state
 with many edges, the int32 token stream). Not thread-safe: calls hold the GIL, and queries
 update internal caches.

@@ -2,7 +2,7 @@
 //
 // APPEND-ONLY: tokens are only ever appended; a change in the middle needs a rebuild.
 //
-// Layout (about 75 bytes per stored token on real text at 10M tokens, see memory_report()):
+// Layout (about 77 bytes per stored token on real text at 10M tokens, see memory_report()):
 //   tokens_   int32 [n]            the stored stream, shared with numpy views (snapshots)
 //   states_   State [num_states]   28 bytes each, at most 2n states (~1.6n on real text)
 //   edges_    Edge  [...]          12 bytes each, one linked list of out-edges per light state
