@@ -130,7 +130,8 @@ def _add_simulate(sub) -> None:
     p.add_argument("--data", default=DEFAULT_DATA, help=f"shared data folder for --workload ({DEFAULT_DATA})")
     p.add_argument("--tokenizer", default=None,
                    help=f"HF tokenizer folder or sentencepiece .model file (default: {DEFAULT_SP_TOKENIZER})")
-    p.add_argument("--proposers", default="ngram", help="comma-separated drafting sources (ngram)")
+    p.add_argument("--proposers", default=None,
+                   help="comma-separated drafting sources: ngram, suffix (default: the engine's, ngram,suffix)")
     p.add_argument("--budget", type=_positive_int, default=64, help="draft-tree nodes per step (64)")
     p.add_argument("--max-depth", type=_positive_int, default=64, help="longest draft path (64)")
     p.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N records")
@@ -145,7 +146,9 @@ def _cmd_simulate(args) -> int:
     from lookupdec.simulate import read_jsonl, replay
     from lookupdec.workloads import WORKLOADS
 
-    config = EngineConfig(proposers=tuple(s.strip() for s in args.proposers.split(",") if s.strip()))
+    config = EngineConfig()
+    if args.proposers is not None:
+        config = EngineConfig(proposers=tuple(s.strip() for s in args.proposers.split(",") if s.strip()))
     tokenizer = model_lib.load_tokenizer(args.tokenizer or DEFAULT_SP_TOKENIZER)
     try:
         records = read_jsonl(args.input) if args.input else list(WORKLOADS[args.workload](args.data))

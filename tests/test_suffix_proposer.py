@@ -1,0 +1,108 @@
+"""The suffix-automaton proposer: drafts, lifecycle, the global cache's capacity and persistence."""
+import numpy as np
+import pytest
+
+from lookupdec.config import SuffixConfig
+from lookupdec.proposers.suffix import SEPARATOR, SuffixProposer, without_separator
+
+
+def _paths(drafts):
+    """Every root-to-node token path of the drafts, as tuples."""
+    out = set()
+    for d in drafts:
+        for i in range(len(d.token_ids)):
+            path, node = [], i
+            while node >= 0:
+                path.append(d.token_ids[node])
+                node = d.parents[node]
+            out.add(tuple(reversed(path)))
+    return out
+
+
+def test_request_automaton_drafts_what_followed_the_context():
+    p = SuffixProposer()
+    prompt = [5, 6, 7, 8, 9, 1, 2, 5, 6]
+    p.start("r", prompt)
+    drafts = p.propose("r", prompt, budget=8)
+    assert (7, 8, 9, 1) in _paths(drafts)  # [5, 6] was followed by 7 8 9 1 ...
+    for d in drafts:
+        assert all(0 < s <= 1 for s in d.scores)
+        assert all(d.scores[i] <= d.scores[p_] for i, p_ in enumerate(d.parents) if p_ >= 0)
+
+
+def test_observe_extends_and_global_cache_learns_across_requests():
+    p = SuffixProposer()
+    p.start("a", [1, 2, 3])
+    p.observe("a", [40, 41, 42, 43, 44])
+    p.stop("a")
+    assert p.global_tokens == 6  # 5 output tokens + separator
+    p.start("b", [9, 9, 40, 41])
+    drafts = p.propose("b", [9, 9, 40, 41], budget=8)
+    assert any(d.source == "suffix-global" for d in drafts)
+    assert (42, 43, 44) in _paths([d for d in drafts if d.source == "suffix-global"])
+    assert all(SEPARATOR not in d.token_ids for d in drafts)
+
+
+def test_lifecycle_errors_name_the_request():
+    p = SuffixProposer()
+    p.start("x", [1, 2])
+    with pytest.raises(ValueError, match="'x'"):
+        p.start("x", [1, 2])
+    with pytest.raises(ValueError, match="'y'"):
+        p.propose("y", [1, 2], budget=4)
+    with pytest.raises(ValueError, match="'y'"):
+        p.observe("y", [3])
+    p.stop("x")
+    with pytest.raises(ValueError, match="'x'"):
+        p.stop("x")
+
+
+def test_global_capacity_drops_oldest_outputs():
+    p = SuffixProposer(SuffixConfig(global_capacity=40))
+    for r in range(10):
+        p.start(f"r{r}", [1])
+        p.observe(f"r{r}", [100 + r] * 9)
+        p.stop(f"r{r}")
+        assert p.global_tokens <= 40
+    stream = p.global_automaton.tokens
+    assert 100 + 9 in stream and 100 not in stream  # newest kept, oldest dropped
+    p.global_automaton.check_invariants()
+
+
+def test_no_global_cache_when_capacity_is_zero():
+    p = SuffixProposer(SuffixConfig(global_capacity=0))
+    p.start("a", [1])
+    p.observe("a", [2, 3])
+    p.stop("a")
+    assert p.global_tokens == 0
+
+
+def test_save_load_round_trip_and_checks(tmp_path):
+    p = SuffixProposer()
+    for r, out in enumerate([[7, 8, 9], [70000, 70001]]):  # ids above 65535 survive
+        p.start(str(r), [1])
+        p.observe(str(r), out)
+        p.stop(str(r))
+    path = str(tmp_path / "cache.npz")
+    p.save_global(path, tokenizer_fingerprint="abc")
+    q = SuffixProposer()
+    q.load_global(path, tokenizer_fingerprint="abc")
+    assert np.array_equal(q.global_automaton.tokens, p.global_automaton.tokens)
+    assert q.global_tokens == p.global_tokens
+    with pytest.raises(ValueError, match="tokenizer"):
+        SuffixProposer().load_global(path, tokenizer_fingerprint="other")
+    (tmp_path / "bad.npz").write_bytes(b"not a cache")
+    with pytest.raises(ValueError, match="not a lookupdec suffix cache"):
+        SuffixProposer().load_global(str(tmp_path / "bad.npz"), tokenizer_fingerprint="abc")
+
+
+def test_without_separator_drops_descendants():
+    tokens, parents, scores = without_separator([5, SEPARATOR, 7, 8], [-1, -1, 1, 0], [.9, .5, .5, .8])
+    assert tokens == [5, 8] and parents == [-1, 0] and scores == [.9, .8]
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="min_match"):
+        SuffixConfig(min_match=0)
+    with pytest.raises(ValueError, match="global_capacity"):
+        SuffixConfig(global_capacity=-1)
