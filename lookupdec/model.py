@@ -124,7 +124,9 @@ class TargetModel:
         ids = torch.tensor([tree.token_ids], device=self.device)
         depth = torch.tensor(tree.depth, device=self.device)
         positions = (self.n_cached + depth)[None]
-        mask = self._tree_mask(tree, positions[0]) if self.tree_mode else None
+        # A chain needs no custom mask: the model's own causal mask (and its fastest attention
+        # path, the one plain decoding takes) is exactly the tree mask then.
+        mask = self._tree_mask(tree, positions[0]) if self.tree_mode and not tree.is_chain else None
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                          past_key_values=self.cache, use_cache=True)
         self.n_cached += n

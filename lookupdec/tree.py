@@ -53,6 +53,11 @@ class TokenTree:
         return len(self.token_ids)
 
     @property
+    def is_chain(self) -> bool:
+        """One path (the root alone included): its mask is the ordinary causal one."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    @property
     def num_draft_nodes(self) -> int:
         return len(self.token_ids) - 1
 
