@@ -102,12 +102,20 @@ def run_metadata(threads_set_by_benchmark: bool = False) -> dict:
 
 
 def write_result(path: str | os.PathLike, benchmark: str, config: dict, results, *,
-                 threads_set_by_benchmark: bool = False, **extra) -> Path:
-    """Write the result JSON atomically (a ``.tmp`` file renamed into place)."""
+                 threads_set_by_benchmark: bool = False, meta: dict | None = None, **extra) -> Path:
+    """Write the result JSON atomically (a ``.tmp`` file renamed into place).
+
+    ``meta``: ``run_metadata()`` taken when the run started (the code a run imports is the
+    working tree at its start; others may commit while it runs); default: taken now.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": benchmark, "meta": run_metadata(threads_set_by_benchmark), "config": config,
-           "results": results, **extra}
+    if meta is None:
+        meta = run_metadata(threads_set_by_benchmark)
+    else:
+        meta = {**meta, "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "machine": {**meta["machine"], "load_average_at_end": load_average()}}
+    doc = {"benchmark": benchmark, "meta": meta, "config": config, "results": results, **extra}
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     tmp.replace(path)

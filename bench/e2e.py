@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, SHARED_DIR, format_table, load_average, write_result  # noqa: E402
+from common import RESULTS_DIR, SHARED_DIR, format_table, load_average, run_metadata, write_result  # noqa: E402
 
 METHODS = ("greedy", "pld", "lookupdec")
 # New tokens that come out of a method's first model call, which decode-only rates leave out
@@ -462,6 +462,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)
     if args.threads:
         torch.set_num_threads(args.threads)
+    meta = run_metadata(threads_set_by_benchmark=bool(args.threads))  # the code this run imports
     print(f"torch threads {torch.get_num_threads()} ({'--threads' if args.threads else 'default'}), "
           f"load average {load_average()}", flush=True)
     t0 = time.perf_counter()
@@ -492,7 +493,7 @@ def main(argv=None) -> int:
                              f"first-call tokens {FIRST_CALL_TOKENS} (pld: a lower bound)",
               "models": models}
     path = write_result(out, "e2e", config, runs, summary=rows, bars=bar_status,
-                        threads_set_by_benchmark=bool(args.threads),
+                        threads_set_by_benchmark=bool(args.threads), meta=meta,
                         wall_s=round(time.perf_counter() - t0, 1))
     print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s)")
     return 0
