@@ -29,7 +29,8 @@ from lookupdec.proposers.base import Draft
 
 CALIBRATION_SECONDS = 1.5  # start-up budget for measuring t(n)
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
-PRIOR_WEIGHT = 4.0  # pseudo-observations behind the initial factor of 1.0
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind the initial factor of 1.0 (they decay like
+#                    real ones, so a source that never matches fades to a factor near 0)
 HISTORY_DECAY = 0.95  # per-step decay of old observations (half-life about 14 steps)
 MAX_FACTOR = 1.5  # a source's scores are never trusted more than this
 
@@ -102,9 +103,9 @@ class AcceptanceCalibrator:
         self._matched: dict[str, float] = {}  # decayed count of nodes that matched
 
     def factor(self, source: str) -> float:
-        predicted = self._predicted.get(source, 0.0) + PRIOR_WEIGHT
-        matched = self._matched.get(source, 0.0) + PRIOR_WEIGHT
-        return min(MAX_FACTOR, matched / predicted)
+        predicted = self._predicted.get(source, PRIOR_WEIGHT)
+        matched = self._matched.get(source, PRIOR_WEIGHT)
+        return min(MAX_FACTOR, matched / predicted) if predicted > 0 else 1.0
 
     def factors(self) -> dict[str, float]:
         """Every observed source's factor (``TokenTree.from_drafts(factors=...)``)."""
@@ -128,8 +129,8 @@ class AcceptanceCalibrator:
                 if token != actual:
                     break
                 matched += 1
-            self._predicted[draft.source] = self._predicted.get(draft.source, 0.0) + predicted
-            self._matched[draft.source] = self._matched.get(draft.source, 0.0) + matched
+            self._predicted[draft.source] = self._predicted.get(draft.source, PRIOR_WEIGHT) + predicted
+            self._matched[draft.source] = self._matched.get(draft.source, PRIOR_WEIGHT) + matched
 
 
 def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int) -> int:
