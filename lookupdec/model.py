@@ -16,7 +16,6 @@ import logging
 import os
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from lookupdec.tree import TokenTree

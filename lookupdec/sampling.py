@@ -24,7 +24,6 @@ fixed tree. The tree never depends on the generator's draws.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
