@@ -1,4 +1,4 @@
-"""``lookupdec`` command line: ``lookupdec generate ...``.
+"""``lookupdec`` command line: ``lookupdec generate | simulate | index build/info/query/verify``.
 
 Errors a user can cause (bad paths, bad values) print one line ``lookupdec: error: ...`` and
 exit with status 2; no traceback.
@@ -51,6 +51,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--fixed-budget", action="store_true",
                    help="always verify up to --max-nodes nodes (default: chosen per step from measured cost)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding (no proposers), for comparison")
+    p.add_argument("--index", default=None, help="also draft from this corpus index (lookupdec index build)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
     p.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
@@ -87,8 +88,11 @@ def _cmd_generate(args) -> int:
     if args.max_nodes is not None:
         fields["max_nodes"] = args.max_nodes
     if args.no_draft:
+        if args.index:
+            raise CliError("--no-draft and --index contradict each other")
         fields["proposers"] = ()
-    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=EngineConfig(**fields))
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=EngineConfig(**fields),
+                                    index=args.index)
     stream = engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                            seed=args.seed, stop=args.stop)
@@ -131,9 +135,11 @@ def _add_simulate(sub) -> None:
     p.add_argument("--tokenizer", default=None,
                    help=f"HF tokenizer folder or sentencepiece .model file (default: {DEFAULT_SP_TOKENIZER})")
     p.add_argument("--proposers", default=None,
-                   help="comma-separated drafting sources: ngram, suffix (default: the engine's, ngram,suffix)")
+                   help="comma-separated drafting sources: ngram, suffix, retrieval (default: the engine's, "
+                   "ngram,suffix; --index adds retrieval)")
     p.add_argument("--budget", type=_positive_int, default=64, help="draft-tree nodes per step (64)")
     p.add_argument("--max-depth", type=_positive_int, default=64, help="longest draft path (64)")
+    p.add_argument("--index", default=None, help="draft also from this corpus index (lookupdec index build)")
     p.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N records")
     p.add_argument("--json", action="store_true", help="print the full result (per record too) as JSON")
     p.set_defaults(func=_cmd_simulate)
@@ -149,6 +155,8 @@ def _cmd_simulate(args) -> int:
     config = EngineConfig()
     if args.proposers is not None:
         config = EngineConfig(proposers=tuple(s.strip() for s in args.proposers.split(",") if s.strip()))
+    if args.index:
+        config = config.with_index(args.index)
     tokenizer = model_lib.load_tokenizer(args.tokenizer or DEFAULT_SP_TOKENIZER)
     try:
         records = read_jsonl(args.input) if args.input else list(WORKLOADS[args.workload](args.data))
@@ -156,8 +164,8 @@ def _cmd_simulate(args) -> int:
         raise CliError(str(exc)) from None
     if args.limit:
         records = records[: args.limit]
-    result = replay(records, tokenizer, build_proposers(config), budget=args.budget, max_depth=args.max_depth,
-                    progress=sys.stderr.isatty())
+    result = replay(records, tokenizer, build_proposers(config, tokenizer=tokenizer), budget=args.budget,
+                    max_depth=args.max_depth, progress=sys.stderr.isatty())
     result["workload"] = args.workload or args.input
     if args.json:
         json.dump(result, sys.stdout, indent=1)
@@ -170,6 +178,145 @@ def _cmd_simulate(args) -> int:
     return 0
 
 
+def _add_index(sub) -> None:
+    p = sub.add_parser(
+        "index",
+        help="build and inspect retrieval indexes over your corpora",
+        description="A retrieval index holds a corpus (code, logs, documents) tokenized, chunked and "
+        "embedded into FAISS. Passing it to generate/simulate/serve (--index DIR) lets the engine "
+        "draft text copied from the corpus. The format is documented in indexes/README.md.",
+    )
+    isub = p.add_subparsers(dest="index_command", required=True, metavar="SUBCOMMAND")
+    b = isub.add_parser(
+        "build", help="build an index from files, folders, .jsonl and .gz",
+        description="Read PATHs (files; folders recursively; .jsonl records' --field; .gz of any), "
+        "tokenize with the model's tokenizer, chunk, embed, and build a FAISS index in --out. The "
+        "index is written to a temporary folder and renamed at the end: an interrupted build leaves "
+        "no index. Binary, non-UTF-8 and unreadable files are skipped with a count.",
+    )
+    b.add_argument("paths", nargs="+", metavar="PATH", help="files or folders to index")
+    b.add_argument("--tokenizer", required=True,
+                   help="the model's tokenizer: an HF model/tokenizer folder or a sentencepiece .model file")
+    b.add_argument("--out", required=True, help="index folder to create")
+    b.add_argument("--chunk-tokens", type=_positive_int, default=256, help="tokens per chunk (256)")
+    b.add_argument("--embedder", default="hash",
+                   help="hash (default: hashed token n-grams, no model) or sentence-transformers:PATH (local folder)")
+    b.add_argument("--dim", type=_positive_int, default=None, help="hash embedder dimension (512)")
+    b.add_argument("--faiss", default="auto", choices=("auto", "flat", "ivf", "hnsw"),
+                   help="FAISS index type (auto: flat below 50k chunks, HNSW above)")
+    b.add_argument("--gpu", action="store_true", help="build on the GPU (needs faiss-gpu and CUDA)")
+    b.add_argument("--include", nargs="+", default=(), metavar="GLOB",
+                   help="in folders, read only files matching one of these (e.g. '*.py' '*.md')")
+    b.add_argument("--exclude", nargs="+", default=(), metavar="GLOB",
+                   help="leave out files or folders matching these (.git, __pycache__ ... always)")
+    b.add_argument("--field", default="text", help=".jsonl: the record field with the text (text)")
+    b.add_argument("--force", action="store_true", help="replace an existing index at --out")
+    b.set_defaults(func=_cmd_index_build)
+    i = isub.add_parser("info", help="show an index's manifest, sizes and counts",
+                        description="Print what an index holds (reads the manifest; checks file sizes).")
+    i.add_argument("dir", help="index folder")
+    i.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+    i.set_defaults(func=_cmd_index_info)
+    q = isub.add_parser("query", help="show the chunks a text retrieves and the drafts they give",
+                        description="Embed --text as a prompt would be, print the top chunks with their "
+                        "scores and sources, then the drafts retrieval would propose after that text.")
+    q.add_argument("dir", help="index folder")
+    q.add_argument("--text", required=True, help="query text (as the end of a prompt)")
+    q.add_argument("--k", type=_positive_int, default=5, help="chunks to show (5)")
+    q.add_argument("--tokenizer", default=None, help="tokenizer (default: the one recorded in the manifest)")
+    q.set_defaults(func=_cmd_index_query)
+    v = isub.add_parser("verify", help="check every file of an index against its manifest (SHA-256)",
+                        description="Exit 0 if every file is present with the size and SHA-256 the "
+                        "manifest records and the index opens; else print the problem and exit 2.")
+    v.add_argument("dir", help="index folder")
+    v.set_defaults(func=_cmd_index_verify)
+
+
+def _cmd_index_build(args) -> int:
+    from lookupdec.index import build_index
+
+    logging.getLogger("lookupdec").setLevel(logging.INFO)
+    try:
+        manifest = build_index(args.paths, tokenizer_path=args.tokenizer, out=args.out,
+                               chunk_tokens=args.chunk_tokens, embedder=args.embedder, dim=args.dim,
+                               faiss_kind=args.faiss, gpu=args.gpu, include=args.include, exclude=args.exclude,
+                               field=args.field, force=args.force, progress=sys.stderr.isatty())
+    except FileNotFoundError as exc:
+        raise CliError(str(exc)) from None
+    c = manifest["counts"]
+    print(f"{args.out}: {c['tokens']} tokens in {c['chunks']} chunks from {c['documents']} documents "
+          f"({c['sources']} files; skipped {sum(c['skipped'].values())}), FAISS {manifest['faiss']['kind']}, "
+          f"{_folder_mb(args.out):.1f} MB, built in {manifest['build']['seconds']:.1f} s")
+    return 0
+
+
+def _folder_mb(path: str) -> float:
+    import os
+
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 1e6
+
+
+def _cmd_index_info(args) -> int:
+    from lookupdec.index.store import check_files, read_manifest
+
+    manifest = read_manifest(args.dir)
+    check_files(args.dir, manifest, hashes=False)
+    if args.json:
+        json.dump(manifest, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    c, e, f = manifest["counts"], manifest["embedder"], manifest["faiss"]
+    print(f"index        {args.dir} (format_version {manifest['format_version']})")
+    print(f"tokenizer    {manifest['tokenizer']['fingerprint']} ({manifest['tokenizer'].get('path')})")
+    print(f"corpus       {c['sources']} files, {c['documents']} documents, {c['tokens']} tokens, "
+          f"{c['chunks']} chunks of <= {manifest['chunking']['chunk_tokens']} tokens; skipped {c['skipped'] or 'none'}")
+    print(f"embedder     {json.dumps(e)}")
+    print(f"faiss        {json.dumps(f)}")
+    for name, meta in sorted(manifest["files"].items()):
+        print(f"  {name:<16} {meta['bytes'] / 1e6:10.2f} MB  sha256 {meta['sha256'][:16]}")
+    print(f"built        {manifest['build'].get('created')} in {manifest['build'].get('seconds')} s "
+          f"(lookupdec {manifest['build'].get('lookupdec')}, faiss {manifest['build'].get('faiss')})")
+    return 0
+
+
+def _cmd_index_query(args) -> int:
+    from lookupdec import model as model_lib
+    from lookupdec.config import RetrievalConfig
+    from lookupdec.index import Index
+    from lookupdec.index.store import read_manifest
+    from lookupdec.proposers.retrieval import RetrievalProposer
+
+    manifest = read_manifest(args.dir)
+    tokenizer = model_lib.load_tokenizer(args.tokenizer or manifest["tokenizer"]["path"])
+    index = Index.open(args.dir, tokenizer_fingerprint=model_lib.vocab_fingerprint(tokenizer), decode=tokenizer.decode)
+    ids = list(tokenizer.encode(args.text, add_special_tokens=False))
+    if not ids:
+        raise CliError("--text gives no tokens")
+    for rank, hit in enumerate(index.search_tokens(ids, args.k), start=1):
+        text = tokenizer.decode(index.chunk_tokens(hit.chunk).tolist())
+        print(f"#{rank}  score {hit.score:.3f}  chunk {hit.chunk}  {index.document_name(hit.chunk)}")
+        print("    " + text[:300].replace("\n", "\n    ") + (" ..." if len(text) > 300 else ""))
+    proposer = RetrievalProposer(index, RetrievalConfig(index=args.dir, top_k=args.k))
+    proposer.start("query", ids)
+    drafts = proposer.propose("query", ids, 32)
+    print(f"drafts after the text ({len(drafts)}):" if drafts else "drafts after the text: none (no match)")
+    for d in drafts:
+        chain, _ = d.best_chain()
+        print(f"  {len(d.token_ids)} nodes, best path {tokenizer.decode(chain)!r}")
+    return 0
+
+
+def _cmd_index_verify(args) -> int:
+    from lookupdec.index import Index
+    from lookupdec.index.store import check_files, read_manifest
+
+    manifest = read_manifest(args.dir)
+    names = check_files(args.dir, manifest, hashes=True)
+    Index.open(args.dir, check_hashes=False, decode=lambda ids: "")
+    print(f"{args.dir}: OK ({len(names)} files match their SHA-256; {manifest['counts']['chunks']} chunks)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lookupdec",
@@ -179,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_simulate(sub)
+    _add_index(sub)
     return parser
 
 

@@ -49,6 +49,28 @@ class SuffixConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RetrievalConfig:
+    """Retrieval from a corpus index (``lookupdec.proposers.retrieval``, ``lookupdec index build``)."""
+
+    index: str | None = None  # index folder; the "retrieval" proposer needs one
+    top_k: int = 32  # chunks retrieved per query (replay, HumanEval over the stdlib: 8 -> 32 -> 64
+    #                  chunks gave MAT 1.44 / 1.58 / more; retrieved text also acts as frequency data)
+    follow_chunks: int = 1  # also take this many chunks that follow each hit in its document
+    query_tokens: int = 64  # the query is the last this-many tokens of the prompt (then the context)
+    refresh_every: int = 16  # re-query on the recent context every this-many new tokens (0 = never)
+    max_reference_tokens: int = 65_536  # most retrieved tokens kept per request
+    min_match: int = 1  # shortest context suffix matched in the retrieved text that may draft
+    max_match: int = 64  # context tokens matched
+    check_hashes: bool = True  # verify every index file's SHA-256 when opening (sizes are always checked)
+
+    def __post_init__(self) -> None:
+        for name in ("top_k", "query_tokens", "max_reference_tokens", "min_match", "max_match"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        for name in ("follow_chunks", "refresh_every"):
+            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How the engine drafts and verifies. Sampling settings are per call, not here."""
 
@@ -59,6 +81,7 @@ class EngineConfig:
     proposers: tuple[str, ...] = ("ngram", "suffix")  # drafting sources, in priority order
     ngram: NgramConfig = field(default_factory=NgramConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)  # used when "retrieval" is a proposer
     verify: str = "auto"  # "auto" (probe tree masks), "tree", or "chain" (one path per step)
 
     def __post_init__(self) -> None:
@@ -66,6 +89,17 @@ class EngineConfig:
         _require(self.max_depth >= 1, "max_depth", self.max_depth, "must be >= 1")
         _require(self.budget in ("auto", "fixed"), "budget", self.budget, "must be auto or fixed")
         _require(self.verify in ("auto", "tree", "chain"), "verify", self.verify, "must be auto, tree or chain")
-        known = {"ngram", "suffix"}
+        known = {"ngram", "suffix", "retrieval"}
         for name in self.proposers:
             _require(name in known, "proposers", self.proposers, f"unknown proposer {name!r} (known: {sorted(known)})")
+        _require("retrieval" not in self.proposers or self.retrieval.index is not None, "proposers",
+                 self.proposers, "'retrieval' needs retrieval.index (an index folder from `lookupdec index build`)")
+
+    def with_index(self, index) -> "EngineConfig":
+        """This config plus retrieval from the index folder ``index``."""
+        import dataclasses
+        import os
+
+        proposers = self.proposers if "retrieval" in self.proposers else (*self.proposers, "retrieval")
+        return dataclasses.replace(self, proposers=proposers,
+                                   retrieval=dataclasses.replace(self.retrieval, index=os.fspath(index)))

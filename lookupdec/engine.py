@@ -74,13 +74,23 @@ class Engine:
         self.tokenizer = tokenizer
         self.target = model_lib.TargetModel(model, verify=self.config.verify)
         self.eos_token_ids = model_lib.tokenizer_info(tokenizer)["eos_token_ids"]
-        self.proposers: list[Proposer] = build_proposers(self.config)
+        self.proposers: list[Proposer] = build_proposers(self.config, tokenizer=tokenizer)
         self.calibrator = AcceptanceCalibrator()
         self._cost: CostModel | None = None  # measured on first use (budget="auto")
         self._request_ids = itertools.count()
 
     @classmethod
-    def from_pretrained(cls, model_path, *, device=None, dtype=None, config: EngineConfig | None = None):
+    def from_pretrained(cls, model_path, *, device=None, dtype=None, config: EngineConfig | None = None,
+                        index=None):
+        """``index``: a folder from ``lookupdec index build`` to draft from (adds the "retrieval"
+        proposer); opened and checked against the model's tokenizer before the model loads."""
+        config = config or EngineConfig()
+        if index is not None:
+            config = config.with_index(index)
+        if "retrieval" in config.proposers:
+            from lookupdec.index.store import read_manifest
+
+            read_manifest(config.retrieval.index)  # fail fast, before loading weights
         model, tokenizer = model_lib.load(model_path, device=device, dtype=dtype)
         return cls(model, tokenizer, config)
 

@@ -108,8 +108,15 @@ def replay(records: Iterable[dict], tokenizer, proposers: Sequence[Proposer], *,
             results.append(replay_one(rid, prompt, response, proposers, budget=budget,
                                       max_depth=max_depth, draft_seconds=draft_seconds,
                                       calibrator=calibrator))
-    return summarize(results, draft_seconds, budget=budget, max_depth=max_depth,
-                     proposers=[p.name for p in proposers])
+    summary = summarize(results, draft_seconds, budget=budget, max_depth=max_depth,
+                        proposers=[p.name for p in proposers])
+    queries = [s for p in proposers for s in getattr(p, "query_seconds", [])]
+    if queries:
+        ms = np.array(queries) * 1e3
+        summary["retrieval_queries"] = len(queries)
+        summary["retrieval_ms_p50"] = float(np.percentile(ms, 50))
+        summary["retrieval_ms_p99"] = float(np.percentile(ms, 99))
+    return summary
 
 
 def summarize(results: list[RecordResult], draft_seconds: list, **settings) -> dict:

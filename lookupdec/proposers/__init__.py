@@ -8,11 +8,25 @@ from lookupdec.proposers.base import Draft, Proposer
 __all__ = ["Draft", "Proposer", "build_proposers"]
 
 
-def build_proposers(config: EngineConfig) -> list[Proposer]:
+def build_proposers(config: EngineConfig, *, tokenizer=None) -> list[Proposer]:
+    """``tokenizer``: the model's, needed with "retrieval" (the index must have been built with
+    the same vocabulary; opening it checks the fingerprint)."""
     from lookupdec.proposers.ngram import NgramProposer
     from lookupdec.proposers.suffix import SuffixProposer
 
-    factories = {"ngram": lambda: NgramProposer(config.ngram), "suffix": lambda: SuffixProposer(config.suffix)}
+    def retrieval():
+        from lookupdec.index import Index
+        from lookupdec.model import vocab_fingerprint
+        from lookupdec.proposers.retrieval import RetrievalProposer
+
+        if tokenizer is None:
+            raise ValueError("the retrieval proposer needs the model's tokenizer (build_proposers(..., tokenizer=))")
+        index = Index.open(config.retrieval.index, tokenizer_fingerprint=vocab_fingerprint(tokenizer),
+                           check_hashes=config.retrieval.check_hashes, decode=tokenizer.decode)
+        return RetrievalProposer(index, config.retrieval)
+
+    factories = {"ngram": lambda: NgramProposer(config.ngram), "suffix": lambda: SuffixProposer(config.suffix),
+                 "retrieval": retrieval}
     out = []
     for name in config.proposers:
         if name not in factories:

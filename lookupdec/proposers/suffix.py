@@ -35,7 +35,7 @@ MATCH_LEVELS = 2  # subtrees from this many match lengths (the longest and short
 SHORTER_MATCH_BUDGET_DIVISOR = 2  # shorter matches add breadth: half the budget is enough (replay: same MAT, 1.5x less drafting)
 CERTAIN_STEP = 0.9  # prior probability that a step all earlier occurrences agree on is right
 CERTAIN_PRIOR_WEIGHT = 20.0  # observations the prior is worth
-CERTAIN_DECAY = 0.998  # per observation: the estimate follows the last ~500 certain steps  # subtrees from this many match lengths (the longest and shorter ones)
+CERTAIN_DECAY = 0.998  # per observation: the estimate follows the last ~500 certain steps
 GLOBAL_RETAIN = 0.75  # share of the capacity kept when the global cache is trimmed
 CACHE_FORMAT_VERSION = 1
 
@@ -114,33 +114,8 @@ class SuffixProposer:
     # -- drafting -------------------------------------------------------------------------------
     def _drafts(self, request: _Request, automaton: SuffixAutomaton, ctx: np.ndarray, budget: int,
                 min_match: int, source: str) -> list[Draft]:
-        """Subtrees from the longest match and from up to ``MATCH_LEVELS - 1`` shorter ones
-        (suffix links: fewer context tokens, more occurrences, more varied continuations)."""
-        state, length = automaton.match(ctx)
-        out = []
-        while state >= 0 and length >= min_match and len(out) < MATCH_LEVELS:
-            if automaton.continuation_count(state):
-                level_budget = budget if not out else max(1, budget // SHORTER_MATCH_BUDGET_DIVISOR)
-                draft = self._expand(request, automaton, state, length, level_budget, source)
-                if draft is not None:
-                    out.append(draft)
-            state = automaton.suffix_link(state)
-            length = automaton.state_len(state) if state >= 0 else -1
-        return out
-
-    def _expand(self, request: _Request, automaton, state: int, length: int, budget: int,
-                source: str) -> Draft | None:
-        tree = automaton.expand_tree(state, max_nodes=budget, max_depth=budget)
-        tokens, parents, raw = without_separator(tree.token_ids, tree.parents, tree.scores)
-        if not tokens:
-            return None
-        confidence = (length + EMPTY_MATCH_CONFIDENCE) / (length + EMPTY_MATCH_CONFIDENCE + MATCH_PRIOR)
-        scores, certain = decay_certain_steps(parents, raw, confidence, self.certain_step[source].value)
-        draft = Draft(tuple(tokens), tuple(parents), tuple(scores), source)
-        if source not in request.pending:  # the longest match's best chain is checked afterwards
-            chain, _ = draft.best_chain()
-            request.pending[source] = (chain, _chain_flags(draft, chain, certain))
-        return draft
+        return automaton_drafts(automaton, ctx, budget, min_match, source, self.certain_step[source],
+                                request.pending)
 
     # -- the global cache -----------------------------------------------------------------------
     def add_to_global(self, output: Sequence[int]) -> None:
@@ -189,6 +164,32 @@ class SuffixProposer:
         self._outputs = deque(np.split(stream, ends[:-1] + 1)) if len(ends) else deque()
         self._global_tokens = int(len(stream))
         self.global_automaton = SuffixAutomaton(stream)
+
+
+def automaton_drafts(automaton: SuffixAutomaton, ctx: np.ndarray, budget: int, min_match: int, source: str,
+                     certain_step: CertainStepEstimate, pending: dict) -> list[Draft]:
+    """Drafts from the longest match of ``ctx`` in ``automaton`` and up to ``MATCH_LEVELS - 1``
+    shorter ones (suffix links: fewer context tokens, more occurrences, more varied
+    continuations). The longest match's best chain goes into ``pending[source]`` with its
+    certain-step flags, for ``CertainStepEstimate.update`` once the step's tokens are known."""
+    state, length = automaton.match(ctx)
+    out = []
+    while state >= 0 and length >= min_match and len(out) < MATCH_LEVELS:
+        if automaton.continuation_count(state):
+            level_budget = budget if not out else max(1, budget // SHORTER_MATCH_BUDGET_DIVISOR)
+            tree = automaton.expand_tree(state, max_nodes=level_budget, max_depth=level_budget)
+            tokens, parents, raw = without_separator(tree.token_ids, tree.parents, tree.scores)
+            if tokens:
+                confidence = (length + EMPTY_MATCH_CONFIDENCE) / (length + EMPTY_MATCH_CONFIDENCE + MATCH_PRIOR)
+                scores, certain = decay_certain_steps(parents, raw, confidence, certain_step.value)
+                draft = Draft(tuple(tokens), tuple(parents), tuple(scores), source)
+                if source not in pending:
+                    chain, _ = draft.best_chain()
+                    pending[source] = (chain, _chain_flags(draft, chain, certain))
+                out.append(draft)
+        state = automaton.suffix_link(state)
+        length = automaton.state_len(state) if state >= 0 else -1
+    return out
 
 
 def decay_certain_steps(parents: Sequence[int], scores: Sequence[float], scale: float,

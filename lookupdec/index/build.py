@@ -1,0 +1,208 @@
+"""``build_index``: corpus → tokens → chunks → embeddings → FAISS → a store folder, atomically.
+
+Everything is written into a temporary folder beside the destination and renamed into place at
+the very end, so an interrupted build (an exception, Ctrl-C, a kill) never leaves a folder that
+looks like an index: the destination either does not exist or is the old, complete index.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from typing import Sequence
+
+import numpy as np
+
+from lookupdec.index.corpus import CorpusReader
+from lookupdec.index.embed import make_embedder
+from lookupdec.index.store import FILES, FORMAT_VERSION, MANIFEST, SEPARATOR, IndexStoreError, file_sha256, import_faiss
+
+log = logging.getLogger("lookupdec")
+
+FLAT_MAX_CHUNKS = 50_000  # "auto": exact (flat) search below this many chunks, HNSW above
+EMBED_BATCH = 2048  # chunks embedded per batch
+HNSW_M = 32  # graph degree
+HNSW_EF_CONSTRUCTION = 80
+HNSW_EF_SEARCH = 64
+IVF_POINTS_PER_LIST = 64  # nlist ~ chunks / this, within [1, 4 sqrt(chunks)]
+IVF_NPROBE_SHARE = 1 / 8  # lists searched per query
+
+
+def gpu_available() -> tuple[bool, str]:
+    faiss = import_faiss()
+    if not hasattr(faiss, "StandardGpuResources"):
+        return False, f"this FAISS ({faiss.__version__}) is built without GPU support: install faiss-gpu"
+    if faiss.get_num_gpus() < 1:
+        return False, "FAISS has GPU support but sees no CUDA device"
+    return True, ""
+
+
+def build_faiss(vectors: np.ndarray, kind: str = "auto", gpu: bool = False):
+    """A FAISS index over unit ``vectors`` (inner product = cosine). Returns (index, manifest info)."""
+    faiss = import_faiss()
+    n, dim = vectors.shape
+    if kind == "auto":
+        kind = "flat" if n < FLAT_MAX_CHUNKS else "hnsw"
+    info: dict = {"kind": kind, "metric": "inner_product", "search": {}}
+    if kind == "flat":
+        index = faiss.IndexFlatIP(dim)
+    elif kind == "ivf":
+        nlist = max(1, min(int(4 * math.sqrt(n)), n // IVF_POINTS_PER_LIST))
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        info.update(nlist=nlist)
+        info["search"]["nprobe"] = max(1, math.ceil(nlist * IVF_NPROBE_SHARE))
+    elif kind == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+        info.update(M=HNSW_M, efConstruction=HNSW_EF_CONSTRUCTION)
+        info["search"]["efSearch"] = HNSW_EF_SEARCH
+    else:
+        raise ValueError(f"--faiss {kind!r}: expected auto, flat, ivf or hnsw")
+    info["gpu"] = False
+    if gpu:
+        ok, why = gpu_available()
+        if not ok:
+            raise ValueError(f"--gpu: {why}")
+        if kind == "hnsw":
+            log.warning("--gpu: FAISS has no GPU HNSW; building the HNSW index on the CPU")
+        else:
+            resources = faiss.StandardGpuResources()
+            gpu_index = faiss.index_cpu_to_gpu(resources, 0, index)
+            if not gpu_index.is_trained:
+                gpu_index.train(vectors)
+            gpu_index.add(vectors)
+            info["gpu"] = True
+            return faiss.index_gpu_to_cpu(gpu_index), info
+    if not index.is_trained:
+        index.train(vectors)
+    index.add(vectors)
+    return index, info
+
+
+def chunk_documents(doc_lengths: Sequence[int], chunk_tokens: int) -> np.ndarray:
+    """Rows (start, end, document) over a store where documents follow one another, each
+    followed by one separator. Chunks never cross a document boundary; a document's last
+    chunk may be shorter."""
+    rows, start = [], 0
+    for d, length in enumerate(doc_lengths):
+        for s in range(0, length, chunk_tokens):
+            rows.append((start + s, start + min(s + chunk_tokens, length), d))
+        start += length + 1
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def build_index(paths: Sequence[str], *, tokenizer_path: str, out: str, chunk_tokens: int = 256,
+                embedder: str = "hash", dim: int | None = None, faiss_kind: str = "auto", gpu: bool = False,
+                include: Sequence[str] = (), exclude: Sequence[str] = (), field: str = "text",
+                force: bool = False, progress: bool = True) -> dict:
+    """Build an index folder at ``out``; returns its manifest."""
+    from tqdm import tqdm
+
+    from lookupdec import __version__
+    from lookupdec import model as model_lib
+
+    if chunk_tokens < 8:
+        raise ValueError(f"--chunk-tokens {chunk_tokens}: must be >= 8")
+    if faiss_kind not in ("auto", "flat", "ivf", "hnsw"):
+        raise ValueError(f"--faiss {faiss_kind!r}: expected auto, flat, ivf or hnsw")
+    faiss = import_faiss()
+    if gpu:
+        ok, why = gpu_available()
+        if not ok:
+            raise ValueError(f"--gpu: {why}")
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise ValueError(f"{out} already exists (pass --force to replace it)")
+    tokenizer = model_lib.load_tokenizer(tokenizer_path)
+    emb = make_embedder(embedder, tokenizer.decode, dim=dim)
+    started = time.time()
+
+    reader = CorpusReader(paths, include=include, exclude=exclude, text_field=field)
+    files = list(reader.files())
+    total = sum(os.path.getsize(f) for f in files if os.path.exists(f))
+    docs, names, doc_ids = [], [], []
+    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not progress) as bar:
+        last = 0
+        for doc in reader.documents():
+            ids = tokenizer.encode(doc.text, add_special_tokens=False)
+            if ids:
+                docs.append(np.asarray(ids, dtype=np.int32))
+                names.append(doc.name)
+                doc_ids.append(doc.source)
+            if len(reader.sources) != last:
+                bar.update(sum(s.bytes for s in reader.sources[last:]))
+                last = len(reader.sources)
+    reader.warn_skipped()
+    if not docs:
+        raise ValueError(f"no text found in {', '.join(map(str, paths))} "
+                         f"({len(files)} files; skipped: {reader.skipped or 'none'})")
+
+    lengths = [len(d) for d in docs]
+    tokens = np.concatenate([np.append(d, np.int32(SEPARATOR)) for d in docs])
+    chunks = chunk_documents(lengths, chunk_tokens)
+    chunk_list = [tokens[s:e] for s, e, _ in chunks]
+    emb.fit(chunk_list)
+    vectors = np.zeros((len(chunks), emb.dim), np.float32)
+    with tqdm(total=len(chunks), unit="chunk", desc="embed", disable=not progress) as bar:
+        for b in range(0, len(chunks), EMBED_BATCH):
+            vectors[b : b + EMBED_BATCH] = emb.features(chunk_list[b : b + EMBED_BATCH])
+            bar.update(min(EMBED_BATCH, len(chunks) - b))
+    if progress:
+        log.info("building the FAISS index over %d chunks", len(chunks))
+    index, faiss_info = build_faiss(vectors, faiss_kind, gpu)
+
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.building-", dir=parent)
+    try:
+        np.save(os.path.join(tmp, "tokens.npy"), tokens)
+        np.save(os.path.join(tmp, "chunks.npy"), chunks)
+        np.save(os.path.join(tmp, "embedder.npy"), emb.state())
+        with open(os.path.join(tmp, "documents.json"), "w", encoding="utf-8") as f:
+            json.dump(names, f)
+        faiss.write_index(index, os.path.join(tmp, "faiss.index"))
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "tokenizer": {"fingerprint": model_lib.vocab_fingerprint(tokenizer),
+                          "path": os.path.abspath(tokenizer_path)},
+            "embedder": emb.params(),
+            "chunking": {"chunk_tokens": chunk_tokens, "document_separator": SEPARATOR},
+            "counts": {"sources": len(reader.sources), "documents": len(docs), "chunks": int(len(chunks)),
+                       "tokens": int(len(tokens)), "skipped": dict(reader.skipped)},
+            "faiss": faiss_info,
+            "files": {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
+                             "sha256": file_sha256(os.path.join(tmp, name))} for name in FILES},
+            "sources": [{"path": s.path, "bytes": s.bytes, "sha256": s.sha256, "documents": s.documents}
+                        for s in reader.sources],
+            "build": {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                      "seconds": round(time.time() - started, 3), "lookupdec": __version__,
+                      "faiss": faiss.__version__, "include": list(include), "exclude": list(exclude),
+                      "field": field, "inputs": [os.path.abspath(p) for p in paths]},
+        }
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _replace(tmp: str, out: str) -> None:
+    """Move the finished ``tmp`` folder to ``out`` (replacing an old index only now)."""
+    if not os.path.exists(out):
+        os.rename(tmp, out)
+        return
+    if not os.path.isdir(out) or (os.listdir(out) and not os.path.exists(os.path.join(out, MANIFEST))):
+        raise IndexStoreError(f"{out} exists and is not a lookupdec index: not replacing it")
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
+    os.rename(out, os.path.join(old, "index"))
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
