@@ -13,13 +13,16 @@ Parts:
   HumanEval prompt queries and random 64-token windows of the corpus.
 - replay: MAT with and without retrieval; HumanEval canonical solutions over the stdlib index,
   with the cross-request suffix cache (the default engine) and without it (each request alone);
-  loghub with, for each system, an index over the other seven systems' raw logs.
+  loghub with, for each system, an index over the other seven systems' logs (raw, or as an
+  archive of earlier rewrites: their lines as JSON objects).
 
 Writes ``bench/results/index_stdlib.json``.
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import os
 import resource
 import subprocess
@@ -43,7 +46,7 @@ from lookupdec.model import load_tokenizer  # noqa: E402
 from lookupdec.proposers import build_proposers  # noqa: E402
 from lookupdec.proposers.retrieval import RetrievalProposer  # noqa: E402
 from lookupdec.simulate import replay_one, summarize, tokenize_record  # noqa: E402
-from lookupdec.workloads import WORKLOADS  # noqa: E402
+from lookupdec.workloads import LOG_LINES_PER_RECORD, WORKLOADS  # noqa: E402
 
 STDLIB_EXCLUDE = ("test", "tests", "idle_test", "site-packages")
 BUDGET = 64
@@ -152,6 +155,18 @@ def replay_records(records, tokenizer, shared, per_record=None):
     return out
 
 
+def _open_built(paths, out, tokenizer_path) -> Index:
+    build_index(paths, tokenizer_path=tokenizer_path, out=out, progress=False)
+    return Index.open(out, check_hashes=False)
+
+
+def json_groups(folder: str, system: str) -> list[str]:
+    """A system's 2000 parsed lines as JSON objects, in groups of the workload's record size."""
+    with open(os.path.join(folder, f"{system}_2k.log_structured.csv"), encoding="utf-8", newline="") as f:
+        rows = [json.dumps({k: v for k, v in row.items() if k not in ("LineId", "EventId")}) for row in csv.DictReader(f)]
+    return ["\n".join(rows[g : g + LOG_LINES_PER_RECORD]) for g in range(0, len(rows), LOG_LINES_PER_RECORD)]
+
+
 def part_replay(args, tokenizer) -> list[dict]:
     rows = []
     humaneval = list(WORKLOADS["humaneval"](None))
@@ -168,29 +183,36 @@ def part_replay(args, tokenizer) -> list[dict]:
                 r["retrieval_ms_p50"] = float(np.percentile(np.array(retrieval.query_seconds) * 1e3, 50))
             rows.append({"workload": "humaneval", "index": "stdlib" if with_index else "none", "cache": cache, **r})
             print(f"humaneval  {cache:25s} index={rows[-1]['index']:6s} MAT {r['mat']:.3f}", flush=True)
-    # loghub: each system's records with an index over the other seven systems' raw logs
+    # loghub: each system's records with an index over the other seven systems' logs, either
+    # raw (`*_2k.log`) or as an archive of earlier rewrites (their lines as JSON objects, the
+    # workload's output format)
     folder = os.path.join(args.data, "loghub")
     systems = sorted(f[: -len("_2k.log")] for f in os.listdir(folder) if f.endswith("_2k.log"))
     records = list(WORKLOADS["loghub"](args.data))
     with tempfile.TemporaryDirectory() as tmp:
-        indexes = {}
+        indexes: dict = {"raw logs": {}, "JSON archive": {}}
         for system in systems:
-            others = [os.path.join(folder, f"{s}_2k.log") for s in systems if s != system]
-            path = os.path.join(tmp, system)
-            build_index(others, tokenizer_path=args.tokenizer, out=path, progress=False)
-            indexes[system] = Index.open(path, check_hashes=False)
+            raw = [os.path.join(folder, f"{s}_2k.log") for s in systems if s != system]
+            indexes["raw logs"][system] = _open_built(raw, os.path.join(tmp, f"raw-{system}"), args.tokenizer)
+            archive = os.path.join(tmp, f"archive-{system}.jsonl")
+            with open(archive, "w", encoding="utf-8") as f:
+                for s in systems:
+                    if s != system:
+                        for group in json_groups(folder, s):
+                            f.write(json.dumps({"text": group}) + "\n")
+            indexes["JSON archive"][system] = _open_built([archive], os.path.join(tmp, f"json-{system}"), args.tokenizer)
         for cache, capacity in (("with cross-request cache", 10_000_000), ("each request alone", 0)):
             base = EngineConfig(suffix=SuffixConfig(global_capacity=capacity))
-            for with_index in (False, True):
+            for kind in ("none", "raw logs", "JSON archive"):
                 per_record = None
-                if with_index:
-                    def per_record(record):
-                        system = record["id"].rsplit("-", 1)[0]
-                        return [RetrievalProposer(indexes[system], RetrievalConfig(index=indexes[system].path))]
+                if kind != "none":
+                    def per_record(record, by_system=indexes[kind]):
+                        index = by_system[record["id"].rsplit("-", 1)[0]]
+                        return [RetrievalProposer(index, RetrievalConfig(index=index.path))]
                 r = replay_records(records, tokenizer, build_proposers(base, tokenizer=tokenizer), per_record)
-                rows.append({"workload": "loghub", "index": "other systems" if with_index else "none",
-                             "cache": cache, **r})
-                print(f"loghub     {cache:25s} index={rows[-1]['index']:13s} MAT {r['mat']:.3f}", flush=True)
+                label = "none" if kind == "none" else f"other systems' {kind}"
+                rows.append({"workload": "loghub", "index": label, "cache": cache, **r})
+                print(f"loghub     {cache:25s} index={label:28s} MAT {r['mat']:.3f}", flush=True)
     for row in rows:
         if row["index"] != "none":
             base_row = next(b for b in rows if b["workload"] == row["workload"] and b["cache"] == row["cache"]
@@ -215,6 +237,9 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     parts = args.parts.split(",")
     results: dict = {}
+    if os.path.exists(args.out):  # parts not run now keep their earlier figures (each part says its commit)
+        with open(args.out) as f:
+            results = {k: v for k, v in json.load(f)["results"].items() if k not in parts}
     if "build" in parts:
         results["build"] = part_build(args)
     if "latency" in parts:
@@ -228,15 +253,20 @@ def main(argv=None) -> int:
                                                ("index", "index", ""), ("mat", "MAT", ".3f"),
                                                ("ratio_to_no_index", "x no index", ".3f"),
                                                ("accepted_share_by_source", "share", "")]))
+    for part in parts:
+        if part in results:
+            results[part] = {"git": meta["git"], "command": meta["command"], "figures": results[part]} \
+                if not isinstance(results[part], dict) or "figures" not in results[part] else results[part]
+    figures = {k: v["figures"] if isinstance(v, dict) and "figures" in v else v for k, v in results.items()}
     bars = {}
-    if "build" in results:
-        b = results["build"]
+    if "build" in figures:
+        b = figures["build"]
         bars["build_minutes_le_5"] = b["seconds"] <= 300
         bars["index_le_4x_token_store"] = b["index_over_token_store"] <= 4
-    if "latency" in results:
-        bars["latency_p50_le_20ms"] = results["latency"]["start_ms_p50"] <= 20
-    if "replay" in results:
-        bars["humaneval_ratio_ge_1.3"] = {r["cache"]: r["ratio_to_no_index"] >= 1.3 for r in results["replay"]
+    if "latency" in figures:
+        bars["latency_p50_le_20ms"] = figures["latency"]["start_ms_p50"] <= 20
+    if "replay" in figures:
+        bars["humaneval_ratio_ge_1.3"] = {r["cache"]: r["ratio_to_no_index"] >= 1.3 for r in figures["replay"]
                                           if r["workload"] == "humaneval" and r["index"] != "none"}
     print("bars:", bars)
     path = write_result(args.out, "index", vars(args), results, meta=meta, bars=bars)

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
-import numpy as np
 import pytest
-import torch
 
 from lookupdec.cli import main
 from lookupdec.config import EngineConfig, RetrievalConfig
 from lookupdec.index import Index, IndexStoreError, build_index
 from lookupdec.model import load_tokenizer
 from lookupdec.proposers.retrieval import RetrievalProposer
-
-pytest.importorskip("faiss")
 
 SHARED = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
 LLAMA_SP = os.path.join(SHARED, "data", "tokenizers", "llama2", "tokenizer.model")

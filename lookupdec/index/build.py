@@ -28,9 +28,9 @@ FLAT_MAX_CHUNKS = 50_000  # "auto": exact (flat) search below this many chunks, 
 EMBED_BATCH = 2048  # chunks embedded per batch
 HNSW_M = 32  # graph degree
 HNSW_EF_CONSTRUCTION = 80
-HNSW_EF_SEARCH = 64
+HNSW_EF_SEARCH = 256  # recall@32 vs exact on the stdlib index: ef 64/128/256/512 -> 0.84/0.91/0.96/0.99
 IVF_POINTS_PER_LIST = 64  # nlist ~ chunks / this, within [1, 4 sqrt(chunks)]
-IVF_NPROBE_SHARE = 1 / 8  # lists searched per query
+IVF_NPROBE_SHARE = 1 / 4  # lists searched per query (stdlib, recall@32: 1/8 -> 0.80, 1/4 -> 0.90, 1/2 -> 0.98)
 
 
 def gpu_available() -> tuple[bool, str]:
