@@ -129,6 +129,10 @@ def test_include_and_jsonl_field(tmp_path):
     records.write_text(json.dumps({"body": "alpha beta gamma"}) + "\n" + json.dumps({"text": "x"}) + "\n")
     m = build_index([str(records)], tokenizer_path=LLAMA_SP, out=str(tmp_path / "jl"), field="body", progress=False)
     assert m["counts"]["documents"] == 1 and m["counts"]["skipped"] == {"no string field 'body'": 1}
+    with gzip.open(tmp_path / "r2.jsonl.gz", "wt") as f:  # .jsonl inside .gz: records, not one text
+        f.write(json.dumps({"text": "first record"}) + "\n" + json.dumps({"text": "second record"}) + "\n")
+    m = build_index([str(tmp_path / "r2.jsonl.gz")], tokenizer_path=LLAMA_SP, out=str(tmp_path / "gz"), progress=False)
+    assert m["counts"]["documents"] == 2
 
 
 def test_empty_corpus_and_missing_path_are_clear_errors(tmp_path):
@@ -342,3 +346,27 @@ def test_gpu_flag_without_faiss_gpu_is_a_clear_error(built, tmp_path):
     with pytest.raises(ValueError, match=r"--gpu: .*(faiss-gpu|no CUDA device)"):
         build_index([built[0]], tokenizer_path=LLAMA_SP, out=str(tmp_path / "g"), gpu=True, progress=False)
     assert not (tmp_path / "g").exists()
+
+
+def test_sentence_transformers_embedder_from_a_local_folder(tmp_path):
+    """The optional embedder end to end, with a tiny random BERT saved as a sentence-transformers
+    folder (no download): build, open, retrieve a chunk by its own text."""
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [chr(c) for c in range(97, 123)] + ["def", "return"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab))
+    bert = tmp_path / "bert"
+    BertModel(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(bert)
+    BertTokenizerFast(str(tmp_path / "vocab.txt")).save_pretrained(bert)
+    word = models.Transformer(str(bert))
+    SentenceTransformer(modules=[word, models.Pooling(word.get_word_embedding_dimension())]).save(str(tmp_path / "st"))
+    corpus = make_corpus(tmp_path)
+    out = str(tmp_path / "idx")
+    m = build_index([corpus], tokenizer_path=LLAMA_SP, out=out, chunk_tokens=32,
+                    embedder=f"sentence-transformers:{tmp_path / 'st'}", progress=False)
+    assert m["embedder"]["name"] == "sentence-transformers" and m["embedder"]["dim"] == 32
+    index = Index.open(out, decode=load_tokenizer(LLAMA_SP).decode)
+    assert index.search_tokens(index.chunk_tokens(3).tolist(), 1)[0].score == pytest.approx(1.0, abs=1e-4)

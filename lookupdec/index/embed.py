@@ -122,7 +122,8 @@ class SentenceTransformerEmbedder:
         self.path = os.path.abspath(path)
         self._model = SentenceTransformer(self.path, local_files_only=True)
         self._decode = decode
-        self.dim = int(self._model.get_sentence_embedding_dimension())
+        dim = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
+        self.dim = int(dim())
 
     def params(self) -> dict:
         return {"name": self.name, "path": self.path, "dim": self.dim}
