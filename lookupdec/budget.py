@@ -95,33 +95,70 @@ class CostModel:
         return {"sizes": self.sizes, "seconds": self.seconds}
 
 
+MATCH_BUCKETS = (0, 1, 2, 3, 5, 9, 17, 33)  # match lengths are calibrated in these buckets
+BUCKET_PRIOR_WEIGHT = 2.0  # a bucket starts at its source's factor, worth this many observations
+
+
+def match_bucket(match_length: int) -> int:
+    """The lower end of ``match_length``'s bucket.
+
+    >>> [match_bucket(n) for n in (0, 1, 2, 4, 8, 16, 40)]
+    [0, 1, 2, 3, 5, 9, 33]
+    """
+    return MATCH_BUCKETS[bisect.bisect_right(MATCH_BUCKETS, match_length) - 1]
+
+
+def draft_factor(factors: dict, draft: Draft) -> float:
+    """The calibration factor for ``draft``: its (source, match bucket) entry, else its source's."""
+    key = (draft.source, match_bucket(draft.match_length))
+    return factors.get(key, factors.get(draft.source, 1.0))
+
+
 class AcceptanceCalibrator:
-    """Per-source factor on conditional acceptance probabilities, learnt from committed tokens."""
+    """Factors on conditional acceptance probabilities per source and per (source, match-length
+    bucket), learnt from committed tokens: a source — or a source at short matches — whose
+    drafts keep failing gets lower scores, so fewer of the step's nodes (the budget is shared
+    by score, ``TokenTree.from_drafts``)."""
 
     def __init__(self) -> None:
-        self._predicted: dict[str, float] = {}  # decayed sum of predicted conditional probs
-        self._matched: dict[str, float] = {}  # decayed count of nodes that matched
+        self._predicted: dict = {}  # key -> decayed sum of predicted conditional probs
+        self._matched: dict = {}  # key -> decayed count of nodes that matched
 
-    def factor(self, source: str) -> float:
-        predicted = self._predicted.get(source, PRIOR_WEIGHT)
-        matched = self._matched.get(source, PRIOR_WEIGHT)
+    def factor(self, source: str, match_length: int | None = None) -> float:
+        """The source's factor, or its factor at ``match_length``'s bucket (the source's
+        until that bucket has been observed)."""
+        if match_length is not None:
+            key = (source, match_bucket(match_length))
+            if key in self._predicted:
+                return self._ratio(key)
+        return self._ratio(source) if source in self._predicted else 1.0
+
+    def _ratio(self, key) -> float:
+        predicted, matched = self._predicted[key], self._matched[key]
         return min(MAX_FACTOR, matched / predicted) if predicted > 0 else 1.0
 
-    def factors(self) -> dict[str, float]:
-        """Every observed source's factor (``TokenTree.from_drafts(factors=...)``)."""
-        return {source: self.factor(source) for source in self._predicted}
+    def factors(self) -> dict:
+        """Every observed key's factor: ``source`` and ``(source, bucket)`` keys
+        (``TokenTree.from_drafts(factors=...)``)."""
+        return {key: self._ratio(key) for key in self._predicted}
 
     def learn(self, drafts: Sequence[Draft], committed: Sequence[int]) -> None:
-        """After a step: decay the history once, then shadow-check each source's first (best)
-        draft's best chain against the tokens committed by the step."""
-        for source in self._predicted:
-            self._predicted[source] *= HISTORY_DECAY
-            self._matched[source] *= HISTORY_DECAY
-        checked = set()
+        """After a step: decay the history once, then shadow-check the best chain of each
+        source's first draft per match bucket against the tokens committed by the step.
+
+        Priors are pseudo-observations that decay like real ones: a source starts at factor 1
+        worth ``PRIOR_WEIGHT``; a bucket starts at its source's factor worth
+        ``BUCKET_PRIOR_WEIGHT``. A source whose drafts never match fades towards 0."""
+        for key in self._predicted:
+            self._predicted[key] *= HISTORY_DECAY
+            self._matched[key] *= HISTORY_DECAY
+        checked: set = set()
+        sources_seen: set = set()
         for draft in drafts:
-            if draft.source in checked:
+            key = (draft.source, match_bucket(draft.match_length))
+            if key in checked:
                 continue
-            checked.add(draft.source)
+            checked.add(key)
             chain, cond_probs = draft.best_chain()
             predicted = matched = 0.0
             for token, prob, actual in zip(chain, cond_probs, committed):
@@ -129,8 +166,16 @@ class AcceptanceCalibrator:
                 if token != actual:
                     break
                 matched += 1
-            self._predicted[draft.source] = self._predicted.get(draft.source, PRIOR_WEIGHT) + predicted
-            self._matched[draft.source] = self._matched.get(draft.source, PRIOR_WEIGHT) + matched
+            if draft.source not in self._predicted:
+                self._predicted[draft.source] = self._matched[draft.source] = PRIOR_WEIGHT
+            if key not in self._predicted:
+                self._predicted[key] = BUCKET_PRIOR_WEIGHT
+                self._matched[key] = BUCKET_PRIOR_WEIGHT * self._ratio(draft.source)
+            targets = [key] if draft.source in sources_seen else [key, draft.source]
+            sources_seen.add(draft.source)
+            for k in targets:
+                self._predicted[k] += predicted
+                self._matched[k] += matched
 
 
 def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int) -> int:

@@ -29,6 +29,13 @@ class TokenTree:
     parents: list[int]  # [1 + n] parent node index, -1 for the root
     scores: list[float] = field(default_factory=list)  # [1 + n] estimated acceptance probability
     sources: list[str] = field(default_factory=list)  # [1 + n] proposer of each node ("" for root)
+    # node -> (q [vocab], tokens drawn i.i.d. from q at that node, in order): draft-model samples
+    # whose children are accepted by rejection sampling (sampling.py). Samples stay listed even
+    # where pruning removed their child node.
+    samples: dict = field(default_factory=dict)
+    # [1 + n] True where a deterministic (lookup) draft proposed the node: a point mass, tried
+    # before the sampled children of its parent. Default: every node.
+    point_mass: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -36,6 +43,8 @@ class TokenTree:
             self.scores = [1.0] * n
         if not self.sources:
             self.sources = [""] * n
+        if not self.point_mass:
+            self.point_mass = [True] * n
         if len(self.parents) != n or self.parents[0] != -1:
             raise ValueError("TokenTree: parents must match token_ids and parents[0] must be -1")
         self.depth = [0] * n
@@ -68,16 +77,20 @@ class TokenTree:
     ) -> "TokenTree":
         """Merge drafts into a trie, then keep the ``max_nodes`` best nodes (ancestors kept).
 
-        ``factors`` (per source, from ``budget.AcceptanceCalibrator``) multiply each node's
-        conditional probability ``score / parent score``, capped at 1. A node's score is capped
+        ``factors`` (from ``budget.AcceptanceCalibrator.factors``, keyed by ``(source, match
+        length bucket)`` or by source) multiply each node's conditional probability
+        ``score / parent score``, capped at 1. A node's score is capped
         by its parent's (a path cannot be likelier than its prefix), so taking nodes in order of
         score never takes a child before its parent. Ties go to the earlier node (drafts earlier
         in the list win).
         """
+        from lookupdec.budget import draft_factor
+
         token_ids, parents, scores, sources, depths = [root_token], [-1], [1.0], [""], [0]
+        point_mass, samples = [True], {}
         index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
         for draft in drafts:
-            factor = factors.get(draft.source, 1.0) if factors else 1.0
+            factor = draft_factor(factors, draft) if factors else 1.0
             raw = draft.scores
             local = [0] * len(draft.token_ids)  # draft node -> trie node
             for i, (tok, par) in enumerate(zip(draft.token_ids, draft.parents)):
@@ -101,29 +114,42 @@ class TokenTree:
                     parents.append(parent)
                     scores.append(score)
                     sources.append(draft.source)
-                elif score > scores[node]:
-                    scores[node] = score
-                    sources[node] = draft.source
+                    point_mass.append(draft.samples is None)
+                else:
+                    point_mass[node] = point_mass[node] or draft.samples is None
+                    if score > scores[node]:
+                        scores[node] = score
+                        sources[node] = draft.source
                 local[i] = node
+            for at, (q, drawn) in (draft.samples or {}).items():
+                node = 0 if at < 0 else local[at]
+                if node >= 0:
+                    samples[node] = (q, tuple(drawn))
         keep = select_top_nodes(parents, scores, max_nodes)
-        return cls._subtree(keep, token_ids, parents, scores, sources)
+        return cls._subtree(keep, token_ids, parents, scores, sources, point_mass, samples)
 
     @classmethod
-    def _subtree(cls, keep, token_ids, parents, scores, sources) -> "TokenTree":
+    def _subtree(cls, keep, token_ids, parents, scores, sources, point_mass=None, samples=None) -> "TokenTree":
         remap = {old: new for new, old in enumerate(keep)}
         return cls(
             token_ids=[token_ids[i] for i in keep],
             parents=[-1] + [remap[parents[i]] for i in keep[1:]],
             scores=[scores[i] for i in keep],
             sources=[sources[i] for i in keep],
+            samples={remap[node]: value for node, value in (samples or {}).items() if node in remap},
+            point_mass=[point_mass[i] for i in keep] if point_mass else [],
         )
+
+    def _keep(self, keep) -> "TokenTree":
+        return TokenTree._subtree(keep, self.token_ids, self.parents, self.scores, self.sources, self.point_mass,
+                                  self.samples)
 
     def prune(self, max_nodes: int) -> "TokenTree":
         """The root and the ``max_nodes`` best nodes (ancestors kept), as a new tree."""
         keep = select_top_nodes(self.parents, self.scores, max_nodes)
         if len(keep) == len(self.token_ids):
             return self
-        return TokenTree._subtree(keep, self.token_ids, self.parents, self.scores, self.sources)
+        return self._keep(keep)
 
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""
@@ -152,7 +178,7 @@ class TokenTree:
             gain[i] = gain[self.parents[i]] + self.scores[i]
         leaf = max(range(n), key=lambda i: (gain[i], -i))
         keep = [0] + self.path_to(leaf)
-        return TokenTree._subtree(keep, self.token_ids, self.parents, self.scores, self.sources)
+        return self._keep(keep)
 
 
 def select_top_nodes(parents: Sequence[int], scores: Sequence[float], max_nodes: int) -> list[int]:

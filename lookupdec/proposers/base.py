@@ -9,7 +9,7 @@ order raises ``ValueError`` naming the request id.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 
@@ -19,6 +19,11 @@ class Draft:
     parents: tuple[int, ...]  # [n] parent index in this draft, -1 = child of the root
     scores: tuple[float, ...]  # [n] proposer's estimate that node i is accepted (in [0, 1])
     source: str  # proposer name, used for per-source acceptance stats
+    match_length: int = 0  # context tokens the draft's match rests on (0: not a lookup), for
+    #                        calibration per source and match length
+    # Draft-model drafts when sampling: draft node (-1 = the root) -> (q [vocab], tokens drawn
+    # i.i.d. from q there, in order). Acceptance uses them for rejection sampling (sampling.py).
+    samples: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -46,10 +51,10 @@ class Draft:
         return tokens, cond
 
     @classmethod
-    def chain(cls, token_ids: Sequence[int], scores: Sequence[float], source: str) -> "Draft":
+    def chain(cls, token_ids: Sequence[int], scores: Sequence[float], source: str, match_length: int = 0) -> "Draft":
         """A single path: node i is the child of node i-1."""
         n = len(token_ids)
-        return cls(tuple(token_ids), tuple(range(-1, n - 1)), tuple(scores), source)
+        return cls(tuple(token_ids), tuple(range(-1, n - 1)), tuple(scores), source, match_length)
 
 
 class Proposer(Protocol):

@@ -67,14 +67,14 @@ class NgramProposer:
             if key in seen:
                 continue
             seen.add(key)
-            found.append((match_len / (match_len + 1) * BRANCH_DECAY ** len(found), end))
+            found.append((match_len / (match_len + 1) * BRANCH_DECAY ** len(found), end, match_len))
             if len(found) == self.config.max_branches:
                 break
-        lengths = lengths_within_budget([first for first, _ in found], length, budget)
+        lengths = lengths_within_budget([first for first, _, _ in found], length, budget)
         return [
             Draft.chain(periodic_continuation(state.tokens, end, n),
-                        [first * CONTINUE_PROB**d for d in range(n)], self.name)
-            for (first, end), n in zip(found, lengths) if n
+                        [first * CONTINUE_PROB**d for d in range(n)], self.name, match_length=match_len)
+            for (first, end, match_len), n in zip(found, lengths) if n
         ]
 
     def _occurrences(self, state: _NgramIndex):

@@ -182,7 +182,7 @@ def automaton_drafts(automaton: SuffixAutomaton, ctx: np.ndarray, budget: int, m
             if tokens:
                 confidence = (length + EMPTY_MATCH_CONFIDENCE) / (length + EMPTY_MATCH_CONFIDENCE + MATCH_PRIOR)
                 scores, certain = decay_certain_steps(parents, raw, confidence, certain_step.value)
-                draft = Draft(tuple(tokens), tuple(parents), tuple(scores), source)
+                draft = Draft(tuple(tokens), tuple(parents), tuple(scores), source, length)
                 if source not in pending:
                     chain, _ = draft.best_chain()
                     pending[source] = (chain, _chain_flags(draft, chain, certain))
