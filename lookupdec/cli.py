@@ -52,6 +52,10 @@ def _add_generate(sub) -> None:
                    help="always verify up to --max-nodes nodes (default: chosen per step from measured cost)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding (no proposers), for comparison")
     p.add_argument("--index", default=None, help="also draft from this corpus index (lookupdec index build)")
+    p.add_argument("--draft-model", default=None,
+                   help="small model folder with the same tokenizer, drafting where lookups are weak")
+    p.add_argument("--draft-mode", default="auto", choices=("auto", "always", "never"),
+                   help="when the draft model runs: auto (lookups weak), always, never (auto)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
     p.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
@@ -88,11 +92,14 @@ def _cmd_generate(args) -> int:
     if args.max_nodes is not None:
         fields["max_nodes"] = args.max_nodes
     if args.no_draft:
-        if args.index:
-            raise CliError("--no-draft and --index contradict each other")
+        if args.index or args.draft_model:
+            raise CliError("--no-draft contradicts --index and --draft-model")
         fields["proposers"] = ()
+    from lookupdec.config import DraftConfig
+
+    fields["draft"] = DraftConfig(mode=args.draft_mode)
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=EngineConfig(**fields),
-                                    index=args.index)
+                                    index=args.index, draft_model=args.draft_model)
     stream = engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                            seed=args.seed, stop=args.stop)
@@ -109,7 +116,8 @@ def _cmd_generate(args) -> int:
         s = gen.stats
         print(f"[{gen.finish_reason}] {s.new_tokens} tokens in {s.steps} steps: {s.mean_accepted:.2f} tokens/step, "
               f"{s.tokens_per_s:.1f} tokens/s, forward {s.forward_ms:.2f} ms, overhead {s.overhead_us:.0f} us/step, "
-              f"accepted by source {s.accepted_by_source}", file=sys.stderr)
+              f"accepted by source {s.accepted_by_source}, nodes by source {s.nodes_by_source}"
+              + (f", draft model on {s.draft_model_steps} steps" if s.draft_model_steps else ""), file=sys.stderr)
     return 0
 
 

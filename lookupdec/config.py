@@ -71,6 +71,24 @@ class RetrievalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DraftConfig:
+    """Small draft model used where lookups are weak (``lookupdec.proposers.draft_model``)."""
+
+    mode: str = "auto"  # "auto": run it on steps whose best lookup draft scores below
+    #                     `threshold`; "always"; "never"
+    threshold: float = 0.3  # calibrated acceptance estimate of the lookups' best first token
+    max_tokens: int = 5  # chain depth (one draft forward per token)
+    branch: int = 2  # tokens per level: greedy, the top-b (the best continues the chain);
+    #                  sampling, b i.i.d. draws (the first continues it)
+
+    def __post_init__(self) -> None:
+        _require(self.mode in ("auto", "always", "never"), "mode", self.mode, "must be auto, always or never")
+        _require(0.0 <= self.threshold <= 1.0, "threshold", self.threshold, "must be in [0, 1]")
+        _require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _require(self.branch >= 1, "branch", self.branch, "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How the engine drafts and verifies. Sampling settings are per call, not here."""
 
@@ -82,6 +100,7 @@ class EngineConfig:
     ngram: NgramConfig = field(default_factory=NgramConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)  # used when "retrieval" is a proposer
+    draft: DraftConfig = field(default_factory=DraftConfig)  # used when the engine has a draft model
     verify: str = "auto"  # "auto" (probe tree masks), "tree", or "chain" (one path per step)
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ from lookupdec import model as model_lib
 from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes
 from lookupdec.config import EngineConfig
 from lookupdec.proposers import Proposer, build_proposers
+from lookupdec.proposers.mixture import Mixture
 from lookupdec.sampling import SamplingParams, accept
 from lookupdec.stops import StopStrings, TextAssembler
 from lookupdec.tree import TokenTree
@@ -27,6 +28,8 @@ class GenerationStats:
     new_tokens: int = 0  # tokens emitted (accepted + one bonus/recovered per step)
     mean_accepted: float = 0.0  # new tokens per target forward
     accepted_by_source: dict = field(default_factory=dict)  # proposer -> accepted draft tokens
+    nodes_by_source: dict = field(default_factory=dict)  # proposer -> draft nodes verified (its share of the budget)
+    draft_model_steps: int = 0  # steps on which the draft model ran
     mean_tree_nodes: float = 0.0  # draft nodes verified per step (root not counted)
     draft_us: float = 0.0  # per step: proposers' time
     overhead_us: float = 0.0  # per step: drafting + tree + acceptance + KV commit + observe
@@ -69,21 +72,31 @@ class TextStream:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, draft_model=None) -> None:
+        """``draft_model``: an optional small HF causal LM with the target's vocabulary
+        (``from_pretrained(draft_model=PATH)`` checks the tokenizers match)."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.target = model_lib.TargetModel(model, verify=self.config.verify)
         self.eos_token_ids = model_lib.tokenizer_info(tokenizer)["eos_token_ids"]
-        self.proposers: list[Proposer] = build_proposers(self.config, tokenizer=tokenizer)
         self.calibrator = AcceptanceCalibrator()
+        draft = None
+        if draft_model is not None:
+            from lookupdec.proposers.draft_model import DraftModelProposer
+
+            draft = DraftModelProposer(draft_model, self.config.draft, vocab_size=self.target.vocab_size)
+        self.mixture = Mixture(build_proposers(self.config, tokenizer=tokenizer), draft, self.config.draft,
+                               self.calibrator)
         self._cost: CostModel | None = None  # measured on first use (budget="auto")
         self._request_ids = itertools.count()
 
     @classmethod
     def from_pretrained(cls, model_path, *, device=None, dtype=None, config: EngineConfig | None = None,
-                        index=None):
+                        index=None, draft_model=None):
         """``index``: a folder from ``lookupdec index build`` to draft from (adds the "retrieval"
-        proposer); opened and checked against the model's tokenizer before the model loads."""
+        proposer); opened and checked against the model's tokenizer before the model loads.
+        ``draft_model``: a small model folder sharing the target's tokenizer (checked by
+        vocabulary fingerprint), used where lookups are weak (``EngineConfig.draft``)."""
         config = config or EngineConfig()
         if index is not None:
             config = config.with_index(index)
@@ -92,7 +105,27 @@ class Engine:
 
             read_manifest(config.retrieval.index)  # fail fast, before loading weights
         model, tokenizer = model_lib.load(model_path, device=device, dtype=dtype)
-        return cls(model, tokenizer, config)
+        draft = None
+        if draft_model is not None:
+            draft, draft_tokenizer = model_lib.load(draft_model, device=str(next(model.parameters()).device),
+                                                    dtype=next(model.parameters()).dtype)
+            ours, theirs = model_lib.vocab_fingerprint(tokenizer), model_lib.vocab_fingerprint(draft_tokenizer)
+            if ours != theirs:
+                raise model_lib.ModelLoadError(
+                    f"draft model {draft_model} has another tokenizer (vocabulary {theirs}) than the target "
+                    f"{model_path} (vocabulary {ours}): drafts would be other tokens")
+        return cls(model, tokenizer, config, draft_model=draft)
+
+    @property
+    def proposers(self) -> list[Proposer]:
+        """Every drafting source (lookups, then the draft model if any)."""
+        return self.mixture.proposers
+
+    @proposers.setter
+    def proposers(self, value) -> None:
+        value = list(value)
+        self.mixture.draft = next((p for p in value if p.name == "draft"), None)
+        self.mixture.lookups = [p for p in value if p.name != "draft"]
 
     # -- public API -----------------------------------------------------------------------------
     def generate(self, prompt, *, max_new_tokens: int, temperature: float = 0.0, top_k=None, top_p=None,
@@ -116,7 +149,7 @@ class Engine:
         if not params.greedy:
             generator = torch.Generator(device=self.target.device)
             generator.manual_seed(seed) if seed is not None else generator.seed()
-        return TextStream(self._text_pieces(prompt_ids, params, max_new_tokens, stops, generator))
+        return TextStream(self._text_pieces(prompt_ids, params, max_new_tokens, stops, generator, seed))
 
     # -- internals ------------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
@@ -136,11 +169,11 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {limit} tokens")
         return ids
 
-    def _text_pieces(self, prompt_ids, params, max_new_tokens, stops, generator):
+    def _text_pieces(self, prompt_ids, params, max_new_tokens, stops, generator, seed=None):
         text = TextAssembler(self.tokenizer, stops)
         stats, timer = GenerationStats(), _Timer()
         start = time.perf_counter()
-        steps = self._steps(prompt_ids, params, max_new_tokens, generator, stats, timer)
+        steps = self._steps(prompt_ids, params, max_new_tokens, generator, stats, timer, seed)
         finish = "length"
         for new_ids, finish in steps:
             piece = text.add(new_ids)
@@ -156,11 +189,11 @@ class Engine:
         self._finish_stats(stats, timer, time.perf_counter() - start, len(text.output_ids))
         return Generation(text=text.text, token_ids=text.output_ids, finish_reason=finish, stats=stats)
 
-    def _steps(self, prompt_ids, params, max_new_tokens, generator, stats, timer):
+    def _steps(self, prompt_ids, params, max_new_tokens, generator, stats, timer, seed=None):
         """The step loop. Yields (new token ids, finish reason so far) once per verify forward."""
         rid, context, target = f"req-{next(self._request_ids)}", list(prompt_ids), self.target
-        for proposer in self.proposers:
-            proposer.start(rid, context)
+        self.mixture.start(rid, context, params, seed)
+        self.mixture.draft_steps = 0
         try:
             if self.config.budget == "auto":
                 self.cost_model()  # measured before the prefill: it uses the cache
@@ -170,7 +203,7 @@ class Engine:
             produced, seen = 0, set(context)  # seen: distinct ids so far (repetition penalty)
             while produced < max_new_tokens and self._room(context) > 0:
                 t0 = time.perf_counter()
-                drafts = [d for p in self.proposers for d in p.propose(rid, context, self.config.max_nodes)]
+                drafts = self.mixture.propose(rid, context, self.config.max_nodes)
                 t1 = time.perf_counter()
                 tree = self._build_tree(context, drafts, timer)
                 t2 = time.perf_counter()
@@ -181,8 +214,7 @@ class Engine:
                 target.commit(tree, result.accepted)
                 new = [tree.token_ids[i] for i in result.accepted] + [result.next_token]
                 new, eos = self._clip(new, min(max_new_tokens - produced, self._room(context)))
-                for proposer in self.proposers:
-                    proposer.observe(rid, new)
+                self.mixture.observe(rid, new)
                 self.calibrator.learn(drafts, new)
                 context.extend(new)
                 seen.update(new)
@@ -192,8 +224,8 @@ class Engine:
                 if eos:
                     return
         finally:
-            for proposer in self.proposers:
-                proposer.stop(rid)
+            stats.draft_model_steps = self.mixture.draft_steps
+            self.mixture.stop(rid)
 
     def _build_tree(self, context, drafts, timer) -> TokenTree:
         """Merge the drafts into one trie and keep the nodes worth verifying."""
@@ -247,6 +279,8 @@ class Engine:
         timer.forward += t3 - t2
         timer.total += now - t0
         timer.nodes += tree.num_draft_nodes
+        for source in tree.sources[1:]:
+            stats.nodes_by_source[source] = stats.nodes_by_source.get(source, 0) + 1
         timer.steps += 1
 
     @staticmethod

@@ -20,6 +20,18 @@ otherwise it emits ``y`` and stops. Each emitted token is thus a draw from the t
 processed distribution at its true prefix, so the output sequence has exactly the target's
 distribution; lookup drafts are point masses, for which this rule is also the optimal one for a
 fixed tree. The tree never depends on the generator's draws.
+
+Draft-model children (``tree.samples[u] = (q, x_1..x_k)``, the x_i drawn i.i.d. from q by the
+draft model). At such a node the point-mass children (lookups) are tried first with the draw
+``y ~ p`` as above. If ``y`` is none of them, the residual is ``r = p`` with those tokens removed,
+renormalised, and the samples are tried in order by recursive rejection sampling: accept
+``x_i`` with probability ``min(1, r(x_i) / q(x_i))``; after a rejection ``r <- norm(max(0, r - q))``.
+If none is accepted, ``z ~ r`` is the recovered token. (The code computes that stage's exact
+output distribution, ``rejection_distribution``, and draws from it once: the same law.) Each
+stage is exact, so the token emitted at the node has distribution ``p`` (averaged over the
+draft's draws); the walk then
+continues into the child carrying the emitted token if the tree has one, else stops there
+(an accepted sample whose node was pruned is emitted and ends the step).
 """
 from __future__ import annotations
 
@@ -96,6 +108,70 @@ class Acceptance:
     bonus: bool  # True: next_token is a bonus token (emitted at a leaf); else recovered
 
 
+def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, r - q))``: what is left of ``r`` after rejecting a draw from ``q``.  [vocab]
+
+    >>> residual(torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.6, 0.2])).tolist()
+    [1.0, 0.0, 0.0]
+    """
+    left = (r - q).clamp_min(0)
+    total = left.sum()
+    return left / total if total > 0 else r  # total == 0 only if r == q: then nothing is rejected
+
+
+def rejection_distribution(r: torch.Tensor, q: torch.Tensor, drawn) -> torch.Tensor:
+    """The distribution of the token that recursive rejection sampling emits against ``r``
+    given the draft's draws ``drawn`` (i.i.d. from ``q``): ``x_i`` is accepted with probability
+    ``min(1, r(x_i)/q(x_i))`` after all earlier ones were rejected, ``r`` becoming
+    ``residual(r, q)`` at each rejection; if all are rejected the token is drawn from the last
+    ``r``. Drawing once from this distribution is the same as running the draws one by one.
+    Averaged over the draws, it is ``r`` itself (the tests check this in closed form).  [vocab]
+    """
+    out = torch.zeros_like(r)
+    stay = 1.0  # probability that every draw so far was rejected
+    for x in drawn:
+        a = min(1.0, float(r[x]) / float(q[x])) if q[x] > 0 else 0.0
+        out[x] += stay * a
+        stay *= 1.0 - a
+        if stay <= 0.0:
+            return out
+        r = residual(r, q)
+    return out + stay * r
+
+
+def node_distribution(p: torch.Tensor, lookup_tokens, q: torch.Tensor, drawn) -> torch.Tensor:
+    """The distribution of the token emitted at a node with point-mass children
+    ``lookup_tokens`` (tried first: each is taken with its probability under ``p``) and draft
+    draws ``drawn`` from ``q`` (rejection sampling against the rest of ``p``).  [vocab]"""
+    p = p.double()
+    q = q.to(p.device, torch.float64)
+    lookup = list(lookup_tokens)
+    out = torch.zeros_like(p)
+    rest = p.clone()
+    if lookup:
+        out[lookup] = p[lookup]
+        rest[lookup] = 0.0
+    mass = float(rest.sum())
+    if mass <= 0.0:
+        return out
+    return out + mass * rejection_distribution(rest / mass, q, drawn)
+
+
+def _rejection_sample(tree: TokenTree, node: int, y: int, p: torch.Tensor, generator) -> int:
+    """The token emitted at a node with draft-model samples, given the point-mass draw ``y ~ p``:
+    ``y`` if a lookup child carries it, else a draw from the rejection stage's distribution
+    (``rejection_distribution`` of the rest of ``p``; fresh randomness, so exact)."""
+    lookup = [tok for tok, child in tree.children[node].items() if tree.point_mass[child]]
+    if y in lookup:
+        return y
+    q, drawn = tree.samples[node]
+    rest = p.double().clone()
+    if lookup:
+        rest[lookup] = 0.0
+    dist = rejection_distribution(rest / rest.sum(), q.to(p.device, torch.float64), drawn)
+    return int(torch.multinomial(dist, 1, generator=generator))
+
+
 class PrefixTracker:
     """Token ids of each node's own prefix, for repetition penalty.  Built lazily."""
 
@@ -121,6 +197,7 @@ def accept(
     generator: torch.Generator | None = None,
 ) -> Acceptance:
     """Walk the tree from the root, keeping draft tokens the target agrees with."""
+    probs_cache: dict[int, torch.Tensor] = {}
     if params.greedy and not params.uses_prefix:
         choice = logits.argmax(-1).tolist()  # one sync for the whole tree
         pick = lambda node: choice[node]  # noqa: E731
@@ -131,11 +208,17 @@ def accept(
             row = process_row(logits[node], prefixes.of(node) if prefixes else None, params)
             if params.greedy:
                 return int(row.argmax())
-            return int(torch.multinomial(row.softmax(-1), 1, generator=generator))
+            probs_cache[node] = row.softmax(-1)
+            return int(torch.multinomial(probs_cache[node], 1, generator=generator))
+
+    def probs_of(node: int) -> torch.Tensor:
+        return probs_cache[node]
 
     accepted, node = [], 0
     while True:
         token = pick(node)
+        if tree.samples and node in tree.samples and not params.greedy:
+            token = _rejection_sample(tree, node, token, probs_of(node), generator)
         child = tree.children[node].get(token)
         if child is None:
             return Acceptance(accepted, token, bonus=not tree.children[node])
