@@ -21,13 +21,22 @@ current step's random draws, so sampling stays exact.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
+import logging
+import os
+import platform
 import time
 from typing import Callable, Sequence
 
 from lookupdec.proposers.base import Draft
 
 
-CALIBRATION_SECONDS = 1.5  # start-up budget for measuring t(n)
+log = logging.getLogger("lookupdec")
+
+CALIBRATION_SECONDS = 2.0  # start-up budget for measuring t(n) (once per model, device, dtype: cached)
+MAX_MEASURED_TOKENS = 256  # t(n) is measured for n = 1, 2, 4 ... 256 tree tokens
+COST_CACHE_VERSION = 1
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the initial factor of 1.0 (they decay like
 #                    real ones, so a source that never matches fades to a factor near 0)
@@ -93,6 +102,71 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"sizes": self.sizes, "seconds": self.seconds}
+
+    def relative(self) -> dict[int, float]:
+        """``t(n) / t(1)`` at the measured sizes."""
+        return {n: t / self.seconds[0] for n, t in zip(self.sizes, self.seconds)}
+
+
+def cost_cache_path() -> str | None:
+    """Where measured cost curves are kept: ``$LOOKUPDEC_COST_CACHE`` (a file; ``off`` disables
+    the cache), else ``$XDG_CACHE_HOME/lookupdec/cost_curves.json`` (``~/.cache`` by default)."""
+    env = os.environ.get("LOOKUPDEC_COST_CACHE")
+    if env:
+        return None if env.lower() in ("0", "off", "none") else env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lookupdec", "cost_curves.json")
+
+
+def cost_key(model_config: dict, device, dtype, context_tokens: int) -> str:
+    """What a cost curve depends on: the architecture (not the weights' values), the device,
+    the dtype, the context length bucket, torch's version and, on CPU, its thread count."""
+    import torch
+
+    arch = {k: v for k, v in model_config.items() if k not in ("_name_or_path", "transformers_version")}
+    digest = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    device = torch.device(device)
+    if device.type == "cuda":
+        where = f"cuda:{torch.cuda.get_device_name(device)}"
+    else:
+        where = f"{device.type}:{platform.machine()}:{os.cpu_count()}cpus:{torch.get_num_threads()}threads"
+    return f"{model_config.get('model_type', '?')}-{digest}|{where}|{dtype}|ctx{context_tokens}|torch{torch.__version__}"
+
+
+def load_cached_cost(key: str) -> CostModel | None:
+    path = cost_cache_path()
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        entry = doc["curves"][key] if doc.get("version") == COST_CACHE_VERSION else None
+        return CostModel(entry["sizes"], entry["seconds"]) if entry else None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.debug("cost cache %s unreadable (%r): measuring", path, exc)
+        return None
+
+
+def store_cached_cost(key: str, cost: CostModel) -> None:
+    """Add one curve to the cache file (atomically; an unwritable cache is only logged)."""
+    path = cost_cache_path()
+    if not path:
+        return
+    try:
+        doc = {"version": COST_CACHE_VERSION, "curves": {}}
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                old = json.load(f)
+            if old.get("version") == COST_CACHE_VERSION:
+                doc = old
+        doc["curves"][key] = {**cost.to_dict(), "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+    except (OSError, ValueError) as exc:
+        log.warning("could not write the cost cache %s: %s", path, exc)
 
 
 MATCH_BUCKETS = (0, 1, 2, 3, 5, 9, 17, 33)  # match lengths are calibrated in these buckets

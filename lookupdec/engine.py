@@ -49,7 +49,7 @@ class Generation:
     stats: GenerationStats
 
 
-CALIBRATION_PREFIX = 64  # context length at which the verify cost curve is measured
+MIN_CALIBRATION_CONTEXT = 64  # the cost curve is measured at the prompt's length rounded up to a power of 2
 
 
 class _Timer:
@@ -87,7 +87,8 @@ class Engine:
             draft = DraftModelProposer(draft_model, self.config.draft, vocab_size=self.target.vocab_size)
         self.mixture = Mixture(build_proposers(self.config, tokenizer=tokenizer), draft, self.config.draft,
                                self.calibrator)
-        self._cost: CostModel | None = None  # measured on first use (budget="auto")
+        self._costs: dict[int, CostModel] = {}  # context bucket -> t(n) (budget="auto"), measured or cached
+        self.cost_origin: dict[int, str] = {}  # context bucket -> "measured" | "cached"
         self._request_ids = itertools.count()
 
     @classmethod
@@ -195,8 +196,9 @@ class Engine:
         self.mixture.start(rid, context, params, seed)
         self.mixture.draft_steps = 0
         try:
-            if self.config.budget == "auto":
-                self.cost_model()  # measured before the prefill: it uses the cache
+            cost = None
+            if self.config.budget == "auto":  # measured (if not cached) before the prefill: it uses the KV cache
+                cost = self.cost_model(len(context) + max_new_tokens // 2)
             t = time.perf_counter()
             target.prefill(context[:-1])
             stats.prefill_ms = (time.perf_counter() - t) * 1e3
@@ -205,7 +207,7 @@ class Engine:
                 t0 = time.perf_counter()
                 drafts = self.mixture.propose(rid, context, self.config.max_nodes)
                 t1 = time.perf_counter()
-                tree = self._build_tree(context, drafts, timer)
+                tree = self._build_tree(context, drafts, timer, cost)
                 t2 = time.perf_counter()
                 logits = target.verify(tree)  # [1 + n, vocab]
                 t3 = time.perf_counter()
@@ -227,30 +229,43 @@ class Engine:
             stats.draft_model_steps = self.mixture.draft_steps
             self.mixture.stop(rid)
 
-    def _build_tree(self, context, drafts, timer) -> TokenTree:
+    def _build_tree(self, context, drafts, timer, cost: CostModel | None) -> TokenTree:
         """Merge the drafts into one trie and keep the nodes worth verifying."""
         depth = min(self.config.max_depth, self._room(context))
         tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=self.config.max_nodes, max_depth=depth,
                                      factors=self.calibrator.factors())
         if not self.target.tree_mode:
             tree = tree.best_chain()
-        if self.config.budget == "auto" and tree.num_draft_nodes:
-            cost = self.cost_model()
+        if cost is not None and tree.num_draft_nodes:
             overhead = (timer.total - timer.forward) / timer.steps if timer.steps else 0.0
             scores = sorted(tree.scores[1:], reverse=True)
             tree = tree.prune(choose_num_nodes(scores, cost, overhead, self.config.max_nodes))
         return tree
 
-    def cost_model(self) -> CostModel:
-        """t(n) on this machine, measured once per engine (first use)."""
-        if self._cost is None:
-            limit = self.target.max_context or 4096
-            timer = self.target.chain_forward_timer(prefix_len=min(CALIBRATION_PREFIX, limit // 4))
-            try:
-                self._cost = CostModel.measure(timer, max_tokens=1 + self.config.max_nodes)
-            finally:
-                self.target.reset()
-        return self._cost
+    def cost_model(self, context_tokens: int = MIN_CALIBRATION_CONTEXT) -> CostModel:
+        """t(n) for n = 1 ... 256 tree tokens at about this context length: from the cost cache
+        (per model architecture, device, dtype and context bucket), else measured now (<= 2 s)
+        and cached."""
+        from lookupdec.budget import MAX_MEASURED_TOKENS, cost_key, load_cached_cost, store_cached_cost
+
+        limit = self.target.max_context or 1 << 20
+        bucket = MIN_CALIBRATION_CONTEXT
+        while bucket < context_tokens and bucket * 2 <= limit // 2:
+            bucket *= 2
+        bucket = min(bucket, max(1, limit // 2))
+        if bucket not in self._costs:
+            key = cost_key(self.target.config.to_dict(), self.target.device, self.target.dtype, bucket)
+            cost = load_cached_cost(key)
+            self.cost_origin[bucket] = "cached" if cost else "measured"
+            if cost is None:
+                timer = self.target.chain_forward_timer(prefix_len=bucket)
+                try:
+                    cost = CostModel.measure(timer, max_tokens=min(MAX_MEASURED_TOKENS, limit - bucket))
+                finally:
+                    self.target.reset()
+                store_cached_cost(key, cost)
+            self._costs[bucket] = cost
+        return self._costs[bucket]
 
     def _room(self, context) -> int:
         """How many more positions fit in the model's context (a large number if unbounded)."""

@@ -6,12 +6,16 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
 
 # The test models are tiny: one thread is faster than two fighting over 2 shared cores.
 torch.set_num_threads(int(os.environ.get("LOOKUPDEC_TEST_THREADS", "1")))
+
+# Measured verify-cost curves go to a per-session file, not the user's ~/.cache.
+os.environ.setdefault("LOOKUPDEC_COST_CACHE", os.path.join(tempfile.mkdtemp(prefix="lookupdec-test-"), "cost.json"))
 
 sys.path.insert(0, os.path.dirname(__file__))  # helpers / tiny_models, whatever the rootdir
 
