@@ -148,6 +148,12 @@ def _add_simulate(sub) -> None:
     p.add_argument("--budget", type=_positive_int, default=64, help="draft-tree nodes per step (64)")
     p.add_argument("--max-depth", type=_positive_int, default=64, help="longest draft path (64)")
     p.add_argument("--index", default=None, help="draft also from this corpus index (lookupdec index build)")
+    p.add_argument("--cost-curve", default=None, metavar="F.json",
+                   help='verify cost t(n), {"sizes": [...], "seconds": [...]}: also report the modelled '
+                   "speedup over plain decoding, tokens * t(1) / sum of t(1 + nodes) over steps")
+    p.add_argument("--auto-budget", action="store_true",
+                   help="with --cost-curve: choose each step's node count as the engine's budget=auto does "
+                   "(up to --budget)")
     p.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N records")
     p.add_argument("--json", action="store_true", help="print the full result (per record too) as JSON")
     p.set_defaults(func=_cmd_simulate)
@@ -172,8 +178,22 @@ def _cmd_simulate(args) -> int:
         raise CliError(str(exc)) from None
     if args.limit:
         records = records[: args.limit]
+    cost = None
+    if args.cost_curve:
+        from lookupdec.budget import CostModel
+
+        try:
+            with open(args.cost_curve, encoding="utf-8") as f:
+                curve = json.load(f)
+            cost = CostModel(curve["sizes"], curve["seconds"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CliError(f"--cost-curve {args.cost_curve}: expected {{\"sizes\": [...], \"seconds\": [...]}} ({exc})") from None
+    elif args.auto_budget:
+        raise CliError("--auto-budget needs --cost-curve")
     result = replay(records, tokenizer, build_proposers(config, tokenizer=tokenizer), budget=args.budget,
-                    max_depth=args.max_depth, progress=sys.stderr.isatty())
+                    max_depth=args.max_depth, progress=sys.stderr.isatty(), cost=cost, choose=args.auto_budget)
+    if cost is not None:
+        result["modeled_speedup"] = result["response_tokens"] * cost(1) / result["modeled_seconds"]
     result["workload"] = args.workload or args.input
     if args.json:
         json.dump(result, sys.stdout, indent=1)
@@ -182,7 +202,8 @@ def _cmd_simulate(args) -> int:
         print(f"{result['workload']}: {result['records']} records, {result['response_tokens']} tokens, "
               f"MAT {result['mat']:.3f} tokens/step, tree {result['mean_tree_nodes']:.1f} nodes, "
               f"draft {result['draft_us_p50']:.0f} us p50 / {result['draft_us_p99']:.0f} us p99, "
-              f"accepted share {result['accepted_share_by_source']}")
+              f"accepted share {result['accepted_share_by_source']}"
+              + (f", modelled speedup {result['modeled_speedup']:.2f}x" if "modeled_speedup" in result else ""))
     return 0
 
 

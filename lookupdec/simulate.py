@@ -28,6 +28,8 @@ class RecordResult:
     steps: int
     tree_nodes: int  # summed over steps
     accepted_by_source: dict = field(default_factory=dict)
+    nodes_per_step: list = field(default_factory=list)  # draft nodes verified at each step
+    modeled_seconds: float = 0.0  # sum over steps of t(1 + nodes) when a cost model is given
 
     @property
     def mat(self) -> float:
@@ -62,8 +64,15 @@ def accepted_path(tree: TokenTree, target: Sequence[int]) -> list[int]:
 
 def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequence[Proposer], *,
                budget: int, max_depth: int, draft_seconds: list,
-               calibrator: AcceptanceCalibrator | None = None) -> RecordResult:
-    """One record; ``calibrator`` scales each source's scores as the engine does (and learns)."""
+               calibrator: AcceptanceCalibrator | None = None, cost=None, choose: bool = False) -> RecordResult:
+    """One record; ``calibrator`` scales each source's scores as the engine does (and learns).
+
+    ``cost`` (a ``budget.CostModel``): adds up the modelled verify time ``t(1 + nodes)`` of every
+    step; with ``choose=True`` each step also keeps only the number of nodes that maximises
+    expected tokens per second under that cost, as the engine's ``budget="auto"`` does (per-step
+    overhead taken as 0)."""
+    from lookupdec.budget import choose_num_nodes
+
     result = RecordResult(rid, len(prompt), len(response), 0, 0)
     context = list(prompt)
     for p in proposers:
@@ -75,7 +84,12 @@ def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequ
             drafts = [d for p in proposers for d in p.propose(rid, context, budget)]
             tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=budget, max_depth=max_depth,
                                          factors=calibrator.factors() if calibrator else None)
+            if choose and cost is not None and tree.num_draft_nodes:
+                tree = tree.prune(choose_num_nodes(sorted(tree.scores[1:], reverse=True), cost, 0.0, budget))
             draft_seconds.append(time.perf_counter() - t)
+            result.nodes_per_step.append(tree.num_draft_nodes)
+            if cost is not None:
+                result.modeled_seconds += cost(1 + tree.num_draft_nodes)
             path = accepted_path(tree, response[pos:])
             new = response[pos : pos + len(path) + 1]
             for node in path:
@@ -96,8 +110,9 @@ def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequ
 
 
 def replay(records: Iterable[dict], tokenizer, proposers: Sequence[Proposer], *, budget: int,
-           max_depth: int, progress: bool = False) -> dict:
-    """Replay every record; returns the summary and per-record figures (JSON-ready)."""
+           max_depth: int, progress: bool = False, cost=None, choose: bool = False) -> dict:
+    """Replay every record; returns the summary and per-record figures (JSON-ready). With
+    ``cost``, also the modelled speedup over plain decoding (``replay_one``)."""
     from tqdm import tqdm
 
     results, draft_seconds, calibrator = [], [], AcceptanceCalibrator()
@@ -107,7 +122,7 @@ def replay(records: Iterable[dict], tokenizer, proposers: Sequence[Proposer], *,
         if response:
             results.append(replay_one(rid, prompt, response, proposers, budget=budget,
                                       max_depth=max_depth, draft_seconds=draft_seconds,
-                                      calibrator=calibrator))
+                                      calibrator=calibrator, cost=cost, choose=choose))
     summary = summarize(results, draft_seconds, budget=budget, max_depth=max_depth,
                         proposers=[p.name for p in proposers])
     queries = [s for p in proposers for s in getattr(p, "query_seconds", [])]
@@ -128,7 +143,14 @@ def summarize(results: list[RecordResult], draft_seconds: list, **settings) -> d
             by_source[s] = by_source.get(s, 0) + n
     accepted = sum(by_source.values())
     us = np.array(draft_seconds) * 1e6 if draft_seconds else np.zeros(1)
+    modeled = sum(r.modeled_seconds for r in results)
+    extra = {}
+    if modeled > 0:
+        extra["modeled_seconds"] = modeled
+        extra["nodes_histogram"] = {int(k): int(v) for k, v in zip(*np.unique(
+            [n for r in results for n in r.nodes_per_step], return_counts=True))}
     return {
+        **extra,
         **settings,
         "records": len(results),
         "response_tokens": tokens,
