@@ -253,7 +253,9 @@ class AcceptanceCalibrator:
 
 
 def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int) -> int:
-    """The ``n`` (0..max_nodes) maximising (1 + sum of the n best scores) / (t(1 + n) + overhead).
+    """The ``n`` (0..max_nodes) maximising (1 + sum of the first n values) / (t(1 + n) + overhead);
+    the values are the nodes' probabilities of acceptance in the order pruning keeps them
+    (``TokenTree.expected_in_prune_order``).
 
     >>> cost = CostModel([1, 2, 4], [1.0, 1.1, 1.3])
     >>> choose_num_nodes([0.9, 0.8, 0.01], cost, 0.0, 3)   # the third node is not worth 0.1

@@ -238,8 +238,7 @@ class Engine:
             tree = tree.best_chain()
         if cost is not None and tree.num_draft_nodes:
             overhead = (timer.total - timer.forward) / timer.steps if timer.steps else 0.0
-            scores = sorted(tree.scores[1:], reverse=True)
-            tree = tree.prune(choose_num_nodes(scores, cost, overhead, self.config.max_nodes))
+            tree = tree.prune(choose_num_nodes(tree.expected_in_prune_order(), cost, overhead, self.config.max_nodes))
         return tree
 
     def cost_model(self, context_tokens: int = MIN_CALIBRATION_CONTEXT) -> CostModel:

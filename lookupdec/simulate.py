@@ -85,7 +85,7 @@ def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequ
             tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=budget, max_depth=max_depth,
                                          factors=calibrator.factors() if calibrator else None)
             if choose and cost is not None and tree.num_draft_nodes:
-                tree = tree.prune(choose_num_nodes(sorted(tree.scores[1:], reverse=True), cost, 0.0, budget))
+                tree = tree.prune(choose_num_nodes(tree.expected_in_prune_order(), cost, 0.0, budget))
             draft_seconds.append(time.perf_counter() - t)
             result.nodes_per_step.append(tree.num_draft_nodes)
             if cost is not None:

@@ -36,6 +36,9 @@ class TokenTree:
     # [1 + n] True where a deterministic (lookup) draft proposed the node: a point mass, tried
     # before the sampled children of its parent. Default: every node.
     point_mass: list[bool] = field(default_factory=list)
+    # [1 + n] probability that the walk reaches each node (``coherent_scores``): what the budget
+    # chooser adds up. ``scores`` rank the nodes (they decide what a budget keeps). Default: scores.
+    expected: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -45,6 +48,8 @@ class TokenTree:
             self.sources = [""] * n
         if not self.point_mass:
             self.point_mass = [True] * n
+        if not self.expected:
+            self.expected = list(self.scores)
         if len(self.parents) != n or self.parents[0] != -1:
             raise ValueError("TokenTree: parents must match token_ids and parents[0] must be -1")
         self.depth = [0] * n
@@ -125,11 +130,13 @@ class TokenTree:
                 node = 0 if at < 0 else local[at]
                 if node >= 0:
                     samples[node] = (q, tuple(drawn))
+        expected = coherent_scores(parents, scores)
         keep = select_top_nodes(parents, scores, max_nodes)
-        return cls._subtree(keep, token_ids, parents, scores, sources, point_mass, samples)
+        return cls._subtree(keep, token_ids, parents, scores, sources, point_mass, samples, expected)
 
     @classmethod
-    def _subtree(cls, keep, token_ids, parents, scores, sources, point_mass=None, samples=None) -> "TokenTree":
+    def _subtree(cls, keep, token_ids, parents, scores, sources, point_mass=None, samples=None,
+                 expected=None) -> "TokenTree":
         remap = {old: new for new, old in enumerate(keep)}
         return cls(
             token_ids=[token_ids[i] for i in keep],
@@ -138,11 +145,18 @@ class TokenTree:
             sources=[sources[i] for i in keep],
             samples={remap[node]: value for node, value in (samples or {}).items() if node in remap},
             point_mass=[point_mass[i] for i in keep] if point_mass else [],
+            expected=[expected[i] for i in keep] if expected else [],
         )
 
     def _keep(self, keep) -> "TokenTree":
         return TokenTree._subtree(keep, self.token_ids, self.parents, self.scores, self.sources, self.point_mass,
-                                  self.samples)
+                                  self.samples, self.expected)
+
+    def expected_in_prune_order(self) -> list[float]:
+        """``expected`` of the draft nodes in the order ``prune`` takes them (best score first):
+        ``prune(n)`` keeps the first ``n``, which the budget chooser sums."""
+        order = sorted(range(1, len(self.token_ids)), key=lambda i: (-self.scores[i], i))
+        return [self.expected[i] for i in order]
 
     def prune(self, max_nodes: int) -> "TokenTree":
         """The root and the ``max_nodes`` best nodes (ancestors kept), as a new tree."""
@@ -179,6 +193,39 @@ class TokenTree:
         leaf = max(range(n), key=lambda i: (gain[i], -i))
         keep = [0] + self.path_to(leaf)
         return self._keep(keep)
+
+
+def coherent_scores(parents: Sequence[int], scores: Sequence[float]) -> list[float]:
+    """Scores adjusted so that the children of a node never claim more than certainty.
+
+    Drafts are scored independently; merged into one trie, two sources can each give their own
+    child of the same node a high conditional probability, though at most one child can be
+    accepted. Children keep their conditional probability ``score / parent score`` in order of
+    confidence until the mass left runs out: the likeliest keeps its own, each next one gets at
+    most what the ones before left. Applied top-down, a node's score is then at most the
+    probability that the walk reaches it — what the budget chooser adds up as expected accepted
+    tokens.
+
+    >>> coherent_scores([-1, 0, 0, 1], [1.0, 0.9, 0.6, 0.8])
+    [1.0, 0.9, 0.09999999999999998, 0.8]
+    """
+    n = len(parents)
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        children[parents[i]].append(i)
+    out = list(scores)
+    for node in range(n):  # parents come before children: out[node] is final here
+        kids = children[node]
+        if not kids:
+            continue
+        old_parent = scores[node]
+        conds = {k: (scores[k] / old_parent if old_parent > 0 else 0.0) for k in kids}
+        left = 1.0
+        for k in sorted(kids, key=lambda k: (-conds[k], k)):
+            cond = min(conds[k], max(left, 0.0))
+            left -= cond
+            out[k] = out[node] * cond
+    return out
 
 
 def select_top_nodes(parents: Sequence[int], scores: Sequence[float], max_nodes: int) -> list[int]:
