@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import STORIES
+from conftest import STORIES, cached_references, cached_tiny
 from helpers import FakeTokenizer, hf_greedy, make_prompts
 from lookupdec import Engine, EngineConfig
 from lookupdec.config import DraftConfig
@@ -23,7 +23,7 @@ from lookupdec.proposers.mixture import Mixture
 from lookupdec.sampling import SamplingParams, accept, node_distribution, rejection_distribution, residual
 from lookupdec.tree import TokenTree
 from test_sampling import plain_probs, synthetic_logits, total_variation, tv_between, tv_bound
-from tiny_models import tiny_model
+from tiny_models import FAMILIES, tiny_model
 
 FINETUNED = os.path.join(os.path.dirname(STORIES), "stories260K-finetuned")
 
@@ -87,6 +87,19 @@ def test_greedy_identity_with_a_draft_model(pair, mode):
         assert gen.token_ids == hf_greedy(target, prompt, n), (mode, prompt)
         used += gen.stats.draft_model_steps
     assert used > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity_with_a_draft_model_every_family(family):
+    """Target and draft of the same family (different random weights), the draft run every step."""
+    target = cached_tiny(family)
+    draft_model = tiny_model(family, seed=5, tie_word_embeddings=False)
+    engine = Engine(target, FakeTokenizer(), EngineConfig(draft=DraftConfig(mode="always", max_tokens=3)),
+                    draft_model=draft_model)
+    for prompt, n, ref in cached_references(family)[:8]:
+        gen = engine.generate(prompt, max_new_tokens=n)
+        assert gen.token_ids == ref, (family, prompt)
+        assert gen.stats.draft_model_steps == gen.stats.steps
 
 
 def test_greedy_identity_when_the_draft_is_the_target(pair):

@@ -362,7 +362,8 @@ def test_sentence_transformers_embedder_from_a_local_folder(tmp_path):
                          intermediate_size=64)).save_pretrained(bert)
     BertTokenizerFast(str(tmp_path / "vocab.txt")).save_pretrained(bert)
     word = models.Transformer(str(bert))
-    SentenceTransformer(modules=[word, models.Pooling(word.get_word_embedding_dimension())]).save(str(tmp_path / "st"))
+    dim = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension
+    SentenceTransformer(modules=[word, models.Pooling(dim())]).save(str(tmp_path / "st"))
     corpus = make_corpus(tmp_path)
     out = str(tmp_path / "idx")
     m = build_index([corpus], tokenizer_path=LLAMA_SP, out=out, chunk_tokens=32,
