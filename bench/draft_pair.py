@@ -85,7 +85,9 @@ def main(argv=None) -> int:
                                  "identical_to_greedy": r["tokens"] == best["greedy"]["tokens"],
                                  "steps": r["stats"].get("steps"),
                                  "accepted_by_source": r["stats"].get("accepted_by_source"),
-                                 "draft_model_steps": r["stats"].get("draft_model_steps")})
+                                 "draft_model_steps": r["stats"].get("draft_model_steps"),
+                                 "overhead_us": r["stats"].get("overhead_us"), "forward_ms": r["stats"].get("forward_ms"),
+                                 "draft_us": r["stats"].get("draft_us")})
         print(prompt[:30], {m: f"{len(r['tokens']) / r['seconds']:.0f} tok/s" for m, r in best.items()}, flush=True)
     rows = []
     greedy_tps = sum(r["new_tokens"] for r in runs["greedy"]) / sum(r["seconds"] for r in runs["greedy"])
@@ -101,11 +103,19 @@ def main(argv=None) -> int:
                      "vs_assisted": tokens / seconds / assisted_tps,
                      "tokens_per_forward": tokens / steps if steps else None, "accepted_by_source": by_source,
                      "draft_model_steps": sum(r["draft_model_steps"] or 0 for r in rs) if steps else None,
+                     "overhead_us_per_step": (sum((r["overhead_us"] or 0) * (r["steps"] or 0) for r in rs) / steps
+                                              if steps else None),
+                     "draft_us_per_step": (sum((r["draft_us"] or 0) * (r["steps"] or 0) for r in rs) / steps
+                                           if steps else None),
+                     "forward_ms_per_step": (sum((r["forward_ms"] or 0) * (r["steps"] or 0) for r in rs) / steps
+                                             if steps else None),
                      "identical": all(r["identical_to_greedy"] for r in rs)})
     print()
     print(format_table(rows, [("method", "method", ""), ("tokens_per_s", "tokens/s", ".0f"),
                               ("vs_greedy", "x greedy", ".2f"), ("vs_assisted", "x assisted", ".2f"),
-                              ("tokens_per_forward", "tokens/forward", ".2f"), ("identical", "identical", ""),
+                              ("tokens_per_forward", "tokens/forward", ".2f"),
+                              ("overhead_us_per_step", "overhead us/step", ".0f"), ("forward_ms_per_step", "forward ms", ".2f"),
+                              ("identical", "identical", ""),
                               ("accepted_by_source", "accepted by source", "")]))
     path = write_result(args.out, "draft_pair", vars(args), {"summary": rows, "runs": runs}, meta=meta,
                         threads_set_by_benchmark=True)
