@@ -42,6 +42,9 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind the initial factor of 1.0 (they
 #                    real ones, so a source that never matches fades to a factor near 0)
 HISTORY_DECAY = 0.95  # per-step decay of old observations (half-life about 14 steps)
 MAX_FACTOR = 1.5  # a source's scores are never trusted more than this
+DRAFT_BUDGET_HEADROOM = 2.0  # proposers are asked for this many times the nodes lately kept
+DRAFT_BUDGET_MIN = 16  # ... but never fewer than this many
+DRAFT_BUDGET_DECAY = 0.9  # per-step decay of the running mean of kept nodes
 
 
 class CostModel:
@@ -250,6 +253,42 @@ class AcceptanceCalibrator:
             for k in targets:
                 self._predicted[k] += predicted
                 self._matched[k] += matched
+
+
+class DraftBudget:
+    """How many nodes to ask the proposers for, from the number the chooser kept lately.
+
+    Asking for ``max_nodes`` and pruning to the chosen ``n`` loses accepted tokens against asking
+    for about ``n`` (proposers spread a larger budget over more, shallower branches, and pruning
+    by score does not rebuild their deep chains): on loghub replay, 64 -> 32 by pruning accepts
+    2% fewer tokens than a 32-node budget. So the request is the power of 2 at or above
+    ``DRAFT_BUDGET_HEADROOM`` times the running mean of kept nodes (at least
+    ``DRAFT_BUDGET_MIN``, at most ``max_nodes``). Only past choices enter it.
+
+    >>> b = DraftBudget()
+    >>> b.nodes(256)   # nothing observed yet: the full budget
+    256
+    >>> for _ in range(50): b.observe(20)
+    >>> b.nodes(256)   # 2 x 20 -> 64
+    64
+    """
+
+    def __init__(self) -> None:
+        self.mean_kept: float | None = None
+
+    def nodes(self, max_nodes: int) -> int:
+        if self.mean_kept is None:
+            return max_nodes
+        n = DRAFT_BUDGET_MIN
+        while n < DRAFT_BUDGET_HEADROOM * self.mean_kept and n < max_nodes:
+            n *= 2
+        return min(n, max_nodes)
+
+    def observe(self, kept: int) -> None:
+        if self.mean_kept is None:
+            self.mean_kept = float(kept)
+        else:
+            self.mean_kept = DRAFT_BUDGET_DECAY * self.mean_kept + (1 - DRAFT_BUDGET_DECAY) * kept
 
 
 def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int) -> int:

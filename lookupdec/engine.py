@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from lookupdec import model as model_lib
-from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes
+from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget, choose_num_nodes
 from lookupdec.config import EngineConfig
 from lookupdec.proposers import Proposer, build_proposers
 from lookupdec.proposers.mixture import Mixture
@@ -80,6 +80,7 @@ class Engine:
         self.target = model_lib.TargetModel(model, verify=self.config.verify)
         self.eos_token_ids = model_lib.tokenizer_info(tokenizer)["eos_token_ids"]
         self.calibrator = AcceptanceCalibrator()
+        self.draft_budget = DraftBudget()  # budget="auto": nodes asked of the proposers
         draft = None
         if draft_model is not None:
             from lookupdec.proposers.draft_model import DraftModelProposer
@@ -205,9 +206,10 @@ class Engine:
             produced, seen = 0, set(context)  # seen: distinct ids so far (repetition penalty)
             while produced < max_new_tokens and self._room(context) > 0:
                 t0 = time.perf_counter()
-                drafts = self.mixture.propose(rid, context, self.config.max_nodes)
+                asked = self.draft_budget.nodes(self.config.max_nodes) if cost else self.config.max_nodes
+                drafts = self.mixture.propose(rid, context, asked)
                 t1 = time.perf_counter()
-                tree = self._build_tree(context, drafts, timer, cost)
+                tree = self._build_tree(context, drafts, asked, timer, cost)
                 t2 = time.perf_counter()
                 logits = target.verify(tree)  # [1 + n, vocab]
                 t3 = time.perf_counter()
@@ -229,16 +231,17 @@ class Engine:
             stats.draft_model_steps = self.mixture.draft_steps
             self.mixture.stop(rid)
 
-    def _build_tree(self, context, drafts, timer, cost: CostModel | None) -> TokenTree:
+    def _build_tree(self, context, drafts, max_nodes: int, timer, cost: CostModel | None) -> TokenTree:
         """Merge the drafts into one trie and keep the nodes worth verifying."""
         depth = min(self.config.max_depth, self._room(context))
-        tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=self.config.max_nodes, max_depth=depth,
+        tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=max_nodes, max_depth=depth,
                                      factors=self.calibrator.factors())
         if not self.target.tree_mode:
             tree = tree.best_chain()
         if cost is not None and tree.num_draft_nodes:
             overhead = (timer.total - timer.forward) / timer.steps if timer.steps else 0.0
-            tree = tree.prune(choose_num_nodes(tree.expected_in_prune_order(), cost, overhead, self.config.max_nodes))
+            tree = tree.prune(choose_num_nodes(tree.expected_in_prune_order(), cost, overhead, max_nodes))
+            self.draft_budget.observe(tree.num_draft_nodes)
         return tree
 
     def cost_model(self, context_tokens: int = MIN_CALIBRATION_CONTEXT) -> CostModel:

@@ -64,14 +64,18 @@ def accepted_path(tree: TokenTree, target: Sequence[int]) -> list[int]:
 
 def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequence[Proposer], *,
                budget: int, max_depth: int, draft_seconds: list,
-               calibrator: AcceptanceCalibrator | None = None, cost=None, choose: bool = False) -> RecordResult:
+               calibrator: AcceptanceCalibrator | None = None, cost=None, choose: bool = False,
+               draft_budget=None) -> RecordResult:
     """One record; ``calibrator`` scales each source's scores as the engine does (and learns).
 
     ``cost`` (a ``budget.CostModel``): adds up the modelled verify time ``t(1 + nodes)`` of every
     step; with ``choose=True`` each step also keeps only the number of nodes that maximises
     expected tokens per second under that cost, as the engine's ``budget="auto"`` does (per-step
-    overhead taken as 0)."""
-    from lookupdec.budget import choose_num_nodes
+    overhead taken as 0), asking the proposers for ``draft_budget.nodes(budget)`` nodes."""
+    from lookupdec.budget import DraftBudget, choose_num_nodes
+
+    choosing = choose and cost is not None
+    draft_budget = draft_budget or DraftBudget()
 
     result = RecordResult(rid, len(prompt), len(response), 0, 0)
     context = list(prompt)
@@ -81,11 +85,13 @@ def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequ
         pos = 0
         while pos < len(response):
             t = time.perf_counter()
-            drafts = [d for p in proposers for d in p.propose(rid, context, budget)]
-            tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=budget, max_depth=max_depth,
+            asked = draft_budget.nodes(budget) if choosing else budget
+            drafts = [d for p in proposers for d in p.propose(rid, context, asked)]
+            tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=asked, max_depth=max_depth,
                                          factors=calibrator.factors() if calibrator else None)
-            if choose and cost is not None and tree.num_draft_nodes:
-                tree = tree.prune(choose_num_nodes(tree.expected_in_prune_order(), cost, 0.0, budget))
+            if choosing and tree.num_draft_nodes:
+                tree = tree.prune(choose_num_nodes(tree.expected_in_prune_order(), cost, 0.0, asked))
+                draft_budget.observe(tree.num_draft_nodes)
             draft_seconds.append(time.perf_counter() - t)
             result.nodes_per_step.append(tree.num_draft_nodes)
             if cost is not None:
@@ -115,14 +121,17 @@ def replay(records: Iterable[dict], tokenizer, proposers: Sequence[Proposer], *,
     ``cost``, also the modelled speedup over plain decoding (``replay_one``)."""
     from tqdm import tqdm
 
-    results, draft_seconds, calibrator = [], [], AcceptanceCalibrator()
+    from lookupdec.budget import DraftBudget
+
+    results, draft_seconds, calibrator, draft_budget = [], [], AcceptanceCalibrator(), DraftBudget()
     records = list(records)
     for i, record in enumerate(tqdm(records, disable=not progress, desc="replay", unit="rec")):
         rid, prompt, response = tokenize_record(record, tokenizer, i)
         if response:
             results.append(replay_one(rid, prompt, response, proposers, budget=budget,
                                       max_depth=max_depth, draft_seconds=draft_seconds,
-                                      calibrator=calibrator, cost=cost, choose=choose))
+                                      calibrator=calibrator, cost=cost, choose=choose,
+                                      draft_budget=draft_budget))
     summary = summarize(results, draft_seconds, budget=budget, max_depth=max_depth,
                         proposers=[p.name for p in proposers])
     queries = [s for p in proposers for s in getattr(p, "query_seconds", [])]
