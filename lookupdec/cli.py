@@ -36,7 +36,9 @@ def _add_generate(sub) -> None:
         "would produce on its own (greedy: token for token; sampling: same distribution); "
         "lookups only make it faster. Text goes to stdout as it is produced.",
     )
-    p.add_argument("--model", required=True, help="local Hugging Face model folder (never downloads)")
+    p.add_argument("--model", default="builtin",
+                   help="local Hugging Face model folder (never downloads); default: the built-in "
+                   "code model shipped with the package ('builtin')")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' = stdin)")
@@ -53,7 +55,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-draft", action="store_true", help="plain decoding (no proposers), for comparison")
     p.add_argument("--index", default=None, help="also draft from this corpus index (lookupdec index build)")
     p.add_argument("--draft-model", default=None,
-                   help="small model folder with the same tokenizer, drafting where lookups are weak")
+                   help="small model folder with the same tokenizer, drafting where lookups are weak "
+                   "('builtin-draft': the built-in model's draft)")
     p.add_argument("--draft-mode", default="auto", choices=("auto", "always", "never"),
                    help="when the draft model runs: auto (lookups weak), always, never (auto)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")

@@ -93,9 +93,10 @@ class Engine:
         self._request_ids = itertools.count()
 
     @classmethod
-    def from_pretrained(cls, model_path, *, device=None, dtype=None, config: EngineConfig | None = None,
+    def from_pretrained(cls, model_path="builtin", *, device=None, dtype=None, config: EngineConfig | None = None,
                         index=None, draft_model=None):
-        """``index``: a folder from ``lookupdec index build`` to draft from (adds the "retrieval"
+        """``model_path``: a local Hugging Face folder, or ``"builtin"`` (the small code model
+        shipped with the package). ``index``: a folder from ``lookupdec index build`` to draft from (adds the "retrieval"
         proposer); opened and checked against the model's tokenizer before the model loads.
         ``draft_model``: a small model folder sharing the target's tokenizer (checked by
         vocabulary fingerprint), used where lookups are weak (``EngineConfig.draft``)."""

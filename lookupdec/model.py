@@ -48,10 +48,13 @@ def default_device() -> str:
 
 
 def load(model_path: str | os.PathLike, *, device: str | None = None, dtype=None):
-    """Load a local causal LM and its tokenizer. Never downloads."""
+    """Load a local causal LM and its tokenizer (``"builtin"``: the model shipped with the
+    package, ``lookupdec.demo``). Never downloads."""
     import transformers
 
-    path = os.fspath(model_path)
+    from lookupdec.demo import resolve
+
+    path = resolve(model_path)
     if not os.path.isdir(path):
         raise ModelLoadError(f"model path not found: {path}")
     if not os.path.isfile(os.path.join(path, "config.json")):
