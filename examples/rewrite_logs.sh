@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Rewrite real log lines (loghub) as JSON lines with `lookupdec rewrite`: one log line per record,
+# one JSON line per record in OUT ({"id", "input_hash", "output", "finish_reason", "stats"}).
+# Resumable: run it again after an interruption and it does only what is left.
+#
+#   examples/rewrite_logs.sh [MODEL_DIR] [OUT.jsonl]          # from the repository root
+#   LIMIT=8 MAX_NEW_TOKENS=32 INDEX=indexes/loghub examples/rewrite_logs.sh
+#
+# LOGS: the loghub folder (its *_2k.log files are read); LIMIT: the first N records only;
+# INDEX: a folder from examples/build_index.sh, to draft from the corpus as well.
+set -euo pipefail
+MODEL="${1:-../shared/models/stories260K}"
+OUT="${2:-logs.jsonl}"
+LOGS="${LOGS:-../shared/data/loghub}"
+
+python -m lookupdec rewrite --model "$MODEL" --input "$LOGS"/*_2k.log --output "$OUT" \
+    --instruction "Rewrite this log line as one JSON object with its fields (date, time, level, component, content)." \
+    --split lines --lines-per-record 1 --limit "${LIMIT:-40}" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
+    --stop $'\n' ${INDEX:+--index "$INDEX"}
+head -n 2 "$OUT"

@@ -1,0 +1,235 @@
+"""Batch rewrite: each record's text goes into a prompt, ONE engine generates every output
+(its suffix cache learns from the earlier records: that is the speed-up on repetitive work),
+and each result is one JSON line of the output file.
+
+Output lines (``lookupdec.pipelines.results`` makes them whole and unique per id)::
+
+    {"id": ..., "input_hash": ..., "output": TEXT, "finish_reason": "length"|"eos"|"stop",
+     "stats": {"new_tokens", "steps", "mean_accepted", "tokens_per_s", "seconds"}}
+    {"id": ..., "input_hash": ..., "error": "PATH:LINE: why"}        # a record that failed
+
+Resuming (``plan``): a record whose id already has a result line is skipped; a record whose
+id has an error line is done again (its old line is removed first, atomically), as is one
+whose line was torn by a kill; the rest are done in input order. So after any sequence of
+runs and kills the file holds each record exactly once, and a rerun until exit status 0
+leaves no error lines. ``input_hash`` (SHA-256 of the record's text) tells a changed input:
+such a record is still skipped (its old output kept), with a warning.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from lookupdec.pipelines.inputs import Record
+from lookupdec.pipelines.results import ResultsFile
+
+log = logging.getLogger("lookupdec")
+
+# Set to a model folder once lookupdec ships a built-in default model: --model then becomes optional.
+DEFAULT_MODEL: str | None = None
+DEFAULT_MAX_NEW_TOKENS = 512
+TEXT_SLOT, ID_SLOT = "{text}", "{id}"  # the placeholders a --template may hold ({text} required)
+OUTPUT_CUE = "Output:\n"  # ends an --instruction prompt: where the model's answer starts
+MAX_WARNINGS = 10  # failed records named on stderr before the rest are only counted
+SEED_BYTES = 8  # bytes of SHA-256(seed, id) forming a record's seed (kept below 2**63)
+STATS_DIGITS = 4  # decimals of the floats in an output line's stats
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a record becomes a prompt: ``parts`` joined by the record's text (the template cut
+    at each ``{text}``); ``{id}`` in the parts becomes the record's id. Nothing else in a
+    template is special (braces of JSON examples stay as they are)."""
+
+    parts: tuple[str, ...]  # at least two: text before the first {text}, ..., text after the last
+    strip_text: bool = False  # drop the text's trailing newlines (instruction prompts)
+
+    @classmethod
+    def from_instruction(cls, instruction: str) -> "PromptFormat":
+        """``INSTRUCTION``, a blank line, the text (trailing newlines dropped), a blank line,
+        ``Output:`` and a newline."""
+        if not instruction.strip():
+            raise ValueError("--instruction is empty")
+        return cls((instruction + "\n\n", "\n\n" + OUTPUT_CUE), strip_text=True)
+
+    @classmethod
+    def from_template(cls, template: str, source: str) -> "PromptFormat":
+        if TEXT_SLOT not in template:
+            raise ValueError(f"{source}: the template has no {TEXT_SLOT} placeholder (where each record's text goes)")
+        return cls(tuple(template.split(TEXT_SLOT)))
+
+    @classmethod
+    def from_file(cls, path: str) -> "PromptFormat":
+        try:
+            with open(path, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as exc:
+            raise ValueError(f"--template {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--template {path}: not UTF-8 text") from None
+        return cls.from_template(template, f"--template {path}")
+
+    def prompt(self, record: Record) -> str:
+        text = record.text.rstrip("\n") if self.strip_text else record.text
+        return text.join(part.replace(ID_SLOT, record.id) for part in self.parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewriteOptions:
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # per record; also capped by the model's context
+    temperature: float = 0.0  # 0: greedy (identical to plain greedy decoding)
+    seed: int | None = None  # sampling: each record's seed is derived from this and its id
+    stop: tuple[str, ...] | None = None  # outputs end before the first of these strings
+    token_ids: bool = False  # also write the generated token ids in each line
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: must be a positive integer")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r}: must be >= 0")
+
+    def record_seed(self, record_id: str) -> int | None:
+        """Per record, so that an output does not depend on which records ran before it."""
+        if self.seed is None:
+            return None
+        digest = hashlib.sha256(f"{self.seed}\0{record_id}".encode("utf-8", "surrogatepass")).digest()
+        return int.from_bytes(digest[:SEED_BYTES], "big") >> 1
+
+
+@dataclass
+class Plan:
+    to_do: list[Record]  # in input order: new records, torn ones, and failed ones to redo
+    redo: list[str]  # ids whose error lines are replaced
+    skipped: int  # records with a result line already
+    changed: list[str] = field(default_factory=list)  # skipped ids whose input hash differs
+    moved: int = 0  # when no id matches the output's: to-do records whose text has a result there
+
+    @property
+    def needs_model(self) -> bool:
+        return any(r.error is None for r in self.to_do)
+
+
+def plan(records: Sequence[Record], results: ResultsFile) -> Plan:
+    """What a run over ``records`` has to do, given the lines already in ``results``."""
+    out = Plan(to_do=[], redo=[], skipped=0)
+    for record in records:
+        entry = results.entries.get(record.id)
+        if entry is not None and entry.ok:
+            out.skipped += 1
+            if entry.input_hash != record.input_hash:
+                out.changed.append(record.id)
+            continue
+        if entry is not None:
+            out.redo.append(record.id)
+        out.to_do.append(record)
+    if results.entries and not out.skipped and not out.redo:  # no id matches: were the ids renamed?
+        hashes_done = {e.input_hash for e in results.entries.values() if e.ok}
+        out.moved = sum(r.input_hash in hashes_done for r in out.to_do)
+    return out
+
+
+@dataclass
+class RewriteSummary:
+    records: int = 0  # records in the input (after --limit)
+    skipped: int = 0  # already done in the output, left as they are
+    done: int = 0  # results written by this run
+    failed: int = 0  # error lines written by this run
+    new_tokens: int = 0
+    steps: int = 0  # target forwards
+    seconds: float = 0.0  # generation wall time, summed over records
+    output: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s, "mean_accepted": self.mean_accepted}
+
+    def line(self) -> str:
+        return (f"{self.done} records rewritten, {self.failed} failed, {self.skipped} already done "
+                f"(of {self.records}); {self.new_tokens} tokens in {self.seconds:.1f} s, "
+                f"{self.tokens_per_s:.1f} tokens/s, {self.mean_accepted:.2f} tokens/step -> {self.output}")
+
+
+def rewrite(engine, work: Plan, prompts: PromptFormat, results: ResultsFile, options: RewriteOptions, *,
+            records: int | None = None, progress: bool = False) -> RewriteSummary:
+    """Do ``work`` (from ``plan``) with ``engine`` (None only when ``not work.needs_model``),
+    appending one line per record to ``results``. ``records``: the input's size, for the
+    progress bar and summary (default: to-do + skipped)."""
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    _warn_plan(work, results.path)
+    results.drop(work.redo)
+    total = records if records is not None else len(work.to_do) + work.skipped
+    summary = RewriteSummary(records=total, skipped=work.skipped, output=results.path)
+    with tqdm(total=total, initial=work.skipped, unit="rec", desc="rewrite", disable=not progress,
+              dynamic_ncols=True) as bar, (logging_redirect_tqdm() if progress else contextlib.nullcontext()):
+        for record in work.to_do:
+            line = result_line(engine, record, prompts, options)
+            results.append(line)
+            _count(summary, line)
+            bar.update(1)
+            bar.set_postfix_str(f"{summary.tokens_per_s:.0f} tok/s, {summary.mean_accepted:.2f} tok/step"
+                                + (f", {summary.failed} failed" if summary.failed else ""), refresh=False)
+    if summary.failed > MAX_WARNINGS:
+        log.warning("... and %d more failed records (their lines in %s say why)", summary.failed - MAX_WARNINGS,
+                    results.path)
+    return summary
+
+
+def result_line(engine, record: Record, prompts: PromptFormat, options: RewriteOptions) -> dict:
+    """The output line for one record: its result, or the error that stopped it."""
+    base = {"id": record.id, "input_hash": record.input_hash}
+    if record.error is not None:
+        return {**base, "error": record.error}
+    start = time.perf_counter()
+    try:
+        gen = engine.generate(prompts.prompt(record), max_new_tokens=options.max_new_tokens,
+                              temperature=options.temperature, seed=options.record_seed(record.id),
+                              stop=list(options.stop) if options.stop else None)
+    except Exception as exc:  # noqa: BLE001 -- a failed record is reported in its line; the run goes on
+        log.debug("record %s failed", record.id, exc_info=True)
+        message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        return {**base, "error": f"{record.where}: {message}"}
+    seconds = time.perf_counter() - start
+    stats = gen.stats
+    line = {**base, "output": gen.text, "finish_reason": gen.finish_reason,
+            "stats": {"new_tokens": stats.new_tokens, "steps": stats.steps,
+                      "mean_accepted": round(stats.mean_accepted, STATS_DIGITS),
+                      "tokens_per_s": round(stats.new_tokens / seconds, STATS_DIGITS) if seconds else 0.0,
+                      "seconds": round(seconds, STATS_DIGITS)}}
+    if options.token_ids:
+        line["token_ids"] = gen.token_ids
+    return line
+
+
+def _count(summary: RewriteSummary, line: dict) -> None:
+    if "error" in line:
+        summary.failed += 1
+        if summary.failed <= MAX_WARNINGS:
+            log.warning("%s", line["error"])
+        return
+    summary.done += 1
+    summary.new_tokens += line["stats"]["new_tokens"]
+    summary.steps += line["stats"]["steps"]
+    summary.seconds += line["stats"]["seconds"]
+
+
+def _warn_plan(work: Plan, path: str) -> None:
+    if work.changed:
+        log.warning("%d records already in %s have another text now (e.g. id %r); their old output is kept: "
+                    "remove their lines (or choose another --output) to redo them", len(work.changed), path,
+                    work.changed[0])
+    if work.moved:
+        log.warning("%d records to do have the same text as results in %s under other ids (were the inputs "
+                    "renamed, or named by another path?); they are done again", work.moved, path)
