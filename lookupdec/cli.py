@@ -138,6 +138,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--draft-model", default=None,
                    help="small model folder with the same tokenizer, drafting where lookups are weak")
     p.add_argument("--max-nodes", type=_positive_int, default=None, help="most draft-tree nodes per step (64)")
+    p.add_argument("--fixed-budget", action="store_true",
+                   help="always verify up to --max-nodes nodes (default: chosen per step from measured cost)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
     p.set_defaults(func=_cmd_serve)
@@ -152,9 +154,11 @@ def _cmd_serve(args) -> int:
 
     if not 0 <= args.port < 1 << 16:
         raise CliError(f"--port {args.port}: expected 0 to 65535")
-    config = EngineConfig(max_nodes=args.max_nodes) if args.max_nodes is not None else None
+    fields = {"budget": "fixed" if args.fixed_budget else "auto"}
+    if args.max_nodes is not None:
+        fields["max_nodes"] = args.max_nodes
     serve(args.model, host=args.host, port=args.port, model_name=args.model_name, index=args.index,
-          draft_model=args.draft_model, device=args.device, dtype=args.dtype, config=config,
+          draft_model=args.draft_model, device=args.device, dtype=args.dtype, config=EngineConfig(**fields),
           log_level="info" if args.verbose else "warning")
     return 0
 

@@ -293,6 +293,20 @@ def test_malformed_bodies_and_paths(server):
     assert missing.status_code == 404 and missing.json()["error"]["message"].endswith("Not Found")
 
 
+KEEP_ALIVE_MEDIAN_LIMIT_MS = 20  # a response held back by Nagle + delayed ACK takes ~40 ms
+
+
+def test_keep_alive_requests_do_not_stall(server):
+    """Many requests on one connection (as the openai client does): no ~40 ms delayed-ACK stall."""
+    times = []
+    with httpx.Client(timeout=30) as http:
+        for _ in range(20):
+            start = time.perf_counter()
+            http.get(server.base_url + "/health").raise_for_status()
+            times.append((time.perf_counter() - start) * 1e3)
+    assert sorted(times)[len(times) // 2] < KEEP_ALIVE_MEDIAN_LIMIT_MS, times
+
+
 def test_served_model_name_or_none_accepted(server):
     for body in ({"prompt": "Once", "max_tokens": 2}, {"prompt": "Once", "max_tokens": 2, "model": "stories260K"}):
         assert httpx.post(server.api + "/completions", json=body, timeout=60).status_code == 200
@@ -401,3 +415,26 @@ def test_example_complete_code(server):
                             capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert "tokens per step" in result.stdout
+
+
+# -- the command line ---------------------------------------------------------------------------
+def test_serve_without_server_extra_says_what_to_install(capsys, monkeypatch):
+    from lookupdec.cli import main
+
+    for name in [m for m in sys.modules if m == "lookupdec.server" or m.startswith("lookupdec.server.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed: importing it raises ImportError
+    assert main(["serve", "--model", STORIES]) == 2
+    assert 'pip install "lookupdec[server]"' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/model"], "model path not found"),
+    (["--model", STORIES, "--port", "70000"], "--port"),
+])
+def test_serve_bad_arguments_one_line_error(capsys, args, message):
+    from lookupdec.cli import main
+
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("lookupdec: error:") and "Traceback" not in err

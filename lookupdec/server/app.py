@@ -31,6 +31,7 @@ HTTP_BAD_REQUEST = 400
 HTTP_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it
 HTTP_SERVER_ERROR = 500
 SSE_DONE = b"data: [DONE]\n\n"
+GRACEFUL_SHUTDOWN_S = 5  # on SIGTERM / Ctrl+C: open streams get this long, then the engine is cancelled
 
 
 def _json(body: dict, status: int = 200) -> Response:
@@ -60,9 +61,10 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
 
 
 def _stats(job: Job, generation) -> dict:
-    """The ``lookupdec`` object of a response: the engine's statistics plus the queue wait."""
+    """The ``lookupdec`` object of a response: the engine's statistics, the time waiting for the
+    engine thread and the time on it (prompt building and generation)."""
     return generation.stats.to_dict() | {"finish_reason": generation.finish_reason,
-                                         "queue_ms": round(job.queue_ms, 3)}
+                                         "queue_ms": round(job.queue_ms, 3), "engine_ms": round(job.engine_ms, 3)}
 
 
 class Api:
@@ -206,14 +208,18 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
     engine = Engine.from_pretrained(model, device=device, dtype=dtype, config=config, index=index,
                                     draft_model=draft_model)
     name = model_name or os.path.basename(os.path.normpath(model))
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP (not 0): asyncio only sets TCP_NODELAY on connections of a socket that
+    # says it is TCP; without it a keep-alive client waits ~40 ms per response for a delayed ACK
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted connections
     try:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
         raise ValueError(f"--host {host} --port {port}: cannot listen ({exc.strerror})") from None
     sock.listen()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, name), log_level=log_level, access_log=False))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, name), log_level=log_level, access_log=False,
+                                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     print(f"lookupdec: serving {name} at http://{host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     server.run(sockets=[sock])

@@ -43,6 +43,7 @@ class Job:
         self.prompt_tokens = 0
         self.submitted = time.perf_counter()
         self.queue_ms = 0.0  # waiting for the engine thread
+        self.engine_ms = 0.0  # on the engine thread: prompt building and the whole generation
         self._loop = loop
 
     def post(self, kind: str, value=None) -> None:
@@ -99,6 +100,7 @@ class EngineWorker:
         if job.cancel.is_set():
             job.post("cancelled")
             return "cancelled"
+        start = time.perf_counter()
         try:
             prompt = build(request)
             stream = self.engine.stream(prompt.token_ids, cancel=job.cancel,
@@ -113,5 +115,6 @@ class EngineWorker:
         job.post("start", job.prompt_tokens)
         for piece in stream:
             job.post("piece", piece)
+        job.engine_ms = (time.perf_counter() - start) * 1e3
         job.post("done", stream.generation)
         return "cancelled" if stream.generation.finish_reason == "cancelled" else "completed"
