@@ -80,47 +80,24 @@ class Api:
         build = self.worker.prompts.chat if chat else self.worker.prompts.completion
         job = self.worker.submit(build, body)
         watcher = asyncio.create_task(_cancel_on_disconnect(http, job))
-        try:
+        try:  # streaming: "start" once the prompt is accepted; otherwise the finished generation
             kind, value = await job.events.get()
         except BaseException:
             job.cancel.set()
             watcher.cancel()
             raise
-        if kind != "start":
-            watcher.cancel()
-            return self._early_end(kind, value)
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
-        if body.stream:
+        if kind == "start":
             return StreamingResponse(self._stream(job, watcher, rid, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        try:
-            text, generation = await self._collect(job)
-        finally:
-            watcher.cancel()
-        if generation is None:
-            return _json(_server_error(text), HTTP_SERVER_ERROR)
-        return _json(self._final(rid, job, text, generation, chat=chat, chunk=False))
-
-    @staticmethod
-    def _early_end(kind: str, value) -> Response:
+        watcher.cancel()
+        if kind == "done":
+            return _json(self._final(rid, job, value.text, value, chat=chat, chunk=False))
         if kind == "cancelled":
             return _json(error_body("client disconnected before its turn", None), HTTP_CLIENT_CLOSED)
         if isinstance(value, RequestError):
             return _bad_request(value)
         return _json(_server_error(value), HTTP_SERVER_ERROR)
-
-    @staticmethod
-    async def _collect(job: Job):
-        """(text, Generation) once the job is done; (exception, None) if it failed."""
-        pieces = []
-        while True:
-            kind, value = await job.events.get()
-            if kind == "piece":
-                pieces.append(value)
-            elif kind == "done":
-                return "".join(pieces), value
-            else:
-                return value, None
 
     def _final(self, rid: str, job: Job, text: str, generation, *, chat: bool, chunk: bool) -> dict:
         body = protocol.completion_body(rid, self.model_name, text, generation.finish_reason, chat=chat, chunk=chunk)

@@ -3,9 +3,10 @@ loop stays free to accept, validate and stream.
 
 A request becomes a ``Job``. The engine thread turns it into prompt ids (tokenizer and chat
 template are used on that thread only), runs ``Engine.stream`` with the job's ``cancel`` event
-and posts events back to the loop: ``("start", prompt_tokens)`` or ``("error", exc)`` first,
-then ``("piece", text)`` ... and ``("done", Generation)``; ``("cancelled", None)`` if the client
-left while the job was still queued. Setting ``job.cancel`` (the client disconnected) ends the
+and posts events back to the loop: ``("error", exc)`` for a bad request; for a streaming
+request ``("start", prompt_tokens)``, ``("piece", text)`` ... and ``("done", Generation)``, for
+another only ``("done", Generation)`` (one wake-up of the loop); ``("cancelled", None)`` if the
+client left while the job was still queued. Setting ``job.cancel`` (the client disconnected) ends the
 generation before its next step and frees the engine for the next job.
 """
 from __future__ import annotations
@@ -37,7 +38,8 @@ def field_of(message: str) -> str | None:
 class Job:
     """One request's channel between the event loop and the engine thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, streaming: bool) -> None:
+        self.streaming = streaming  # post each text piece (else only the finished Generation)
         self.cancel = threading.Event()  # set when the client disconnects
         self.events: asyncio.Queue = asyncio.Queue()
         self.prompt_tokens = 0
@@ -67,7 +69,7 @@ class EngineWorker:
 
     def submit(self, build: Callable[[object], Prompt], request) -> Job:
         """Queue ``request`` (``build`` makes its prompt on the engine thread); call on the loop."""
-        job = Job(asyncio.get_running_loop())
+        job = Job(asyncio.get_running_loop(), streaming=request.stream)
         self.submitted += 1
         self._executor.submit(self._run, job, build, request)
         return job
@@ -112,9 +114,11 @@ class EngineWorker:
             job.post("error", RequestError(str(exc), field_of(str(exc))))
             return "failed"
         job.prompt_tokens = len(prompt.token_ids)
-        job.post("start", job.prompt_tokens)
+        if job.streaming:
+            job.post("start", job.prompt_tokens)
         for piece in stream:
-            job.post("piece", piece)
+            if job.streaming:
+                job.post("piece", piece)
         job.engine_ms = (time.perf_counter() - start) * 1e3
         job.post("done", stream.generation)
         return "cancelled" if stream.generation.finish_reason == "cancelled" else "completed"
