@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import socket
 import sys
@@ -25,7 +24,6 @@ from lookupdec.server import protocol
 from lookupdec.server.protocol import ChatRequest, CompletionRequest, RequestError, error_body
 from lookupdec.server.worker import EngineWorker, Job
 
-log = logging.getLogger("lookupdec.server")
 
 HTTP_BAD_REQUEST = 400
 HTTP_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it
@@ -91,6 +89,10 @@ class Api:
             return StreamingResponse(self._stream(job, watcher, rid, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         watcher.cancel()
+        return self._reply(kind, value, job, rid, chat)
+
+    def _reply(self, kind: str, value, job: Job, rid: str, chat: bool) -> Response:
+        """The whole answer to a non-streaming request, or an error to any request."""
         if kind == "done":
             return _json(self._final(rid, job, value.text, value, chat=chat, chunk=False))
         if kind == "cancelled":
