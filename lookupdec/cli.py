@@ -1,4 +1,4 @@
-"""``lookupdec`` command line: ``lookupdec generate | simulate | index build/info/query/verify``.
+"""``lookupdec`` command line: ``lookupdec generate | simulate | index build/info/query/verify | serve``.
 
 Errors a user can cause (bad paths, bad values) print one line ``lookupdec: error: ...`` and
 exit with status 2; no traceback.
@@ -121,6 +121,48 @@ def _cmd_generate(args) -> int:
               f"{s.tokens_per_s:.1f} tokens/s, forward {s.forward_ms:.2f} ms, overhead {s.overhead_us:.0f} us/step, "
               f"accepted by source {s.accepted_by_source}, nodes by source {s.nodes_by_source}"
               + (f", draft model on {s.draft_model_steps} steps" if s.draft_model_steps else ""), file=sys.stderr)
+    return 0
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, streaming)",
+        description="Serve POST /v1/completions, POST /v1/chat/completions, GET /v1/models and "
+        "GET /health. Requests run one at a time in arrival order; a client that disconnects "
+        "cancels its generation; the suffix cache learns across requests. Needs the server "
+        'extra (pip install "lookupdec[server]"). Never downloads.',
+    )
+    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: the folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (8000; 0 = a free one, printed on stderr)")
+    p.add_argument("--index", default=None, help="also draft from this corpus index (lookupdec index build)")
+    p.add_argument("--draft-model", default=None,
+                   help="small model folder with the same tokenizer, drafting where lookups are weak")
+    p.add_argument("--max-nodes", type=_positive_int, default=None, help="most draft-tree nodes per step (64)")
+    p.add_argument("--fixed-budget", action="store_true",
+                   help="always verify up to --max-nodes nodes (default: chosen per step from measured cost)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args) -> int:
+    try:
+        from lookupdec.server import serve
+    except ImportError as exc:
+        raise CliError(f'serve needs the server extra: pip install "lookupdec[server]" ({exc})') from None
+    from lookupdec.config import EngineConfig
+
+    if not 0 <= args.port < 1 << 16:
+        raise CliError(f"--port {args.port}: expected 0 to 65535")
+    fields = {"budget": "fixed" if args.fixed_budget else "auto"}
+    if args.max_nodes is not None:
+        fields["max_nodes"] = args.max_nodes
+    serve(args.model, host=args.host, port=args.port, model_name=args.model_name, index=args.index,
+          draft_model=args.draft_model, device=args.device, dtype=args.dtype, config=EngineConfig(**fields),
+          log_level="info" if args.verbose else "warning")
     return 0
 
 
@@ -458,6 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_simulate(sub)
+    _add_serve(sub)
     _add_index(sub)
     _add_rewrite(sub)
     return parser

@@ -45,8 +45,17 @@ class GenerationStats:
 class Generation:
     text: str  # output text, ending exactly before a stop string if one was hit
     token_ids: list[int]  # generated tokens (EOS included when it ended the output)
-    finish_reason: str  # "stop" (stop string), "length" (max_new_tokens or context), "eos"
+    finish_reason: str  # "stop" (stop string), "length" (max_new_tokens or context), "eos", "cancelled"
     stats: GenerationStats
+
+
+def _cancel_check(cancel):
+    """``cancel`` (None, a ``threading.Event`` or a zero-argument callable) as a callable or None."""
+    if cancel is None or callable(cancel):
+        return cancel
+    if callable(getattr(cancel, "is_set", None)):
+        return cancel.is_set
+    raise ValueError(f"cancel={cancel!r}: expected a threading.Event or a zero-argument callable")
 
 
 MIN_CALIBRATION_CONTEXT = 64  # the cost curve is measured at the prompt's length rounded up to a power of 2
@@ -132,17 +141,23 @@ class Engine:
 
     # -- public API -----------------------------------------------------------------------------
     def generate(self, prompt, *, max_new_tokens: int, temperature: float = 0.0, top_k=None, top_p=None,
-                 repetition_penalty=None, seed=None, stop=None) -> Generation:
+                 repetition_penalty=None, seed=None, stop=None, cancel=None) -> Generation:
         stream = self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop)
+                             top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                             cancel=cancel)
         for _ in stream:
             pass
         return stream.generation
 
     def stream(self, prompt, *, max_new_tokens: int, temperature: float = 0.0, top_k=None, top_p=None,
-               repetition_penalty=None, seed=None, stop=None) -> TextStream:
-        """Validate everything now (errors raise here, not at the first ``next``), then stream."""
+               repetition_penalty=None, seed=None, stop=None, cancel=None) -> TextStream:
+        """Validate everything now (errors raise here, not at the first ``next``), then stream.
+
+        ``cancel``: a ``threading.Event`` or a zero-argument callable, checked before each step
+        (e.g. set by a server when its client disconnects); once set, generation ends before the
+        next step with ``finish_reason == "cancelled"`` and the request's state is released."""
         prompt_ids = self._prompt_ids(prompt)
+        cancelled = _cancel_check(cancel)
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
@@ -152,7 +167,7 @@ class Engine:
         if not params.greedy:
             generator = torch.Generator(device=self.target.device)
             generator.manual_seed(seed) if seed is not None else generator.seed()
-        return TextStream(self._text_pieces(prompt_ids, params, max_new_tokens, stops, generator, seed))
+        return TextStream(self._text_pieces(prompt_ids, params, max_new_tokens, stops, generator, seed, cancelled))
 
     # -- internals ------------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
@@ -172,28 +187,31 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {limit} tokens")
         return ids
 
-    def _text_pieces(self, prompt_ids, params, max_new_tokens, stops, generator, seed=None):
+    def _text_pieces(self, prompt_ids, params, max_new_tokens, stops, generator, seed=None, cancelled=None):
         text = TextAssembler(self.tokenizer, stops)
         stats, timer = GenerationStats(), _Timer()
         start = time.perf_counter()
-        steps = self._steps(prompt_ids, params, max_new_tokens, generator, stats, timer, seed)
+        steps = self._steps(prompt_ids, params, max_new_tokens, generator, stats, timer, seed, cancelled)
         finish = "length"
-        for new_ids, finish in steps:
-            piece = text.add(new_ids)
-            if piece:
-                yield piece
-            if text.stopped:
-                finish = "stop"
-                steps.close()
-                break
+        try:
+            for new_ids, finish in steps:
+                piece = text.add(new_ids)
+                if piece:
+                    yield piece
+                if text.stopped:
+                    finish = "stop"
+                    break
+        finally:  # however this ends (stop string, consumer closing the stream): release the request
+            steps.close()
         tail = text.flush()
         if tail:
             yield tail
         self._finish_stats(stats, timer, time.perf_counter() - start, len(text.output_ids))
         return Generation(text=text.text, token_ids=text.output_ids, finish_reason=finish, stats=stats)
 
-    def _steps(self, prompt_ids, params, max_new_tokens, generator, stats, timer, seed=None):
-        """The step loop. Yields (new token ids, finish reason so far) once per verify forward."""
+    def _steps(self, prompt_ids, params, max_new_tokens, generator, stats, timer, seed=None, cancelled=None):
+        """The step loop. Yields (new token ids, finish reason so far) once per verify forward;
+        ``([], "cancelled")`` instead of a step once ``cancelled()`` is true."""
         rid, context, target = f"req-{next(self._request_ids)}", list(prompt_ids), self.target
         self.mixture.start(rid, context, params, seed)
         self.mixture.draft_steps = 0
@@ -206,6 +224,9 @@ class Engine:
             stats.prefill_ms = (time.perf_counter() - t) * 1e3
             produced, seen = 0, set(context)  # seen: distinct ids so far (repetition penalty)
             while produced < max_new_tokens and self._room(context) > 0:
+                if cancelled is not None and cancelled():
+                    yield [], "cancelled"
+                    return
                 t0 = time.perf_counter()
                 asked = self.draft_budget.nodes(self.config.max_nodes) if cost else self.config.max_nodes
                 drafts = self.mixture.propose(rid, context, asked)

@@ -1,0 +1,93 @@
+"""Request → prompt token ids: plain text or ids, chat messages through the tokenizer's chat
+template, and fill-in-the-middle through the tokenizer's FIM tokens. Runs on the engine's
+thread (the tokenizer is not shared between threads).
+
+Fill-in-the-middle is PSM (prefix, suffix, middle) as token ids:
+``[specials the tokenizer adds at the start] + <fim_prefix> + prompt + <fim_suffix> + suffix +
+<fim_middle>``; the model then writes the middle. Recognised spellings: ``<|fim_prefix|>``,
+``<|fim_suffix|>``, ``<|fim_middle|>`` (lookupdec's own code model, Qwen2.5-Coder) and
+``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>`` (StarCoder, SantaCoder).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lookupdec.server.protocol import ChatRequest, CompletionRequest, RequestError
+
+FIM_SPELLINGS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+)
+UNBOUNDED_CONTEXT_MAX_TOKENS = 4096  # chat without max_tokens on a model with no context limit
+
+
+def fim_token_ids(tokenizer) -> tuple[int, int, int] | None:
+    """(prefix, suffix, middle) token ids of the first spelling the tokenizer holds whole, else None."""
+    vocab = tokenizer.get_vocab()
+    for spelling in FIM_SPELLINGS:
+        if all(token in vocab for token in spelling):
+            return tuple(vocab[token] for token in spelling)
+    return None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    max_new_tokens: int
+
+
+class PromptBuilder:
+    """Turns validated requests into prompt token ids, checked against the model's context."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.fim_ids = fim_token_ids(self.tokenizer)
+        self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+        self.max_context = engine.target.max_context
+
+    def completion(self, request: CompletionRequest) -> Prompt:
+        if request.suffix:  # "" is the same as no suffix: nothing after the gap
+            ids = self._fim_ids(request.prompt, request.suffix)
+        else:
+            ids = request.prompt
+        ids = self._checked(ids, "prompt")
+        return Prompt(ids, request.max_tokens)
+
+    def chat(self, request: ChatRequest) -> Prompt:
+        if not self.has_chat_template:
+            raise RequestError("this model's tokenizer has no chat template (tokenizer_config.json "
+                               "chat_template); use /v1/completions", "messages")
+        messages = [m.as_template_input() for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # the template's own checks (jinja2 raise_exception), e.g. role order
+            raise RequestError(f"the chat template rejects these messages: {exc}", "messages") from None
+        ids = self._checked(self.tokenizer(text, add_special_tokens=False).input_ids, "messages")
+        max_tokens = request.requested_max_tokens()
+        if max_tokens is None:
+            room = None if self.max_context is None else self.max_context - len(ids)
+            max_tokens = room if room is not None else UNBOUNDED_CONTEXT_MAX_TOKENS
+        return Prompt(ids, max_tokens)
+
+    def _fim_ids(self, prompt, suffix: str) -> list[int]:
+        if self.fim_ids is None:
+            raise RequestError("suffix (fill-in-the-middle) needs a tokenizer with FIM tokens ("
+                               + " / ".join(" ".join(s) for s in FIM_SPELLINGS) + "); this one has none",
+                               "suffix")
+        prefix_tok, suffix_tok, middle_tok = self.fim_ids
+        if isinstance(prompt, list):  # token ids: the prefix exactly as given
+            start, prefix = [], prompt
+        else:  # the tokens a plain prompt starts with (e.g. BOS), then the text's own
+            start, prefix = list(self.tokenizer("").input_ids), self._encode(prompt)
+        return start + [prefix_tok] + prefix + [suffix_tok] + self._encode(suffix) + [middle_tok]
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _checked(self, prompt, param: str) -> list[int]:
+        """The engine's own prompt checks (empty, vocabulary, context), naming ``param``."""
+        try:
+            return self.engine._prompt_ids(prompt)
+        except ValueError as exc:
+            raise RequestError(str(exc), param) from None
