@@ -1,4 +1,4 @@
-"""``lookupdec`` command line: ``lookupdec generate | simulate | index build/info/query/verify | serve``.
+"""``lookupdec`` command line: ``lookupdec generate | simulate | index build/info/query/verify | serve | rewrite``.
 
 Errors a user can cause (bad paths, bad values) print one line ``lookupdec: error: ...`` and
 exit with status 2; no traceback.
@@ -133,7 +133,8 @@ def _add_serve(sub) -> None:
         "cancels its generation; the suffix cache learns across requests. Needs the server "
         'extra (pip install "lookupdec[server]"). Never downloads.',
     )
-    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--model", default="builtin",
+                   help="local Hugging Face model folder; default: the built-in code model ('builtin')")
     p.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: the folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (8000; 0 = a free one, printed on stderr)")

@@ -352,7 +352,12 @@ def test_sentence_transformers_embedder_from_a_local_folder(tmp_path):
     """The optional embedder end to end, with a tiny random BERT saved as a sentence-transformers
     folder (no download): build, open, retrieve a chunk by its own text."""
     pytest.importorskip("sentence_transformers")
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+
+    try:  # sentence-transformers >= 6 moved the modules
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:
+        from sentence_transformers import models
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [chr(c) for c in range(97, 123)] + ["def", "return"]

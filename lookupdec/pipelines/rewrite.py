@@ -29,8 +29,8 @@ from lookupdec.pipelines.results import ResultsFile
 
 log = logging.getLogger("lookupdec")
 
-# Set to a model folder once lookupdec ships a built-in default model: --model then becomes optional.
-DEFAULT_MODEL: str | None = None
+# The model used when --model is not given: the code model shipped with the package (lookupdec.demo).
+DEFAULT_MODEL: str | None = "builtin"
 DEFAULT_MAX_NEW_TOKENS = 512
 TEXT_SLOT, ID_SLOT = "{text}", "{id}"  # the placeholders a --template may hold ({text} required)
 OUTPUT_CUE = "Output:\n"  # ends an --instruction prompt: where the model's answer starts
