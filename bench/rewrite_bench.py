@@ -91,7 +91,7 @@ def check_fits(tokenizer, prompts: dict[str, str], max_new_tokens: int, context:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(SHARED_DIR / "models" / "stories260K"))
+    ap.add_argument("--model", default="builtin", help="model folder (default: the built-in code model)")
     ap.add_argument("--data", default=str(SHARED_DIR / "data" / "loghub"))
     ap.add_argument("--records-per-system", type=int, default=12)
     ap.add_argument("--lines-per-record", type=int, default=1)

@@ -7,7 +7,7 @@
 set -euo pipefail
 CORPUS="${1:-../shared/data/loghub}"
 OUT="${2:-indexes/loghub}"
-TOKENIZER="${3:-../shared/models/stories260K}"
+TOKENIZER="${3:-builtin}"
 QUERY="${QUERY:-Receiving block blk_}"
 
 python -m lookupdec index build "$CORPUS" --include '*.log' --tokenizer "$TOKENIZER" --out "$OUT" --force

@@ -9,7 +9,7 @@
 # LOGS: the loghub folder (its *_2k.log files are read); LIMIT: the first N records only;
 # INDEX: a folder from examples/build_index.sh, to draft from the corpus as well.
 set -euo pipefail
-MODEL="${1:-../shared/models/stories260K}"
+MODEL="${1:-builtin}"
 OUT="${2:-logs.jsonl}"
 LOGS="${LOGS:-../shared/data/loghub}"
 

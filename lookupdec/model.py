@@ -259,8 +259,11 @@ class SentencePieceTokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """A tokenizer from a Hugging Face folder or a sentencepiece ``.model`` file (offline)."""
-    path = os.fspath(path)
+    """A tokenizer from a Hugging Face folder, a sentencepiece ``.model`` file or ``"builtin"``
+    (offline)."""
+    from lookupdec.demo import resolve
+
+    path = resolve(path)
     if os.path.isfile(path) and path.endswith(".model"):
         return SentencePieceTokenizer(path)
     if not os.path.isdir(path):

@@ -233,18 +233,34 @@ def train_model(data_dir: str, tokenizer_dir: str, out: str, *, size: str, token
     return {"params": params, "steps": step, "heldout_loss": evaluate(model, held, device=device)}
 
 
-def export(checkpoint_dir: str, tokenizer_dir: str, out: str, *, dtype=torch.float16, card: dict | None = None) -> str:
-    """Write a Hugging Face folder (safetensors in ``dtype``, the tokenizer, ``training.json``)."""
+def export(checkpoint_dir: str, tokenizer_dir: str, out: str, *, dtype=torch.float16, data_dir: str | None = None) -> str:
+    """Write a Hugging Face folder: safetensors in ``dtype``, the tokenizer, and ``training.json``
+    (shape, steps, tokens, schedule, the last training and held-out losses from ``log.jsonl``,
+    the measured training time, and the token streams' description when ``data_dir`` is given)."""
     meta = json.load(open(os.path.join(checkpoint_dir, "meta.json")))
     tokenizer = load_tokenizer(tokenizer_dir)
     model = build_model(meta["size"], len(tokenizer), tokenizer)
     state = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), weights_only=False)
     model.load_state_dict(state["model"])
-    model.config.torch_dtype = dtype
+    model.config.dtype = dtype
     model.to(dtype).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    record = {"size": meta["size"], "params": meta["params"], "steps": state["step"],
-              "tokens": state["step"] * meta["rows"] * meta["length"], **(card or {})}
+    log = [json.loads(line) for line in open(os.path.join(checkpoint_dir, "log.jsonl"))]
+    log = list({r["step"]: r for r in log if r["step"] <= state["step"]}.values())  # a resumed run's last word
+    timed = [r for r in log if "tokens_per_s" in r]
+    held = [r for r in log if "heldout_loss" in r]
+    record = {"size": meta["size"], "params": meta["params"], "shape": SIZES[meta["size"]], "context": CONTEXT,
+              "vocab_size": len(tokenizer), "steps": state["step"], "batch": f"{meta['rows']} x {meta['length']} tokens",
+              "tokens": state["step"] * meta["rows"] * meta["length"], "peak_lr": meta["lr"], "warmup": meta["warmup"],
+              "schedule": "linear warm-up, cosine to 10% of peak", "optimizer": "AdamW (0.9, 0.95), wd 0.1, clip 1.0",
+              "precision": "bfloat16 autocast, float32 weights; exported as " + str(dtype).replace("torch.", ""),
+              "seed": meta["seed"], "device": meta["device"], "threads": meta.get("threads"),
+              "train_seconds": round(sum(20 * meta["rows"] * meta["length"] / r["tokens_per_s"] for r in timed)),
+              "last_train_loss": log[-1]["loss"] if log else None,
+              "heldout_loss": held[-1]["heldout_loss"] if held else None,
+              "heldout_curve": [(r["step"], r["heldout_loss"]) for r in held]}
+    if data_dir:
+        record["data"] = json.load(open(os.path.join(data_dir, "streams.json")))
     with open(os.path.join(out, "training.json"), "w") as f:
         json.dump(record, f, indent=1)
     return out
@@ -275,6 +291,7 @@ def main(argv=None) -> int:
     e.add_argument("--checkpoint", required=True)
     e.add_argument("--tokenizer", required=True)
     e.add_argument("--out", required=True)
+    e.add_argument("--data", default=None, help="the token streams' folder (described in training.json)")
     for p in (t, d, m):
         p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -291,7 +308,7 @@ def main(argv=None) -> int:
                              device=args.device, log=lambda s: print(s, flush=True))
         print(json.dumps(result))
     else:
-        export(args.checkpoint, args.tokenizer, args.out)
+        export(args.checkpoint, args.tokenizer, args.out, data_dir=args.data)
     return 0
 
 
