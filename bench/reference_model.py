@@ -52,8 +52,10 @@ METHODS = ("greedy", "pld", "assisted", "lookupdec", "lookupdec+draft")
 PLD_NUM_TOKENS = 10
 LOG_LINES = 8  # lines per loghub record: a prompt of about 500 tokens with this tokenizer
 WARMUP_TEXT = "The quick brown fox jumps over the lazy dog.\n"
-SAMPLE_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef list_python_files(folder):\n",
-                  "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):\n",
+# No final newline: the tokenizer merges a newline with the next line's indent, so a prompt
+# ending in a bare newline token ends where, in training, files end (the model answers EOS).
+SAMPLE_PROMPTS = ("def fibonacci(n):", "import os\n\n\ndef list_python_files(folder):",
+                  "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):",
                   "The logging module", "<|fim_prefix|>def add(a, b):\n<|fim_suffix|>\n\nprint(add(2, 3))\n<|fim_middle|>")
 
 
@@ -200,7 +202,8 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="quality,e2e")
+    ap.add_argument("--parts", default="quality,samples,e2e",
+                    help="any of quality,samples,e2e; parts not run are kept from an existing --out file")
     ap.add_argument("--model", default=MODEL_DIR)
     ap.add_argument("--draft", default=DRAFT_DIR)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per workload (16)")
@@ -219,22 +222,32 @@ def main(argv=None) -> int:
                                "training": json.load(open(os.path.join(args.model, "training.json")))
                                if os.path.exists(os.path.join(args.model, "training.json")) else None}}
     parts = args.parts.split(",")
+    if os.path.exists(args.out):  # keep the parts not rerun, each with the commit it was measured at
+        previous = json.load(open(args.out))
+        for key in ("quality", "samples", "e2e", "e2e_runs", "measured_at"):
+            if key in previous["results"]:
+                results.setdefault(key, previous["results"][key])
+    measured_at = results.setdefault("measured_at", {})
     if "quality" in parts:
         t = time.perf_counter()
         results["quality"] = {"target": heldout_quality(model, tokenizer, model.config.max_position_embeddings),
-                              "draft": heldout_quality(draft, tokenizer, model.config.max_position_embeddings),
-                              "samples": samples(Engine(model, tokenizer), tokenizer, 64)}
+                              "draft": heldout_quality(draft, tokenizer, model.config.max_position_embeddings)}
+        measured_at["quality"] = meta["git"]["commit"]
         q = results["quality"]
         print(f"held-out: target {q['target']['loss_nats_per_token']:.3f} nats/token "
               f"({q['target']['bits_per_byte']:.3f} bits/byte), draft {q['draft']['loss_nats_per_token']:.3f} "
               f"({time.perf_counter() - t:.0f} s)")
-        for s in q["samples"]:
+    if "samples" in parts:
+        results["samples"] = samples(Engine(model, tokenizer), tokenizer, 64)
+        measured_at["samples"] = meta["git"]["commit"]
+        for s in results["samples"]:
             print(f"--- {s['prompt']!r}\n{s['completion']}")
     if "e2e" in parts:
         index = stdlib_index(args.model, args.index)
         rows, runs = e2e(args, model, tokenizer, draft, index)
         results["e2e"] = rows
         results["e2e_runs"] = runs
+        measured_at["e2e"] = meta["git"]["commit"]
         print()
         print(format_table(rows, [("workload", "workload", ""), ("method", "method", ""), ("prompts", "n", "d"),
                                   ("tokens_per_s", "tokens/s", ".0f"), ("vs_greedy", "x greedy", ".2f"),
