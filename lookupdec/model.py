@@ -48,13 +48,22 @@ def default_device() -> str:
 
 
 def load(model_path: str | os.PathLike, *, device: str | None = None, dtype=None):
-    """Load a local causal LM and its tokenizer (``"builtin"``: the model shipped with the
-    package, ``lookupdec.demo``). Never downloads."""
+    """Load a local causal LM and its tokenizer. ``model_path``: a Hugging Face model folder, a
+    ``.gguf`` file (converted once and cached, ``lookupdec.model_files``) or an alias
+    (``"smollm2"``, ``"builtin"``, ``"builtin-draft"``). Never downloads."""
     import transformers
 
-    from lookupdec.demo import resolve
+    from lookupdec.model_files import ModelFileError, gguf_folder, is_gguf, resolve
 
-    path = resolve(model_path)
+    try:
+        path = resolve(model_path)
+        if os.path.isfile(path) and is_gguf(path):
+            path = gguf_folder(path, _convert_gguf)
+    except ModelFileError as exc:
+        raise ModelLoadError(str(exc)) from None
+    if os.path.isfile(path):
+        raise ModelLoadError(f"{path}: a file, not a model: give a Hugging Face model folder (the one holding "
+                             "config.json) or a .gguf file")
     if not os.path.isdir(path):
         raise ModelLoadError(f"model path not found: {path}")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -72,9 +81,40 @@ def load(model_path: str | os.PathLike, *, device: str | None = None, dtype=None
             path, dtype=torch_dtype, local_files_only=True
         )
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from None
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"{path}: cannot load the model ({exc.__class__.__name__}: {_first_line(exc)})") from None
+    except Exception as exc:  # safetensors' SafetensorError (truncated or corrupt weights) and kin
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        raise ModelLoadError(f"{path}: the weights file is damaged ({_first_line(exc)})") from None
     return model.to(device).eval(), tokenizer
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else exc.__class__.__name__
+
+
+def _convert_gguf(gguf_path: str, out_dir: str) -> None:
+    """Dequantise a GGUF file to float32 with transformers and save it as a model folder."""
+    import transformers
+
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                                  local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise ModelLoadError(f"{gguf_path}: cannot load this GGUF file ({exc.__class__.__name__}: "
+                             f"{_first_line(exc)})") from None
+    # The weights are plain float32 tensors now: drop the record of the GGUF quantisation so that
+    # save_pretrained writes (and from_pretrained later reads) an ordinary model.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
 
 
 def tokenizer_info(tokenizer) -> dict:
@@ -259,11 +299,16 @@ class SentencePieceTokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """A tokenizer from a Hugging Face folder, a sentencepiece ``.model`` file or ``"builtin"``
-    (offline)."""
-    from lookupdec.demo import resolve
+    """A tokenizer from a Hugging Face folder, a sentencepiece ``.model`` file, a ``.gguf`` file
+    or an alias (``lookupdec.model_files``), offline."""
+    from lookupdec.model_files import ModelFileError, gguf_folder, is_gguf, resolve
 
-    path = resolve(path)
+    try:
+        path = resolve(path)
+        if os.path.isfile(path) and is_gguf(path):
+            path = gguf_folder(path, _convert_gguf)
+    except ModelFileError as exc:
+        raise ModelLoadError(str(exc)) from None
     if os.path.isfile(path) and path.endswith(".model"):
         return SentencePieceTokenizer(path)
     if not os.path.isdir(path):

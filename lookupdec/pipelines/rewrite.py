@@ -29,8 +29,8 @@ from lookupdec.pipelines.results import ResultsFile
 
 log = logging.getLogger("lookupdec")
 
-# The model used when --model is not given: the code model shipped with the package (lookupdec.demo).
-DEFAULT_MODEL: str | None = "builtin"
+# The model used when --model is not given: SmolLM2-135M-Instruct (lookupdec.model_files).
+DEFAULT_MODEL: str | None = "smollm2"
 DEFAULT_MAX_NEW_TOKENS = 512
 TEXT_SLOT, ID_SLOT = "{text}", "{id}"  # the placeholders a --template may hold ({text} required)
 OUTPUT_CUE = "Output:\n"  # ends an --instruction prompt: where the model's answer starts
