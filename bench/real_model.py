@@ -37,8 +37,10 @@ from e2e import METHODS, ForwardMeter, first_divergence, run_method, run_once, s
 SPEC_BENCH = SHARED_DIR / "data" / "spec_bench" / "question.jsonl"
 CODE_EDITS = SHARED_DIR / "data" / "code_edits" / "thealgorithms_python.jsonl"
 LOGHUB = SHARED_DIR / "data" / "loghub"
-SPEC_CATEGORIES = {"chat": "mt_bench", "translation": "translation", "summarization": "summarization",
-                   "qa": "qa", "math": "math_reasoning", "rag": "rag"}
+# Spec-Bench's multi-turn chat is its first 80 questions: MT-Bench's eight categories.
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+SPEC_CATEGORIES = {"chat": MT_BENCH, "translation": ("translation",), "summarization": ("summarization",),
+                   "qa": ("qa",), "math": ("math_reasoning",), "rag": ("rag",)}
 LOG_SYSTEMS = ("Apache", "BGL", "HDFS", "Hadoop", "Linux", "OpenSSH", "Spark", "Zookeeper")
 LOG_LINES_PER_PROMPT = 4
 LOG_INSTRUCTION = ("Rewrite each log line below as one JSON object per line, with the keys "
@@ -68,8 +70,10 @@ def build_workloads(engine, n: int, max_prompt: int) -> dict[str, list[list[int]
 
     workloads = {}
     questions = read_jsonl(SPEC_BENCH)
-    for name, category in SPEC_CATEGORIES.items():
-        workloads[name] = take(q["turns"][0] for q in questions if q["category"] == category)
+    for name, categories in SPEC_CATEGORIES.items():
+        # chat: one question from each MT-Bench category in turn, not the first n writing tasks
+        pool = [q for q in questions if q["category"] in categories]
+        workloads[name] = take(q["turns"][0] for q in _interleave(pool))
     edits = read_jsonl(CODE_EDITS)
     workloads["code_edit"] = take(f"{EDIT_INSTRUCTION}\n\nChange: {e['message']}\n\n```diff\n{e['diff']}```\n\n"
                                   f"File {e['path']}:\n\n```python\n{e['before']}```" for e in edits)
@@ -81,7 +85,23 @@ def build_workloads(engine, n: int, max_prompt: int) -> dict[str, list[list[int]
             yield LOG_INSTRUCTION + "\n\n" + "\n".join(lines)
 
     workloads["log_to_json"] = take(log_prompts())
+    empty = [name for name, prompts in workloads.items() if not prompts]
+    if empty:
+        raise SystemExit(f"no prompts for {empty}: check {SHARED_DIR / 'data'} and --max-prompt-tokens")
     return workloads
+
+
+def _interleave(questions: list[dict]) -> list[dict]:
+    """Round-robin over categories, each in file order."""
+    by_category: dict[str, list[dict]] = {}
+    for q in questions:
+        by_category.setdefault(q["category"], []).append(q)
+    out, queues = [], list(by_category.values())
+    while any(queues):
+        for queue in queues:
+            if queue:
+                out.append(queue.pop(0))
+    return out
 
 
 def cost_curve(engine) -> dict:

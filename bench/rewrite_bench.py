@@ -57,10 +57,12 @@ def system_records(folder: str, records_per_system: int, lines_per_record: int) 
 
 
 @torch.inference_mode()
-def hf_generate(model, tokenizer, prompts: list[str], max_new_tokens: int) -> tuple[list[list[int]], float]:
+def hf_generate(model, tokenizer, prompts: list, max_new_tokens: int) -> tuple[list[list[int]], float]:
+    """Plain greedy generate per prompt (text, tokenized here, or token ids), timed as a whole."""
     start, outputs = time.perf_counter(), []
     for prompt in prompts:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        ids = (tokenizer(prompt, return_tensors="pt").input_ids if isinstance(prompt, str)
+               else torch.tensor([prompt]))
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id)
         outputs.append(out[0, ids.shape[1]:].tolist())
@@ -81,8 +83,8 @@ def pipeline_run(engine, records, prompts, output: str, options) -> tuple[dict, 
     return lines, seconds
 
 
-def check_fits(tokenizer, prompts: dict[str, str], max_new_tokens: int, context: int | None) -> list[int]:
-    lengths = [len(tokenizer(p).input_ids) for p in prompts.values()]
+def check_fits(prompts: dict[str, list[int]], max_new_tokens: int, context: int | None) -> list[int]:
+    lengths = [len(p) for p in prompts.values()]
     if context is not None and max(lengths) + max_new_tokens > context:
         raise SystemExit(f"a prompt of {max(lengths)} tokens + {max_new_tokens} new tokens exceeds the model's "
                          f"context of {context}: lower --lines-per-record or --max-new-tokens")
@@ -91,7 +93,9 @@ def check_fits(tokenizer, prompts: dict[str, str], max_new_tokens: int, context:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="builtin", help="model folder (default: the built-in code model)")
+    ap.add_argument("--model", default="smollm2", help="model folder, .gguf or alias (default: smollm2)")
+    ap.add_argument("--raw", action="store_true",
+                    help="raw instruction prompts (default: in the model's chat template, as `rewrite --chat`)")
     ap.add_argument("--data", default=str(SHARED_DIR / "data" / "loghub"))
     ap.add_argument("--records-per-system", type=int, default=12)
     ap.add_argument("--lines-per-record", type=int, default=1)
@@ -106,9 +110,13 @@ def main(argv=None) -> int:
     model, tokenizer = load(args.model, device="cpu", dtype="float32")
     systems = system_records(args.data, args.records_per_system, args.lines_per_record)
     prompts = PromptFormat.from_instruction(LOG_INSTRUCTION.strip())
+    if not args.raw and getattr(tokenizer, "chat_template", None):
+        prompts = prompts.with_chat()
     options = RewriteOptions(max_new_tokens=args.max_new_tokens, token_ids=True)
-    all_prompts = {r.id: prompts.prompt(r) for records in systems.values() for r in records}
-    lengths = check_fits(tokenizer, all_prompts, args.max_new_tokens, _max_context(model.config))
+    encoder = Engine(model, tokenizer, EngineConfig(proposers=()))
+    all_prompts = {r.id: prompts.engine_prompt(encoder, r) for records in systems.values() for r in records}
+    all_prompts = {k: v if isinstance(v, list) else tokenizer(v).input_ids for k, v in all_prompts.items()}
+    lengths = check_fits(all_prompts, args.max_new_tokens, _max_context(model.config))
     hf_generate(model, tokenizer, [WARM_UP_PROMPT], WARM_UP_TOKENS)
 
     raw: dict[str, dict] = {}  # system -> totals, each method's seconds the fastest over repeats
@@ -132,7 +140,7 @@ def main(argv=None) -> int:
                 raw[system] = keep_fastest(raw.get(system), totals)
                 if repeat == 0:
                     per_record += [{"system": system, "id": r.id, "new_tokens": len(out),
-                                    "prompt_tokens": len(tokenizer(all_prompts[r.id]).input_ids),
+                                    "prompt_tokens": len(all_prompts[r.id]),
                                     "steps": lines[r.id]["stats"]["steps"],
                                     "pipeline_seconds": lines[r.id]["stats"]["seconds"],
                                     "identical": lines[r.id].get("token_ids") == out}
@@ -147,7 +155,7 @@ def main(argv=None) -> int:
     print()
     print(format_table(rows, COLUMNS))
     path = write_result(args.out, "rewrite", vars(args), {"summary": rows, "records": per_record}, meta=meta,
-                        threads_set_by_benchmark=True, instruction=LOG_INSTRUCTION.strip())
+                        threads_set_by_benchmark=True, instruction=LOG_INSTRUCTION.strip(), chat=prompts.chat)
     print(f"wrote {path}")
     return 0 if all(row["identical"] == row["records"] for row in rows) else 1
 

@@ -439,8 +439,7 @@ def _add_rewrite(sub) -> None:
 
     p = sub.add_parser("rewrite", help="rewrite .jsonl records, text files or folders; resumable, one JSON line each",
                        description=REWRITE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=DEFAULT_MODEL is None, default=DEFAULT_MODEL,
-                   help="local Hugging Face model folder (never downloads)")
+    p.add_argument("--model", required=DEFAULT_MODEL is None, default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--input", required=True, nargs="+", action="extend", metavar="PATH",
                    help=".jsonl / text files or folders (repeatable)")
     p.add_argument("--output", required=True, metavar="FILE.jsonl", help="results, appended to (resumable)")
@@ -464,6 +463,9 @@ def _add_rewrite(sub) -> None:
                    help="small model folder with the same tokenizer, drafting where lookups are weak")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message in the model's chat template (instruction models such "
+                   "as smollm2); an --instruction prompt then has no 'Output:' cue")
     p.add_argument("--token-ids", action="store_true", help="also write each output's token ids")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary (warnings still)")
     p.add_argument("--json-summary", action="store_true", help="print the summary as one JSON object on stdout")
@@ -476,6 +478,8 @@ def _cmd_rewrite(args) -> int:
 
     prompts = (PromptFormat.from_instruction(args.instruction) if args.instruction is not None
                else PromptFormat.from_file(args.template))
+    if args.chat:
+        prompts = prompts.with_chat()
     options = RewriteOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                              stop=tuple(args.stop) if args.stop else None, token_ids=args.token_ids)
     records, skipped_files = read_records(

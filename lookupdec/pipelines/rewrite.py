@@ -47,6 +47,7 @@ class PromptFormat:
 
     parts: tuple[str, ...]  # at least two: text before the first {text}, ..., text after the last
     strip_text: bool = False  # drop the text's trailing newlines (instruction prompts)
+    chat: bool = False  # the prompt is a user message in the model's chat template (--chat)
 
     @classmethod
     def from_instruction(cls, instruction: str) -> "PromptFormat":
@@ -55,6 +56,14 @@ class PromptFormat:
         if not instruction.strip():
             raise ValueError("--instruction is empty")
         return cls((instruction + "\n\n", "\n\n" + OUTPUT_CUE), strip_text=True)
+
+    def with_chat(self, chat: bool = True) -> "PromptFormat":
+        """The same prompts as user messages in the chat template; an instruction prompt drops
+        its ``Output:`` cue there (the template marks where the answer starts)."""
+        parts = self.parts
+        if chat and self.strip_text and parts[-1] == "\n\n" + OUTPUT_CUE:
+            parts = parts[:-1] + ("",)
+        return PromptFormat(parts, strip_text=self.strip_text, chat=chat)
 
     @classmethod
     def from_template(cls, template: str, source: str) -> "PromptFormat":
@@ -76,6 +85,11 @@ class PromptFormat:
     def prompt(self, record: Record) -> str:
         text = record.text.rstrip("\n") if self.strip_text else record.text
         return text.join(part.replace(ID_SLOT, record.id) for part in self.parts)
+
+    def engine_prompt(self, engine, record: Record):
+        """What ``engine.generate`` takes: the text, or with ``chat`` its chat-template token ids."""
+        text = self.prompt(record)
+        return engine.chat_prompt(text) if self.chat else text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,7 +208,7 @@ def result_line(engine, record: Record, prompts: PromptFormat, options: RewriteO
         return {**base, "error": record.error}
     start = time.perf_counter()
     try:
-        gen = engine.generate(prompts.prompt(record), max_new_tokens=options.max_new_tokens,
+        gen = engine.generate(prompts.engine_prompt(engine, record), max_new_tokens=options.max_new_tokens,
                               temperature=options.temperature, seed=options.record_seed(record.id),
                               stop=list(options.stop) if options.stop else None)
     except Exception as exc:  # noqa: BLE001 -- a failed record is reported in its line; the run goes on
