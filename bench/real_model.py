@@ -213,6 +213,11 @@ def main(argv=None) -> int:
         info, r = bench_threads(threads, model, tokenizer, workloads, args.max_new_tokens)
         infos.append(info)
         runs.extend(r)
+        report(args, argv, meta, workloads, load_s, infos, runs)  # after each setting: a cut run keeps its part
+    return 0
+
+
+def report(args, argv, meta, workloads, load_s, infos, runs) -> None:
     rows = summarize(runs)
     worst = {(w["model"], w["workload"]): w for w in worst_prompts(runs)}
     for row in rows:
@@ -239,7 +244,6 @@ def main(argv=None) -> int:
                                                   "threads": infos, "runs": runs},
                  meta=meta)
     print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
