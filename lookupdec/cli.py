@@ -89,8 +89,12 @@ def _cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     if not prompt:
         raise CliError("the prompt is empty")
+    from lookupdec.validate import check_device, check_seed
+
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    repetition_penalty=args.repetition_penalty)  # validate before loading the model
+    check_seed(args.seed)
+    check_device(args.device)
     fields = {"budget": "fixed" if args.fixed_budget else "auto"}
     if args.max_nodes is not None:
         fields["max_nodes"] = args.max_nodes
@@ -156,6 +160,9 @@ def _cmd_serve(args) -> int:
         raise CliError(f'serve needs the server extra: pip install "lookupdec[server]" ({exc})') from None
     from lookupdec.config import EngineConfig
 
+    from lookupdec.validate import check_device
+
+    check_device(args.device)
     if not 0 <= args.port < 1 << 16:
         raise CliError(f"--port {args.port}: expected 0 to 65535")
     fields = {"budget": "fixed" if args.fixed_budget else "auto"}
@@ -461,6 +468,9 @@ def _cmd_rewrite(args) -> int:
     from lookupdec.pipelines import PromptFormat, ReadOptions, ResultsFile, RewriteOptions, plan, read_records, rewrite
     from lookupdec.pipelines.results import TMP_SUFFIX
 
+    from lookupdec.validate import check_device
+
+    check_device(args.device)  # before reading inputs: a device this machine lacks is a usage error
     prompts = (PromptFormat.from_instruction(args.instruction) if args.instruction is not None
                else PromptFormat.from_file(args.template))
     options = RewriteOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,

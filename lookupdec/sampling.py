@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from lookupdec.tree import TokenTree
+from lookupdec.validate import check_sampling
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,15 +50,9 @@ class SamplingParams:
     top_p: float | None = None  # keep the smallest set with at least this mass, in (0, 1]
     repetition_penalty: float | None = None  # > 0; 1.0 or None = off (HF/CTRL definition)
 
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature={self.temperature!r}: must be >= 0")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k={self.top_k!r}: must be >= 1")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
-        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}: must be > 0")
+    def __post_init__(self) -> None:  # the checks every entry point shares (ParamError naming the field)
+        check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                       repetition_penalty=self.repetition_penalty)
 
     @property
     def greedy(self) -> bool:
