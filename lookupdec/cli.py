@@ -28,6 +28,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser(
         "generate",
@@ -150,6 +160,13 @@ def _add_serve(sub) -> None:
                    help="always verify up to --max-nodes nodes (default: chosen per step from measured cost)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                   "$LOOKUPDEC_API_KEY if set, else no key; the variable keeps the key out of `ps`)")
+    p.add_argument("--max-request-bytes", type=_non_negative_int, default=4 << 20, metavar="N",
+                   help="larger request bodies are refused with 413 before they are read (4194304 = 4 MiB; 0 = no limit)")
+    p.add_argument("--openapi", action="store_true",
+                   help="also serve the OpenAPI schema at /openapi.json (off by default; no /docs pages)")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -170,7 +187,8 @@ def _cmd_serve(args) -> int:
         fields["max_nodes"] = args.max_nodes
     serve(args.model, host=args.host, port=args.port, model_name=args.model_name, index=args.index,
           draft_model=args.draft_model, device=args.device, dtype=args.dtype, config=EngineConfig(**fields),
-          log_level="info" if args.verbose else "warning")
+          log_level="info" if args.verbose else "warning", api_key=args.api_key,
+          max_request_bytes=args.max_request_bytes, openapi=args.openapi)
     return 0
 
 

@@ -77,7 +77,10 @@ def process_row(
         scores = scores.scatter(0, prefix_ids, seen)
     if params.greedy:
         return scores
-    scores = scores / params.temperature
+    scaled = scores / params.temperature
+    if bool(torch.isposinf(scaled).any()) or bool(torch.isnan(scaled).any()):
+        scaled = _scaled_in_the_limit(scores, params.temperature)
+    scores = scaled
     if params.top_k is not None and params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -89,6 +92,20 @@ def process_row(
         remove = remove_sorted.scatter(0, order, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
     return scores
+
+
+def _scaled_in_the_limit(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``scores / temperature`` when that overflows or is undefined (a temperature like 1e-40 or
+    1e300, which float32 holds as 0 or inf; a repetition penalty like 1e-300 that made some
+    scores infinite): the same distribution computed without
+    overflow, ``(scores - max) / temperature`` (largest entries 0); if some scores are already
+    ``+inf``, the limit, uniform over them. The ordinary path never comes here."""
+    top = scores.max()
+    if torch.isposinf(top):
+        return torch.where(torch.isposinf(scores), 0.0, float("-inf"))
+    below = scores - top  # <= 0; the temperature may be 0 in float32 (1e-300): the top entries stay 0
+    scaled = torch.where(below == 0, 0.0, below / temperature)
+    return torch.where(torch.isnan(scaled), float("-inf"), scaled)  # -inf / inf (1e300 in float32): still masked
 
 
 def target_probs(logits: torch.Tensor, prefix_ids: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
