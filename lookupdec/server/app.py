@@ -303,6 +303,9 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
     app = create_app(engine, name, api_key=api_key, max_request_bytes=max_request_bytes, openapi=openapi)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"lookupdec: warning: listening on {host} without an API key: anyone who can reach this port "
+              f"can use it (--api-key or ${API_KEY_ENV})", file=sys.stderr, flush=True)
     print(f"lookupdec: serving {name} at http://{host}:{sock.getsockname()[1]}"
           + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
     server.run(sockets=[sock])
