@@ -95,12 +95,11 @@ def _cmd_generate(args) -> int:
     from lookupdec.config import EngineConfig
     from lookupdec.engine import Engine
     from lookupdec.sampling import SamplingParams
+    from lookupdec.validate import check_device, check_seed
 
     prompt = _read_prompt(args)
     if not prompt:
         raise CliError("the prompt is empty")
-    from lookupdec.validate import check_device, check_seed
-
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    repetition_penalty=args.repetition_penalty)  # validate before loading the model
     check_seed(args.seed)
