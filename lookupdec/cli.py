@@ -33,6 +33,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser(
         "generate",
@@ -93,6 +103,7 @@ def _cmd_generate(args) -> int:
     from lookupdec.config import EngineConfig
     from lookupdec.engine import Engine
     from lookupdec.sampling import SamplingParams
+    from lookupdec.validate import check_device, check_seed
 
     prompt = _read_prompt(args)
     if not prompt:
@@ -101,6 +112,8 @@ def _cmd_generate(args) -> int:
         raise CliError("--system needs --chat")
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    repetition_penalty=args.repetition_penalty)  # validate before loading the model
+    check_seed(args.seed)
+    check_device(args.device)
     fields = {"budget": "fixed" if args.fixed_budget else "auto"}
     if args.max_nodes is not None:
         fields["max_nodes"] = args.max_nodes
@@ -159,6 +172,13 @@ def _add_serve(sub) -> None:
                    help="always verify up to --max-nodes nodes (default: chosen per step from measured cost)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                   "$LOOKUPDEC_API_KEY if set, else no key; the variable keeps the key out of `ps`)")
+    p.add_argument("--max-request-bytes", type=_non_negative_int, default=4 << 20, metavar="N",
+                   help="larger request bodies are refused with 413 before they are read (4194304 = 4 MiB; 0 = no limit)")
+    p.add_argument("--openapi", action="store_true",
+                   help="also serve the OpenAPI schema at /openapi.json (off by default; no /docs pages)")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -169,6 +189,9 @@ def _cmd_serve(args) -> int:
         raise CliError(f'serve needs the server extra: pip install "lookupdec[server]" ({exc})') from None
     from lookupdec.config import EngineConfig
 
+    from lookupdec.validate import check_device
+
+    check_device(args.device)
     if not 0 <= args.port < 1 << 16:
         raise CliError(f"--port {args.port}: expected 0 to 65535")
     fields = {"budget": "fixed" if args.fixed_budget else "auto"}
@@ -176,7 +199,8 @@ def _cmd_serve(args) -> int:
         fields["max_nodes"] = args.max_nodes
     serve(args.model, host=args.host, port=args.port, model_name=args.model_name, index=args.index,
           draft_model=args.draft_model, device=args.device, dtype=args.dtype, config=EngineConfig(**fields),
-          log_level="info" if args.verbose else "warning")
+          log_level="info" if args.verbose else "warning", api_key=args.api_key,
+          max_request_bytes=args.max_request_bytes, openapi=args.openapi)
     return 0
 
 
@@ -219,21 +243,31 @@ def _add_simulate(sub) -> None:
 
 
 def _cmd_simulate(args) -> int:
+    import dataclasses
+
     from lookupdec import model as model_lib
     from lookupdec.config import EngineConfig
     from lookupdec.proposers import build_proposers
     from lookupdec.simulate import read_jsonl, replay
     from lookupdec.workloads import WORKLOADS
 
-    config = EngineConfig()
+    names = EngineConfig().proposers
     if args.proposers is not None:
-        config = EngineConfig(proposers=tuple(s.strip() for s in args.proposers.split(",") if s.strip()))
+        names = tuple(s.strip() for s in args.proposers.split(",") if s.strip())
+    if "retrieval" in names and not args.index:
+        raise CliError("--proposers retrieval needs --index DIR (an index from `lookupdec index build`)")
+    # with_index adds "retrieval" (if --proposers did not name it) and its index folder
+    config = EngineConfig(proposers=tuple(n for n in names if n != "retrieval"))
     if args.index:
         config = config.with_index(args.index)
+        if "retrieval" in names:  # keep the order --proposers gave
+            config = dataclasses.replace(config, proposers=names)
     tokenizer = model_lib.load_tokenizer(args.tokenizer or DEFAULT_SP_TOKENIZER)
     try:
         records = read_jsonl(args.input) if args.input else list(WORKLOADS[args.workload](args.data))
-    except (OSError, RuntimeError) as exc:
+    except OSError as exc:
+        raise CliError(f"--input {args.input}: {exc.strerror or exc}" if args.input else str(exc)) from None
+    except RuntimeError as exc:
         raise CliError(str(exc)) from None
     if args.limit:
         records = records[: args.limit]
@@ -262,6 +296,8 @@ def _cmd_simulate(args) -> int:
               f"MAT {result['mat']:.3f} tokens/step, tree {result['mean_tree_nodes']:.1f} nodes, "
               f"draft {result['draft_us_p50']:.0f} us p50 / {result['draft_us_p99']:.0f} us p99, "
               f"accepted share {result['accepted_share_by_source']}"
+              + (f", {len(result['skipped_empty_responses'])} skipped (empty response)"
+                 if result.get("skipped_empty_responses") else "")
               + (f", modelled speedup {result['modeled_speedup']:.2f}x" if "modeled_speedup" in result else ""))
     return 0
 
@@ -301,7 +337,8 @@ def _add_index(sub) -> None:
     b.add_argument("--force", action="store_true", help="replace an existing index at --out")
     b.set_defaults(func=_cmd_index_build)
     i = isub.add_parser("info", help="show an index's manifest, sizes and counts",
-                        description="Print what an index holds (reads the manifest; checks file sizes).")
+                        description="Print what an index holds. Checks the manifest's own hash and the "
+                        "files' sizes, not their contents: `index verify` hashes every file.")
     i.add_argument("dir", help="index folder")
     i.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     i.set_defaults(func=_cmd_index_info)
@@ -314,8 +351,10 @@ def _add_index(sub) -> None:
     q.add_argument("--tokenizer", default=None, help="tokenizer (default: the one recorded in the manifest)")
     q.set_defaults(func=_cmd_index_query)
     v = isub.add_parser("verify", help="check every file of an index against its manifest (SHA-256)",
-                        description="Exit 0 if every file is present with the size and SHA-256 the "
-                        "manifest records and the index opens; else print the problem and exit 2.")
+                        description="Exit 0 if the manifest matches its own hash, every file is present "
+                        "with the size and SHA-256 the manifest records and the index opens; else print "
+                        "the problem and exit 2. (Indexes built before the manifest was hashed pass with "
+                        "a note.)")
     v.add_argument("dir", help="index folder")
     v.set_defaults(func=_cmd_index_verify)
 
@@ -345,13 +384,16 @@ def _folder_mb(path: str) -> float:
 
 
 def _cmd_index_info(args) -> int:
-    from lookupdec.index.store import check_files, read_manifest
+    from lookupdec.index.store import check_files, manifest_hashed, read_manifest
 
-    manifest = read_manifest(args.dir)
+    manifest = read_manifest(args.dir)  # checks the manifest's own hash where it has one
     check_files(args.dir, manifest, hashes=False)
+    checked = (f"{'manifest hash and ' if manifest_hashed(manifest) else ''}file sizes match; file contents "
+               f"not hashed here (lookupdec index verify {args.dir} hashes every file)")
     if args.json:
         json.dump(manifest, sys.stdout, indent=1)
         sys.stdout.write("\n")
+        print(f"lookupdec: {checked}", file=sys.stderr)
         return 0
     c, e, f = manifest["counts"], manifest["embedder"], manifest["faiss"]
     print(f"index        {args.dir} (format_version {manifest['format_version']})")
@@ -364,6 +406,7 @@ def _cmd_index_info(args) -> int:
         print(f"  {name:<16} {meta['bytes'] / 1e6:10.2f} MB  sha256 {meta['sha256'][:16]}")
     print(f"built        {manifest['build'].get('created')} in {manifest['build'].get('seconds')} s "
           f"(lookupdec {manifest['build'].get('lookupdec')}, faiss {manifest['build'].get('faiss')})")
+    print(f"checked      {checked}")
     return 0
 
 
@@ -396,12 +439,14 @@ def _cmd_index_query(args) -> int:
 
 def _cmd_index_verify(args) -> int:
     from lookupdec.index import Index
-    from lookupdec.index.store import check_files, read_manifest
+    from lookupdec.index.store import check_files, manifest_hashed, read_manifest
 
-    manifest = read_manifest(args.dir)
+    manifest = read_manifest(args.dir)  # a manifest edited after the build fails here
     names = check_files(args.dir, manifest, hashes=True)
     Index.open(args.dir, check_hashes=False, decode=lambda ids: "")
-    print(f"{args.dir}: OK ({len(names)} files match their SHA-256; {manifest['counts']['chunks']} chunks)")
+    covered = ("the manifest matches its hash" if manifest_hashed(manifest) else
+               "manifest not hashed (an index built by an older lookupdec: rebuild it to cover the manifest too)")
+    print(f"{args.dir}: OK ({len(names)} files match their SHA-256; {covered}; {manifest['counts']['chunks']} chunks)")
     return 0
 
 
@@ -476,6 +521,9 @@ def _cmd_rewrite(args) -> int:
     from lookupdec.pipelines import PromptFormat, ReadOptions, ResultsFile, RewriteOptions, plan, read_records, rewrite
     from lookupdec.pipelines.results import TMP_SUFFIX
 
+    from lookupdec.validate import check_device
+
+    check_device(args.device)  # before reading inputs: a device this machine lacks is a usage error
     prompts = (PromptFormat.from_instruction(args.instruction) if args.instruction is not None
                else PromptFormat.from_file(args.template))
     if args.chat:

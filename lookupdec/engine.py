@@ -20,6 +20,7 @@ from lookupdec.proposers.mixture import Mixture
 from lookupdec.sampling import SamplingParams, accept
 from lookupdec.stops import StopStrings, TextAssembler
 from lookupdec.tree import TokenTree
+from lookupdec.validate import ParamError, bad, check_device, check_max_new_tokens, check_seed, shown
 
 
 @dataclass
@@ -55,7 +56,7 @@ def _cancel_check(cancel):
         return cancel
     if callable(getattr(cancel, "is_set", None)):
         return cancel.is_set
-    raise ValueError(f"cancel={cancel!r}: expected a threading.Event or a zero-argument callable")
+    raise bad("cancel", cancel, "expected a threading.Event or a zero-argument callable")
 
 
 MIN_CALIBRATION_CONTEXT = 64  # the cost curve is measured at the prompt's length rounded up to a power of 2
@@ -110,6 +111,7 @@ class Engine:
         proposer); opened and checked against the model's tokenizer before the model loads.
         ``draft_model``: a small model folder sharing the target's tokenizer (checked by
         vocabulary fingerprint), used where lookups are weak (``EngineConfig.draft``)."""
+        device = check_device(device)  # a one-line error for a device this machine lacks, before loading
         config = config or EngineConfig()
         if index is not None:
             config = config.with_index(index)
@@ -159,10 +161,10 @@ class Engine:
         next step with ``finish_reason == "cancelled"`` and the request's state is released."""
         prompt_ids = self._prompt_ids(prompt)
         cancelled = _cancel_check(cancel)
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
+        check_max_new_tokens(max_new_tokens)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty)
+        check_seed(seed)
         stops = StopStrings(stop)
         generator = None
         if not params.greedy:
@@ -189,18 +191,22 @@ class Engine:
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise ParamError("prompt is empty", "prompt")
             ids = self.tokenizer(prompt).input_ids
         else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} outside the vocabulary [0, {self.target.vocab_size})")
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise bad("prompt", prompt, "expected a string or a list of token ids") from None
+            outside = [t for t in ids if not 0 <= t < self.target.vocab_size]
+            if outside:
+                raise ParamError(f"prompt token id {shown(outside[0])} outside the vocabulary "
+                                 f"[0, {self.target.vocab_size})", "prompt")
         if not ids:
-            raise ValueError("prompt is empty")
+            raise ParamError("prompt is empty", "prompt")
         limit = self.target.max_context
         if limit is not None and len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {limit} tokens")
+            raise ParamError(f"prompt has {len(ids)} tokens; the model's context is {limit} tokens", "prompt")
         return ids
 
     def _text_pieces(self, prompt_ids, params, max_new_tokens, stops, generator, seed=None, cancelled=None):

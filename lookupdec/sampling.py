@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from lookupdec.tree import TokenTree
+from lookupdec.validate import check_sampling
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,15 +50,9 @@ class SamplingParams:
     top_p: float | None = None  # keep the smallest set with at least this mass, in (0, 1]
     repetition_penalty: float | None = None  # > 0; 1.0 or None = off (HF/CTRL definition)
 
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature={self.temperature!r}: must be >= 0")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k={self.top_k!r}: must be >= 1")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
-        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}: must be > 0")
+    def __post_init__(self) -> None:  # the checks every entry point shares (ParamError naming the field)
+        check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                       repetition_penalty=self.repetition_penalty)
 
     @property
     def greedy(self) -> bool:
@@ -82,7 +77,10 @@ def process_row(
         scores = scores.scatter(0, prefix_ids, seen)
     if params.greedy:
         return scores
-    scores = scores / params.temperature
+    scaled = scores / params.temperature
+    if bool(torch.isposinf(scaled).any()) or bool(torch.isnan(scaled).any()):
+        scaled = _scaled_in_the_limit(scores, params.temperature)
+    scores = scaled
     if params.top_k is not None and params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -94,6 +92,20 @@ def process_row(
         remove = remove_sorted.scatter(0, order, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
     return scores
+
+
+def _scaled_in_the_limit(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``scores / temperature`` when that overflows or is undefined (a temperature like 1e-40 or
+    1e300, which float32 holds as 0 or inf; a repetition penalty like 1e-300 that made some
+    scores infinite): the same distribution computed without
+    overflow, ``(scores - max) / temperature`` (largest entries 0); if some scores are already
+    ``+inf``, the limit, uniform over them. The ordinary path never comes here."""
+    top = scores.max()
+    if torch.isposinf(top):
+        return torch.where(torch.isposinf(scores), 0.0, float("-inf"))
+    below = scores - top  # <= 0; the temperature may be 0 in float32 (1e-300): the top entries stay 0
+    scaled = torch.where(below == 0, 0.0, below / temperature)
+    return torch.where(torch.isnan(scaled), float("-inf"), scaled)  # -inf / inf (1e300 in float32): still masked
 
 
 def target_probs(logits: torch.Tensor, prefix_ids: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:

@@ -9,6 +9,7 @@ replayed in order with the proposers kept across them, so caches learn as in ser
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -18,6 +19,8 @@ import numpy as np
 from lookupdec.budget import AcceptanceCalibrator
 from lookupdec.proposers import Proposer
 from lookupdec.tree import TokenTree
+
+log = logging.getLogger("lookupdec")
 
 
 @dataclass
@@ -36,19 +39,45 @@ class RecordResult:
         return self.response_tokens / self.steps if self.steps else 0.0
 
 
+class JsonlRecord(dict):
+    """A record read from a file; ``where`` is its ``FILE:LINE`` (for error messages)."""
+
+    where: str = ""
+
+
+def _where(record, index: int) -> str:
+    where = getattr(record, "where", "")
+    return where or f"record {record.get('id', index) if isinstance(record, dict) else index}"
+
+
 def tokenize_record(record: dict, tokenizer, index: int) -> tuple[str, list[int], list[int]]:
-    rid = str(record.get("id", index))
-    if "prompt_ids" in record:
-        prompt, response = list(map(int, record["prompt_ids"])), list(map(int, record["response_ids"]))
+    """(id, prompt ids, response ids); a bad record is a ValueError naming ``FILE:LINE`` (records
+    from ``read_jsonl``) or ``record ID``."""
+    where = _where(record, index)
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, found {type(record).__name__}")
+    rid = str(record.get("id", where if getattr(record, "where", "") else index))
+    if "prompt_ids" in record or "response_ids" in record:
+        prompt, response = (_token_ids(record, key, where) for key in ("prompt_ids", "response_ids"))
     else:
         for key in ("prompt", "response"):
             if not isinstance(record.get(key), str):
-                raise ValueError(f"record {rid}: field {key!r} must be a string (or give prompt_ids/response_ids)")
+                raise ValueError(f"{where}: field {key!r} must be a string (or give prompt_ids/response_ids)")
+        if tokenizer is None:
+            raise ValueError(f"{where}: text records need a tokenizer")
         prompt = list(tokenizer.encode(record["prompt"]))
         response = list(tokenizer.encode(record["response"], add_special_tokens=False))
     if not prompt:
-        raise ValueError(f"record {rid}: empty prompt")
+        raise ValueError(f"{where}: empty prompt")
     return rid, prompt, response
+
+
+def _token_ids(record: dict, key: str, where: str) -> list[int]:
+    value = record.get(key)
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                                              for t in value):
+        raise ValueError(f"{where}: field {key!r} must be a list of token ids (integers >= 0)")
+    return value
 
 
 def accepted_path(tree: TokenTree, target: Sequence[int]) -> list[int]:
@@ -125,15 +154,20 @@ def replay(records: Iterable[dict], tokenizer, proposers: Sequence[Proposer], *,
 
     results, draft_seconds, calibrator, draft_budget = [], [], AcceptanceCalibrator(), DraftBudget()
     records = list(records)
+    skipped = []
     for i, record in enumerate(tqdm(records, disable=not progress, desc="replay", unit="rec")):
         rid, prompt, response = tokenize_record(record, tokenizer, i)
-        if response:
+        if not response:  # nothing to replay: said, not dropped silently
+            skipped.append(_where(record, i))
+            log.warning("%s: empty response: nothing to replay, record skipped", skipped[-1])
+        else:
             results.append(replay_one(rid, prompt, response, proposers, budget=budget,
                                       max_depth=max_depth, draft_seconds=draft_seconds,
                                       calibrator=calibrator, cost=cost, choose=choose,
                                       draft_budget=draft_budget))
     summary = summarize(results, draft_seconds, budget=budget, max_depth=max_depth,
                         proposers=[p.name for p in proposers])
+    summary["skipped_empty_responses"] = skipped
     queries = [s for p in proposers for s in getattr(p, "query_seconds", [])]
     if queries:
         ms = np.array(queries) * 1e3
@@ -175,13 +209,31 @@ def summarize(results: list[RecordResult], draft_seconds: list, **settings) -> d
 
 
 def read_jsonl(path: str) -> list[dict]:
+    """Every record of a JSON Lines file (blank lines skipped), each a ``JsonlRecord`` knowing
+    its ``FILE:LINE``. A line that is not UTF-8, not JSON or not an object is a ValueError
+    naming ``FILE:LINE``."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{where}: not UTF-8 text (is {path} a JSON Lines file?)") from None
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+                value = json.loads(line)
+            except (json.JSONDecodeError, RecursionError) as exc:
+                raise ValueError(f"{where}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}: expected a JSON object with prompt and response, "
+                                 f"found a JSON {_json_kind(value)}")
+            record = JsonlRecord(value)
+            record.where = where
+            records.append(record)
     return records
+
+
+def _json_kind(value) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")

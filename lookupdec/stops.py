@@ -32,9 +32,14 @@ class StopStrings:
             stop = []
         elif isinstance(stop, str):
             stop = [stop]
-        for s in stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop={list(stop)!r}: stop strings must be non-empty strings")
+        from lookupdec.validate import bad
+
+        try:
+            stop = list(stop)
+        except TypeError:
+            raise bad("stop", stop, "expected a string or a list of non-empty strings") from None
+        if not all(isinstance(s, str) and s for s in stop):
+            raise bad("stop", stop, "stop strings must be non-empty strings")
         self.strings = list(dict.fromkeys(stop))
         self.max_len = max((len(s) for s in self.strings), default=0)
         self._prefixes = {s[:k] for s in self.strings for k in range(1, len(s))}

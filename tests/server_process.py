@@ -60,10 +60,11 @@ def _wait_for_health(base_url: str) -> None:
 
 
 @contextlib.contextmanager
-def running_server(*args: str):
-    """``lookupdec serve --port 0 ARGS...`` as a ServerProcess; terminated (then killed) on exit."""
+def running_server(*args: str, env: dict | None = None):
+    """``lookupdec serve --port 0 ARGS...`` as a ServerProcess (``env``: more environment
+    variables); terminated (then killed) on exit."""
     log_fd, log_path = tempfile.mkstemp(prefix="lookupdec-serve-", suffix=".log")
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}  # tiny models: one thread is faster
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO} | (env or {})  # tiny models: one thread is faster
     proc = subprocess.Popen([sys.executable, "-m", "lookupdec", "serve", "--port", "0", *args], cwd=REPO,
                             env=env, stdout=log_fd, stderr=log_fd, stdin=subprocess.DEVNULL)
     os.close(log_fd)

@@ -167,11 +167,17 @@ def test_wrong_tokenizer_names_both_fingerprints(built):
     assert built[2]["tokenizer"]["fingerprint"] in str(err.value) and stories_fp in str(err.value)
 
 
-def _edit_manifest(path, edit):
+def _edit_manifest(path, edit, *, rehash=True):
+    """Edit the manifest; ``rehash``: and its own hash, as a consistent (if wrong) manifest would
+    have; else the edit is one the manifest hash catches."""
+    from lookupdec.index.store import MANIFEST_HASH, manifest_sha256
+
     mpath = os.path.join(path, "manifest.json")
     with open(mpath) as f:
         manifest = json.load(f)
     edit(manifest)
+    if rehash and MANIFEST_HASH in manifest:
+        manifest[MANIFEST_HASH] = manifest_sha256(manifest)
     with open(mpath, "w") as f:
         json.dump(manifest, f)
 
@@ -243,6 +249,51 @@ def test_edited_file_without_hashing_still_fails_on_structure(built, tmp_path):
         Index.open(path, check_hashes=False)
 
 
+def run_cli(capsys, *argv):
+    from lookupdec.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_edited_manifest_fails_verify_and_open(built, tmp_path, capsys):
+    """Issue 13: an edited tokenizer fingerprint passed `index verify` (the manifest had no hash)."""
+    path = fresh_copy(built, tmp_path)
+    assert run_cli(capsys, "index", "verify", path)[0] == 0
+    _edit_manifest(path, lambda m: m["tokenizer"].update(fingerprint="0" * 16), rehash=False)
+    code, _, err = run_cli(capsys, "index", "verify", path)
+    assert code == 2 and "manifest.json: edited after the build" in err and "Traceback" not in err
+    assert run_cli(capsys, "index", "info", path)[0] == 2
+    with pytest.raises(IndexStoreError, match="edited after the build"):
+        Index.open(path)
+
+
+def test_older_index_without_manifest_hash_still_opens_and_says_so(built, tmp_path, capsys):
+    path = fresh_copy(built, tmp_path)
+    _edit_manifest(path, lambda m: m.pop("manifest_sha256"), rehash=False)
+    Index.open(path)
+    code, out, _ = run_cli(capsys, "index", "verify", path)
+    assert code == 0 and "manifest not hashed" in out
+
+
+def test_info_says_what_it_checked(built, tmp_path, capsys):
+    """`index info` checks sizes and the manifest hash, not contents: it says so and points at verify."""
+    path = fresh_copy(built, tmp_path)
+    with open(os.path.join(path, "tokens.npy"), "r+b") as f:  # same size, other content
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\xff\xff")
+    code, out, _ = run_cli(capsys, "index", "info", path)
+    assert code == 0 and "contents not hashed" in out and f"lookupdec index verify {path}" in out
+    code, _, err = run_cli(capsys, "index", "info", path, "--json")
+    assert code == 0 and "contents not hashed" in err
+    assert run_cli(capsys, "index", "verify", path)[0] == 2
+    with open(os.path.join(path, "tokens.npy"), "r+b") as f:
+        f.truncate(100)
+    code, _, err = run_cli(capsys, "index", "info", path)
+    assert code == 2 and "truncated" in err
+
+
 # -- interrupted builds ---------------------------------------------------------------------------
 def test_exception_during_write_leaves_no_index(built, tmp_path, monkeypatch):
     import lookupdec.index.build as build_mod
@@ -289,6 +340,47 @@ def test_sigkill_mid_build_leaves_no_index(built, tmp_path):
     assert len(leftovers) == 1  # the killed build's temporary folder, never mistaken for an index
     with pytest.raises(IndexStoreError, match="no index folder here"):
         Index.open(str(out))
+    build_index([built[0]], tokenizer_path=LLAMA_SP, out=str(out), chunk_tokens=32, progress=False)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".idx.")]  # the next build cleaned up
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_next_build_removes_leftovers_of_dead_builds_only(built, tmp_path, caplog):
+    """A killed build leaves `.NAME.building-PID-*`; the next build to the same --out removes it
+    (saying so) but leaves a folder whose build is still running, and an older lookupdec's
+    folder that changed recently."""
+    dead = tmp_path / f".idx.building-{dead_pid()}-abc123"
+    running = tmp_path / f".idx.building-{os.getpid()}-def456"
+    legacy_old, legacy_new = tmp_path / ".idx.building-zz9x_q1w", tmp_path / ".idx.building-newone12"
+    other = tmp_path / f".other.building-{dead_pid()}-x"
+    for folder in (dead, running, legacy_old, legacy_new, other):
+        folder.mkdir()
+        (folder / "tokens.npy").write_bytes(b"\0" * 1000)
+    hour_ago = time.time() - 3600
+    os.utime(legacy_old / "tokens.npy", (hour_ago, hour_ago))
+    os.utime(legacy_old, (hour_ago, hour_ago))
+    with caplog.at_level("WARNING", logger="lookupdec"):
+        build_index([built[0]], tokenizer_path=LLAMA_SP, out=str(tmp_path / "idx"), chunk_tokens=32, progress=False)
+    assert not dead.exists() and not legacy_old.exists()
+    assert running.exists() and legacy_new.exists() and other.exists()
+    assert str(dead) in caplog.text and "interrupted build" in caplog.text
+    assert Index.open(str(tmp_path / "idx")).num_chunks > 0
+
+
+def test_cli_build_says_it_removed_a_leftover(built, tmp_path):
+    """The CLI's stderr has the line (a real process: its logging goes to stderr)."""
+    leftover = tmp_path / f".idx.building-{dead_pid()}-abc123"
+    leftover.mkdir()
+    result = subprocess.run([sys.executable, "-m", "lookupdec", "index", "build", built[0], "--tokenizer", LLAMA_SP,
+                             "--out", str(tmp_path / "idx"), "--chunk-tokens", "32"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert not leftover.exists() and f"lookupdec: removed {leftover}" in result.stderr
 
 
 # -- embedder and search --------------------------------------------------------------------------

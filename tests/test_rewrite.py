@@ -296,6 +296,45 @@ def test_output_held_by_another_run_is_refused(tmp_path, run):
     assert run("--input", source, "--output", out, "--instruction", "x", "--max-new-tokens", "2")[0] == 0
 
 
+@needs_stories
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_full_disk_is_one_line_exit_2(tmp_path, run):
+    """``--output /dev/full``: the first write fails (ENOSPC), and so would the fsync on the way
+    out (EINVAL): one line naming the output, exit 2, no traceback."""
+    source = write(tmp_path / "in.txt", "Lily.\nTom.\n")
+    code, out, err = run("--input", source, "--output", "/dev/full", "--instruction", "x", "--max-new-tokens", "2")
+    assert code == 2 and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("lookupdec: error:")]
+    assert errors == [errors[-1]] and "--output /dev/full: cannot write (No space left on device)" in errors[0]
+    assert err.strip().splitlines()[-1] == errors[0]
+
+
+def test_failed_write_leaves_no_half_line(tmp_path, monkeypatch):
+    """A write that stops part-way (the disk filled up) is cut back: the file keeps whole lines only."""
+    import errno
+
+    import lookupdec.pipelines.results as results_module
+
+    path = str(tmp_path / "out.jsonl")
+    with ResultsFile.open(path) as results:
+        results.append({"id": "a", "output": "x"})
+    before = open(path, "rb").read()
+    real_write, calls = os.write, []
+
+    def write_half_then_fail(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with ResultsFile.open(path) as results:
+        monkeypatch.setattr(results_module.os, "write", write_half_then_fail)
+        with pytest.raises(ResultsFileError, match="No space left"):
+            results.append({"id": "b", "output": "y" * 100})
+        monkeypatch.setattr(results_module.os, "write", real_write)
+    assert open(path, "rb").read() == before and len(calls) == 2
+
+
 def test_help_explains_inputs_resuming_and_output(capsys):
     with pytest.raises(SystemExit):
         main(["rewrite", "--help"])

@@ -366,3 +366,18 @@ def test_greedy_is_unaffected_by_seed_and_top_k_1_is_greedy():
     for prompt, n, ref in refs:
         assert engine.generate(prompt, max_new_tokens=n, seed=1).token_ids == ref
         assert engine.generate(prompt, max_new_tokens=n, temperature=1.0, top_k=1, seed=2).token_ids == ref
+
+
+@pytest.mark.parametrize("params, want", [
+    (SamplingParams(temperature=1e-300), "argmax"),  # float32 holds 1e-300 as 0
+    (SamplingParams(temperature=1e-40), "argmax"),
+    (SamplingParams(temperature=1e300), "uniform"),  # float32 holds 1e300 as inf
+    (SamplingParams(temperature=1.0, repetition_penalty=1e-300), "seen"),  # seen positive logits -> inf
+])
+def test_extreme_values_give_the_limit_distribution_not_nan(params, want):
+    logits = torch.tensor([1.0, 3.0, -2.0, 0.5])
+    prefix = torch.tensor([0, 3])  # tokens 0 and 3 seen (repetition penalty)
+    probs = target_probs(logits, prefix, params)
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-6
+    expected = {"argmax": [0, 1, 0, 0], "uniform": [0.25] * 4, "seen": [0.5, 0, 0, 0.5]}[want]
+    assert probs.tolist() == pytest.approx(expected, abs=1e-6)

@@ -236,7 +236,6 @@ BAD_COMPLETIONS = [  # a field set to None is left out of the request
     ({"stop": [1]}, "stop"),
     ({"seed": 1.5}, "seed"),
     ({"seed": "x"}, "seed"),
-    ({"model": "gpt-4"}, "model"),
     ({"n": 2}, "n"),
     ({"best_of": 3}, "best_of"),
     ({"echo": True}, "echo"),
@@ -305,6 +304,12 @@ def test_keep_alive_requests_do_not_stall(server):
             http.get(server.base_url + "/health").raise_for_status()
             times.append((time.perf_counter() - start) * 1e3)
     assert sorted(times)[len(times) // 2] < KEEP_ALIVE_MEDIAN_LIMIT_MS, times
+
+
+def test_unknown_model_is_404_model_not_found(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4", prompt="Once", max_tokens=2)
+    assert info.value.status_code == 404 and info.value.code == "model_not_found" and info.value.param == "model"
 
 
 def test_served_model_name_or_none_accepted(server):
@@ -438,3 +443,98 @@ def test_serve_bad_arguments_one_line_error(capsys, args, message):
     assert main(["serve", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("lookupdec: error:") and "Traceback" not in err
+
+
+# -- hardening: API key from the environment, request body limit ---------------------------------
+API_KEY = "s3cret-key"
+BIG = 20 << 20  # the issue's 20 MB request
+
+
+@pytest.fixture(scope="module")
+def guarded_server(chat_model):
+    with running_server("--model", chat_model, env={"LOOKUPDEC_API_KEY": API_KEY}) as proc:
+        yield proc
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def raw_request(url: str, head: str, body: bytes) -> tuple[int, dict, float]:
+    """Send ``head`` then ``body`` on a raw socket, stopping as soon as the server answers or
+    closes; returns (status, error object, seconds until the answer)."""
+    import select
+    import socket
+    from urllib.parse import urlparse
+
+    where = urlparse(url)
+    start = time.monotonic()
+    with socket.create_connection((where.hostname, where.port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        view, answer = memoryview(body), b""
+        while view and not answer:
+            readable, writable, _ = select.select([sock], [sock], [], 30)
+            if readable:
+                answer = sock.recv(65536)
+                break
+            if writable:
+                try:
+                    view = view[sock.send(view[:65536]):]
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+        took = time.monotonic() - start
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer):
+            more = sock.recv(65536)  # the rest of the answer (its Content-Length)
+            if not more:
+                break
+            answer += more
+    head_part, _, content = answer.partition(b"\r\n\r\n")
+    return int(head_part.split()[1]), json.loads(content)["error"], took
+
+
+def _length(answer: bytes) -> int:
+    for line in answer.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def test_api_key_from_the_environment(guarded_server):
+    base = guarded_server.base_url
+    assert httpx.get(base + "/health").status_code == 200  # open: monitoring needs no key
+    refused = httpx.get(base + "/v1/models")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    client = openai.OpenAI(base_url=guarded_server.api, api_key=API_KEY, max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["stories260K"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=guarded_server.api, api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(base + "/docs").status_code == 401
+    assert httpx.get(base + "/docs", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 404
+
+
+def test_20_mb_request_refused_at_once_memory_unchanged(guarded_server):
+    """The issue's probe: a 20 MB prompt was tokenized for 28 s and the server grew by 1.3 GB.
+    Now: 413 within a second, by Content-Length or (chunked) once 4 MiB have arrived, and the
+    server's memory stays where it was; the server still answers afterwards."""
+    pid = guarded_server.proc.pid
+    auth = f"Authorization: Bearer {API_KEY}\r\n"
+    before = rss_bytes(pid)
+    text = b'{"prompt": "' + b"word " * (BIG // 5) + b'"}'
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+            f"Content-Length: {len(text)}\r\n\r\n")
+    status, error, took = raw_request(guarded_server.base_url, head, text)
+    assert status == 413 and error["code"] == "request_too_large" and took < 1.0, (status, error, took)
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(text[i:i + 65536]), text[i:i + 65536])
+                       for i in range(0, len(text), 65536)) + b"0\r\n\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n")
+    status, error, took = raw_request(guarded_server.base_url, head, chunked)
+    assert status == 413 and error["code"] == "request_too_large" and took < 1.0, (status, error, took)
+    grown = rss_bytes(pid) - before
+    assert grown < 16 << 20, f"the server grew by {grown / 1e6:.1f} MB"
+    ok = httpx.post(guarded_server.api + "/completions", json={"prompt": "Once", "max_tokens": 2},
+                    headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert ok.status_code == 200

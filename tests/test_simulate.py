@@ -60,4 +60,63 @@ def test_cli_simulate_missing_field(tmp_path, capsys):
     path = tmp_path / "missing.jsonl"
     path.write_text('{"id": "a", "prompt": "hello"}\n')
     assert main(["simulate", "--input", str(path), "--tokenizer", str(LLAMA2_TOKENIZER)]) == 2
-    assert "record a" in capsys.readouterr().err
+    assert "missing.jsonl:1: field 'response'" in capsys.readouterr().err
+
+
+# -- bad inputs name FILE:LINE (issue 13) ----------------------------------------------------------
+@pytest.mark.skipif(not LLAMA2_TOKENIZER.exists(), reason="../shared tokenizer absent")
+@pytest.mark.parametrize("content, message", [
+    (b'{"prompt_ids": [1], "response_ids": [2]}\n[1, 2]\n', "in.jsonl:2: expected a JSON object"),
+    (b'"just a string"\n', "in.jsonl:1: expected a JSON object with prompt and response, found a JSON string"),
+    (b'\n\n{"prompt": "a", "response": 5}\n', "in.jsonl:3: field 'response' must be a string"),
+    (b'{"prompt_ids": [1], "response_ids": [2]}\n{"prompt_ids": [], "response_ids": [2]}\n', "in.jsonl:2: empty prompt"),
+    (b'{"prompt_ids": [1, -4], "response_ids": [2]}\n', "in.jsonl:1: field 'prompt_ids' must be a list of token ids"),
+    (b'{"prompt_ids": [1], "response_ids": "abc"}\n', "in.jsonl:1: field 'response_ids'"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe binary", "in.jsonl:1: not UTF-8 text"),
+])
+def test_cli_simulate_bad_records_name_file_and_line(tmp_path, capsys, content, message):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(content)
+    assert main(["simulate", "--input", str(path), "--tokenizer", str(LLAMA2_TOKENIZER)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("lookupdec: error: ") and err.count("\n") == 1, err
+
+
+def test_cli_simulate_missing_input(tmp_path, capsys):
+    assert main(["simulate", "--input", str(tmp_path / "none.jsonl")]) == 2
+    assert "--input" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not LLAMA2_TOKENIZER.exists(), reason="../shared tokenizer absent")
+def test_cli_simulate_empty_response_is_reported_not_dropped(tmp_path, capsys, caplog):
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": "Hello there", "response": ""}) + "\n"
+                    + json.dumps({"prompt": "Hello there", "response": "General Kenobi"}) + "\n")
+    assert main(["simulate", "--input", str(path), "--tokenizer", str(LLAMA2_TOKENIZER), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["records"] == 1 and out["skipped_empty_responses"] == [f"{path}:1"]
+    assert f"{path}:1: empty response" in caplog.text
+
+
+@pytest.mark.skipif(not LLAMA2_TOKENIZER.exists(), reason="../shared tokenizer absent")
+def test_cli_simulate_retrieval_named_with_an_index(tmp_path, capsys):
+    """`--proposers ngram,suffix,retrieval --index DIR` failed ("'retrieval' needs retrieval.index")."""
+    from lookupdec.index import build_index
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    story = "The quick brown fox jumps over the lazy dog near the old river bank. " * 4
+    (corpus / "a.txt").write_text(story)
+    build_index([str(corpus)], tokenizer_path=str(LLAMA2_TOKENIZER), out=str(tmp_path / "idx"), chunk_tokens=16,
+                progress=False)
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": "Story: The quick brown", "response": story[15:120]}) + "\n")
+    for proposers in ("ngram,suffix,retrieval", "retrieval", "ngram,suffix"):
+        assert main(["simulate", "--input", str(path), "--tokenizer", str(LLAMA2_TOKENIZER), "--proposers", proposers,
+                     "--index", str(tmp_path / "idx"), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert "retrieval" in out["proposers"] and out["accepted_share_by_source"].get("retrieval", 0) > 0, out
+    assert out["proposers"] == ["ngram", "suffix", "retrieval"]
+    assert main(["simulate", "--input", str(path), "--tokenizer", str(LLAMA2_TOKENIZER), "--proposers",
+                 "ngram,retrieval"]) == 2
+    assert "--proposers retrieval needs --index" in capsys.readouterr().err

@@ -20,7 +20,8 @@ import numpy as np
 
 from lookupdec.index.corpus import CorpusReader
 from lookupdec.index.embed import make_embedder
-from lookupdec.index.store import FILES, FORMAT_VERSION, MANIFEST, SEPARATOR, IndexStoreError, file_sha256, import_faiss
+from lookupdec.index.store import (FILES, FORMAT_VERSION, MANIFEST, MANIFEST_HASH, SEPARATOR, IndexStoreError,
+                                   file_sha256, import_faiss, manifest_sha256)
 
 log = logging.getLogger("lookupdec")
 
@@ -118,6 +119,7 @@ def build_index(paths: Sequence[str], *, tokenizer_path: str, out: str, chunk_to
     out = os.path.abspath(out)
     if os.path.exists(out) and not force:
         raise ValueError(f"{out} already exists (pass --force to replace it)")
+    remove_leftovers(out)
     tokenizer = model_lib.load_tokenizer(tokenizer_path)
     emb = make_embedder(embedder, tokenizer.decode, dim=dim)
     started = time.time()
@@ -158,7 +160,7 @@ def build_index(paths: Sequence[str], *, tokenizer_path: str, out: str, chunk_to
 
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.building-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.building-{os.getpid()}-", dir=parent)
     try:
         np.save(os.path.join(tmp, "tokens.npy"), tokens)
         np.save(os.path.join(tmp, "chunks.npy"), chunks)
@@ -184,6 +186,7 @@ def build_index(paths: Sequence[str], *, tokenizer_path: str, out: str, chunk_to
                       "faiss": faiss.__version__, "include": list(include), "exclude": list(exclude),
                       "field": field, "inputs": [os.path.abspath(p) for p in paths]},
         }
+        manifest[MANIFEST_HASH] = manifest_sha256(manifest)
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -202,7 +205,84 @@ def _replace(tmp: str, out: str) -> None:
         return
     if not os.path.isdir(out) or (os.listdir(out) and not os.path.exists(os.path.join(out, MANIFEST))):
         raise IndexStoreError(f"{out} exists and is not a lookupdec index: not replacing it")
-    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-{os.getpid()}-", dir=os.path.dirname(out))
     os.rename(out, os.path.join(old, "index"))
     os.rename(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+LEGACY_QUIET_S = 15 * 60  # a leftover without a pid (older lookupdec) untouched this long is dead
+
+
+def remove_leftovers(out: str) -> list[str]:
+    """Remove the temporary folders that interrupted builds to ``out`` left beside it
+    (``.NAME.building-PID-*``; ``.NAME.old-PID-*`` once ``out`` exists again), saying so on the
+    log. Only those whose build is over: its process ``PID`` is gone (a build running now keeps
+    its folder). A folder of an older lookupdec (no PID in its name) goes once nothing in it
+    changed for ``LEGACY_QUIET_S``. Returns the folders removed."""
+    parent, base = os.path.dirname(out), os.path.basename(out)
+    try:
+        entries = sorted(os.listdir(parent))
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        kind = next((k for k in ("building", "old") if entry.startswith(f".{base}.{k}-")), None)
+        path = os.path.join(parent, entry)
+        if kind is None or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        if kind == "old" and not os.path.exists(out):  # the previous index, moved aside: keep it
+            log.warning("%s holds the index that was at %s before an interrupted build replaced it; "
+                        "move %s/index back to %s to keep it", path, out, path, out)
+            continue
+        pid_text, dash, _ = entry[len(f".{base}.{kind}-"):].partition("-")
+        if dash and pid_text.isdigit():
+            if _process_alive(int(pid_text)):
+                continue
+            why = f"its build (process {pid_text}) is gone"
+        else:
+            quiet = time.time() - _newest_mtime(path)
+            if quiet < LEGACY_QUIET_S:
+                continue
+            why = f"left by an older lookupdec, untouched for {quiet / 60:.0f} min"
+        size = _folder_bytes(path)
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+            log.warning("removed %s (%.1f MB), the temporary folder of an interrupted build: %s",
+                        path, size / 1e6, why)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):  # someone else's process: alive
+        return True
+    return True
+
+
+def _newest_mtime(path: str) -> float:
+    newest = os.path.getmtime(path)
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                newest = max(newest, os.path.getmtime(os.path.join(root, name)))
+            except OSError:
+                pass
+    return newest
+
+
+def _folder_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total

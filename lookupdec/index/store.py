@@ -21,6 +21,7 @@ SEPARATOR = 2**31 - 1  # between documents in tokens.npy (also the suffix cache'
 MANIFEST = "manifest.json"
 FILES = ("tokens.npy", "chunks.npy", "documents.json", "embedder.npy", "faiss.index")
 HASH_BLOCK = 1 << 22
+MANIFEST_HASH = "manifest_sha256"  # the manifest's own hash, over its other fields (manifest_sha256())
 
 
 class IndexStoreError(ValueError):
@@ -143,6 +144,20 @@ def _expect(path: str, name: str, ok: bool, problem: str) -> None:
         raise IndexStoreError(f"{path}/{name}: {problem}")
 
 
+def manifest_sha256(manifest: dict) -> str:
+    """SHA-256 of the manifest's canonical JSON (keys sorted, no spaces, ASCII), every field but
+    ``manifest_sha256`` itself: an edit to any field (say, the tokenizer fingerprint) changes it.
+    It catches accidental or careless edits, not a forger, who can recompute it."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_HASH}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("ascii")).hexdigest()
+
+
+def manifest_hashed(manifest: dict) -> bool:
+    """Whether the manifest carries its own hash (indexes built before it was added do not;
+    ``read_manifest`` has checked it when it is there)."""
+    return MANIFEST_HASH in manifest
+
+
 def read_manifest(path: str) -> dict:
     if not os.path.isdir(path):
         raise IndexStoreError(f"{path}: no index folder here")
@@ -162,6 +177,9 @@ def read_manifest(path: str) -> dict:
     for key in ("tokenizer", "embedder", "chunking", "counts", "faiss", "files", "sources"):
         if key not in manifest:
             raise IndexStoreError(f"{mpath}: field {key!r} missing")
+    if MANIFEST_HASH in manifest and manifest[MANIFEST_HASH] != manifest_sha256(manifest):
+        raise IndexStoreError(f"{mpath}: edited after the build (its {MANIFEST_HASH} does not match its "
+                              "content); rebuild the index")
     return manifest
 
 

@@ -20,6 +20,8 @@ Contract (what "resumable" rests on):
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -82,11 +84,20 @@ class ResultsFile:
 
     # -- writing ----------------------------------------------------------------------------------
     def append(self, obj: dict) -> None:
-        """Write ``obj`` as one whole line (one ``os.write``)."""
-        _write_all(self._fd, encode_line(obj))  # a second write only after a short one (full disk)
-        if time.monotonic() - self._last_sync >= FSYNC_INTERVAL_S:
-            os.fsync(self._fd)
-            self._last_sync = time.monotonic()
+        """Write ``obj`` as one whole line (one ``os.write``). A failed write (a full disk) is a
+        ``ResultsFileError`` and leaves no part of the line behind (the file is cut back)."""
+        line = encode_line(obj)
+        size = os.fstat(self._fd).st_size
+        try:
+            _write_all(self._fd, line)  # a second write only after a short one (full disk)
+            if time.monotonic() - self._last_sync >= FSYNC_INTERVAL_S:
+                _fsync(self._fd)
+                self._last_sync = time.monotonic()
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # not on a device such as /dev/full
+                os.ftruncate(self._fd, size)
+            raise ResultsFileError(f"--output {self.path}: cannot write ({exc.strerror or exc}); "
+                                   "lines written before are kept, rerun to resume") from None
 
     def drop(self, ids) -> None:
         """Remove the lines of these ids, atomically (temporary file, fsync, rename)."""
@@ -94,33 +105,48 @@ class ResultsFile:
         if not ids:
             return
         tmp = self.path + TMP_SUFFIX
-        new_fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        try:
+            new_fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        except OSError as exc:
+            raise ResultsFileError(f"--output {self.path}: cannot write {tmp} ({exc.strerror or exc})") from None
         try:
             _lock(new_fd, tmp)
             kept = [line for line in _read_lines(self._fd) if line.strip() and _line_id(line) not in ids]
             _write_all(new_fd, b"".join(kept))
             os.fsync(new_fd)
             os.replace(tmp, self.path)
-        except BaseException:
+        except BaseException as exc:
             os.close(new_fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # the old file is untouched: the run can be done again
+            if isinstance(exc, OSError):
+                raise ResultsFileError(f"--output {self.path}: cannot write {tmp} ({exc.strerror or exc}); "
+                                       "the file is as it was") from None
             raise
         _fsync_folder(self.path)
         self._held.append(new_fd)  # keep the old inode locked too: a run that opened it must fail
         self._fd = new_fd
         self.entries = {i: e for i, e in self.entries.items() if i not in ids}
 
-    def close(self) -> None:
+    def close(self, *, quiet: bool = False) -> None:
+        """fsync and release the lock. ``quiet``: a failing fsync raises nothing (the run is
+        already failing for another reason, which is the one to report)."""
         if self._held:
-            os.fsync(self._fd)
-            for fd in self._held:
-                os.close(fd)
-            self._held = []
+            try:
+                _fsync(self._fd)
+            except OSError as exc:
+                if not quiet:
+                    raise ResultsFileError(f"--output {self.path}: cannot write ({exc.strerror or exc})") from None
+            finally:
+                for fd in self._held:
+                    os.close(fd)
+                self._held = []
 
     def __enter__(self) -> "ResultsFile":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(quiet=exc_type is not None)
 
 
 def encode_line(obj: dict) -> bytes:
@@ -188,7 +214,7 @@ def _scan_and_repair(fd: int, path: str) -> tuple[dict[str, Entry], str | None]:
         else:
             lines.pop()
             os.ftruncate(fd, sum(len(line) for line in lines))
-            os.fsync(fd)
+            _fsync(fd)
             repaired = (f"{path}: cut a torn last line ({len(tail)} bytes, left by an interrupted run); "
                         "its record is done again")
     entries: dict[str, Entry] = {}
@@ -204,6 +230,16 @@ def _scan_and_repair(fd: int, path: str) -> tuple[dict[str, Entry], str | None]:
                                    f"{number}; keep one of them")
         entries[obj["id"]] = Entry(number, "error" not in obj, obj.get("input_hash"))
     return entries, repaired
+
+
+def _fsync(fd: int) -> None:
+    """``os.fsync``, except where the file cannot be synced at all (EINVAL: a pipe or a device
+    such as /dev/null): nothing to make durable there."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -101,10 +101,11 @@ class RewriteOptions:
     token_ids: bool = False  # also write the generated token ids in each line
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: must be a positive integer")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r}: must be >= 0")
+        from lookupdec.validate import check_max_new_tokens, check_sampling, check_seed
+
+        check_max_new_tokens(self.max_new_tokens)
+        check_sampling(temperature=self.temperature)
+        check_seed(self.seed)
 
     def record_seed(self, record_id: str) -> int | None:
         """Per record, so that an output does not depend on which records ran before it."""

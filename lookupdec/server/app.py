@@ -1,14 +1,19 @@
 """The FastAPI app: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``; and ``serve()``, which loads the engine and runs uvicorn.
 
-Requests queue for the one engine thread (``worker.EngineWorker``) in arrival order. A client
-that disconnects — streaming or not, running or still queued — sets its job's cancel event;
+Every request first passes ``RequestGuard`` (an ASGI middleware): with an API key, every path
+but ``/health`` needs ``Authorization: Bearer KEY`` (401 otherwise); a body larger than
+``max_request_bytes`` is a 413 before it is read (by its Content-Length, or once a chunked body
+passes the limit). The sampling values are checked on the loop, the prompt is tokenized on a
+prompt thread, then the request queues for the one engine thread (``worker.EngineWorker``) in
+arrival order. A client that disconnects — streaming or not, running or still queued — sets its job's cancel event;
 the engine stops before its next step. The engine's global suffix cache learns from every
 request's output, so later requests in the same codebase draft from earlier ones.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
 import socket
@@ -26,10 +31,16 @@ from lookupdec.server.worker import EngineWorker, Job
 
 
 HTTP_BAD_REQUEST = 400
+HTTP_UNAUTHORIZED = 401
+HTTP_NOT_FOUND = 404
+HTTP_TOO_LARGE = 413
 HTTP_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it
 HTTP_SERVER_ERROR = 500
 SSE_DONE = b"data: [DONE]\n\n"
 GRACEFUL_SHUTDOWN_S = 5  # on SIGTERM / Ctrl+C: open streams get this long, then the engine is cancelled
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB: far more than any context holds as text or token ids
+API_KEY_ENV = "LOOKUPDEC_API_KEY"
+OPEN_PATHS = ("/health",)  # answered without the API key (load balancers, monitoring)
 
 
 def _json(body: dict, status: int = 200) -> Response:
@@ -41,7 +52,79 @@ def _sse(body: dict) -> bytes:
 
 
 def _bad_request(exc: RequestError) -> Response:
-    return _json(error_body(str(exc), exc.param), HTTP_BAD_REQUEST)
+    return _json(error_body(str(exc), exc.param, exc.code), exc.status)
+
+
+class RequestGuard:
+    """ASGI middleware in front of the app: the API key (every path but ``OPEN_PATHS``), then
+    the body size. The body is read here, at most ``max_request_bytes`` of it, and handed on to
+    the app; a larger one is answered 413 at once, and the app never sees it (uvicorn reads the
+    rest of that body off the connection and drops it, as it arrives: memory stays flat, and a
+    client that sends its whole body before reading still gets the 413 rather than a reset
+    connection)."""
+
+    def __init__(self, app, *, api_key: str | None, max_request_bytes: int | None) -> None:
+        self.app, self.max_bytes = app, max_request_bytes
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if self.api_key is not None and scope.get("path") not in OPEN_PATHS and not self._authorized(headers):
+            return await _send_error(send, HTTP_UNAUTHORIZED, error_body(
+                "missing or wrong API key: send the header 'Authorization: Bearer KEY' (the server's --api-key)",
+                None, "invalid_api_key"), [(b"www-authenticate", b"Bearer")])
+        if not self.max_bytes:
+            return await self.app(scope, receive, send)
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                size = -1
+            if size < 0:
+                return await _send_error(send, HTTP_BAD_REQUEST, error_body("bad Content-Length header", None),
+                                         close=True)
+            if size > self.max_bytes:
+                return await self._too_large(send, f" ({size} bytes)")
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await self._too_large(send, "")
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # then what the client does next: its disconnect
+
+        return await self.app(scope, replay, send)
+
+    def _authorized(self, headers: dict) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+
+    async def _too_large(self, send, size: str):
+        return await _send_error(send, HTTP_TOO_LARGE, error_body(
+            f"the request body{size} exceeds this server's limit of {self.max_bytes} bytes "
+            "(--max-request-bytes)", None, "request_too_large"))
+
+
+async def _send_error(send, status: int, body: dict, headers=(), *, close: bool = False) -> None:
+    data = json.dumps(body, separators=(",", ":")).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers]
+    if close:  # the body was not read: end the connection rather than read (and discard) the rest
+        head.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
 def _server_error(exc: Exception) -> dict:
@@ -73,10 +156,13 @@ class Api:
 
     async def handle(self, http: Request, body, *, chat: bool) -> Response:
         if body.model and body.model != self.model_name:
-            raise RequestError(f"model {body.model!r} is not served here; this server serves "
-                               f"{self.model_name!r} (GET /v1/models)", "model")
+            raise RequestError(f"the model {body.model!r} does not exist here; this server serves "
+                               f"{self.model_name!r} (GET /v1/models)", "model",
+                               status=HTTP_NOT_FOUND, code="model_not_found")
+        body.check_values()
         build = self.worker.prompts.chat if chat else self.worker.prompts.completion
-        job = self.worker.submit(build, body)
+        prompt = await self.worker.build(build, body)
+        job = self.worker.submit(prompt, body)
         watcher = asyncio.create_task(_cancel_on_disconnect(http, job))
         try:  # streaming: "start" once the prompt is accepted; otherwise the finished generation
             kind, value = await job.events.get()
@@ -131,8 +217,12 @@ class Api:
             watcher.cancel()
 
 
-def create_app(engine, model_name: str) -> FastAPI:
-    """The OpenAI-compatible app serving ``engine`` under the id ``model_name``."""
+def create_app(engine, model_name: str, *, api_key: str | None = None,
+               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, openapi: bool = False):
+    """The OpenAI-compatible app serving ``engine`` under the id ``model_name``, behind
+    ``RequestGuard`` (``api_key``: required on every path but /health; ``max_request_bytes``:
+    larger bodies are a 413; None or 0: no limit). ``openapi``: also serve ``/openapi.json``.
+    No docs pages (/docs, /redoc): FastAPI's load their scripts from a CDN."""
     worker = EngineWorker(engine)
     api = Api(worker, model_name)
 
@@ -141,8 +231,10 @@ def create_app(engine, model_name: str) -> FastAPI:
         yield
         worker.shutdown()
 
-    app = FastAPI(title="lookupdec", lifespan=lifespan)
+    app = FastAPI(title="lookupdec", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if openapi else None)
     app.state.worker = worker
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc):
@@ -177,13 +269,23 @@ def create_app(engine, model_name: str) -> FastAPI:
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          index=None, draft_model=None, device=None, dtype=None, config=None, log_level: str = "info") -> None:
+          index=None, draft_model=None, device=None, dtype=None, config=None, log_level: str = "info",
+          api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+          openapi: bool = False) -> None:
     """Load the engine (never downloads), bind ``host:port`` (0: a free port) and serve until
-    interrupted. Prints ``lookupdec: serving NAME at http://HOST:PORT`` on stderr once listening."""
+    interrupted. Prints ``lookupdec: serving NAME at http://HOST:PORT`` on stderr once listening.
+    ``api_key`` (default: ``$LOOKUPDEC_API_KEY``; "" for none): required as a Bearer token on
+    every path but /health."""
     import uvicorn
 
     from lookupdec.engine import Engine
+    from lookupdec.validate import check_device
 
+    check_device(device)  # a one-line error before anything loads
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+    if max_request_bytes is not None and max_request_bytes < 0:
+        raise ValueError(f"max_request_bytes={max_request_bytes}: must be >= 0 (0: no limit)")
     engine = Engine.from_pretrained(model, device=device, dtype=dtype, config=config, index=index,
                                     draft_model=draft_model)
     name = model_name or os.path.basename(os.path.normpath(model))
@@ -198,7 +300,12 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
         sock.close()
         raise ValueError(f"--host {host} --port {port}: cannot listen ({exc.strerror})") from None
     sock.listen()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, name), log_level=log_level, access_log=False,
+    app = create_app(engine, name, api_key=api_key, max_request_bytes=max_request_bytes, openapi=openapi)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    print(f"lookupdec: serving {name} at http://{host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
+    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"lookupdec: warning: listening on {host} without an API key: anyone who can reach this port "
+              f"can use it (--api-key or ${API_KEY_ENV})", file=sys.stderr, flush=True)
+    print(f"lookupdec: serving {name} at http://{host}:{sock.getsockname()[1]}"
+          + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
     server.run(sockets=[sock])

@@ -1,6 +1,7 @@
 """Request → prompt token ids: plain text or ids, chat messages through the tokenizer's chat
-template, and fill-in-the-middle through the tokenizer's FIM tokens. Runs on the engine's
-thread (the tokenizer is not shared between threads).
+template, and fill-in-the-middle through the tokenizer's FIM tokens. Runs on the server's prompt
+threads, each with its own copy of the tokenizer (a tokenizer is not shared between threads;
+the engine thread keeps the original for decoding).
 
 Fill-in-the-middle is PSM (prefix, suffix, middle) as token ids:
 ``[specials the tokenizer adds at the start] + <fim_prefix> + prompt + <fim_suffix> + suffix +
@@ -10,6 +11,8 @@ Fill-in-the-middle is PSM (prefix, suffix, middle) as token ids:
 """
 from __future__ import annotations
 
+import copy
+import threading
 from dataclasses import dataclass
 
 from lookupdec.server.protocol import ChatRequest, CompletionRequest, RequestError
@@ -41,14 +44,25 @@ class PromptBuilder:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.fim_ids = fim_token_ids(self.tokenizer)
-        self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+        self._original = engine.tokenizer
+        self._local = threading.local()
+        self.fim_ids = fim_token_ids(self._original)
+        self.has_chat_template = bool(getattr(self._original, "chat_template", None))
         self.max_context = engine.target.max_context
+
+    @property
+    def tokenizer(self):
+        """This thread's own copy of the engine's tokenizer."""
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = copy.deepcopy(self._original)
+        return tokenizer
 
     def completion(self, request: CompletionRequest) -> Prompt:
         if request.suffix:  # "" is the same as no suffix: nothing after the gap
             ids = self._fim_ids(request.prompt, request.suffix)
+        elif isinstance(request.prompt, str):
+            ids = self._tokenize(request.prompt, "prompt", special=True)
         else:
             ids = request.prompt
         ids = self._checked(ids, "prompt")
@@ -63,7 +77,7 @@ class PromptBuilder:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # the template's own checks (jinja2 raise_exception), e.g. role order
             raise RequestError(f"the chat template rejects these messages: {exc}", "messages") from None
-        ids = self._checked(self.tokenizer(text, add_special_tokens=False).input_ids, "messages")
+        ids = self._checked(self._tokenize(text, "messages", special=False), "messages")
         max_tokens = request.requested_max_tokens()
         if max_tokens is None:
             room = None if self.max_context is None else self.max_context - len(ids)
@@ -79,11 +93,16 @@ class PromptBuilder:
         if isinstance(prompt, list):  # token ids: the prefix exactly as given
             start, prefix = [], prompt
         else:  # the tokens a plain prompt starts with (e.g. BOS), then the text's own
-            start, prefix = list(self.tokenizer("").input_ids), self._encode(prompt)
-        return start + [prefix_tok] + prefix + [suffix_tok] + self._encode(suffix) + [middle_tok]
+            start, prefix = list(self.tokenizer("").input_ids), self._tokenize(prompt, "prompt", special=False)
+        return start + [prefix_tok] + prefix + [suffix_tok] + self._tokenize(suffix, "suffix", special=False) + [middle_tok]
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+    def _tokenize(self, text: str, param: str, *, special: bool) -> list[int]:
+        """``text``'s token ids (``special``: with the specials the tokenizer adds, e.g. BOS)."""
+        try:
+            return list(self.tokenizer(text, add_special_tokens=special).input_ids)
+        except (TypeError, ValueError, UnicodeError) as exc:  # e.g. a lone surrogate ("\\ud800") in the JSON
+            raise RequestError(f"{param}: cannot tokenize this text ({exc.__class__.__name__}: "
+                               f"{str(exc)[:200]})", param) from None
 
     def _checked(self, prompt, param: str) -> list[int]:
         """The engine's own prompt checks (empty, vocabulary, context), naming ``param``."""

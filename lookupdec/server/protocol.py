@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from lookupdec.validate import ParamError, check_sampling, check_seed
+
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: a request that names no temperature samples
@@ -25,15 +27,16 @@ PositiveInt = Annotated[int, Field(gt=0)]
 
 
 class RequestError(ValueError):
-    """A bad request: HTTP 400 naming ``param`` (the request field at fault, or None)."""
+    """A bad request: HTTP ``status`` (400) naming ``param`` (the request field at fault, or
+    None), with OpenAI's error ``code`` where it defines one (``model_not_found``)."""
 
-    def __init__(self, message: str, param: str | None) -> None:
+    def __init__(self, message: str, param: str | None, *, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.status, self.code = param, status, code
 
 
-def error_body(message: str, param: str | None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPE, "param": param, "code": None}}
+def error_body(message: str, param: str | None, code: str | None = None, kind: str = ERROR_TYPE) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _must_be(value, allowed: tuple, what: str):
@@ -50,10 +53,12 @@ class _Sampling(BaseModel):
 
     model: str | None = None  # the served model's id (GET /v1/models); None or "" = that model
     max_tokens: PositiveInt | None = None
-    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = DEFAULT_TEMPERATURE
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: PositiveInt | None = None
-    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    # Types only here: their values are checked by lookupdec.validate, as for every entry point
+    # (check_values: finite, in range; a seed from 0 to 2**64 - 1).
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = 1.0
+    top_k: int | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
@@ -78,6 +83,16 @@ class _Sampling(BaseModel):
     @classmethod
     def _no_bias(cls, v):
         return _must_be(v, (None, {}), "no logit_bias")
+
+    def check_values(self) -> None:
+        """The sampling values and the seed, by the checks the engine itself runs (raises
+        ``RequestError`` naming the field); run on the loop, before the prompt is built."""
+        try:
+            check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                           repetition_penalty=self.repetition_penalty)
+            check_seed(self.seed)
+        except ParamError as exc:
+            raise RequestError(str(exc), exc.field) from None
 
     def engine_kwargs(self, max_new_tokens: int) -> dict:
         """Keyword arguments of ``Engine.stream`` (``top_p == 1`` is no nucleus cut)."""

@@ -1,13 +1,16 @@
 """One thread owns the engine: requests run one at a time, in arrival order, and the asyncio
 loop stays free to accept, validate and stream.
 
-A request becomes a ``Job``. The engine thread turns it into prompt ids (tokenizer and chat
-template are used on that thread only), runs ``Engine.stream`` with the job's ``cancel`` event
-and posts events back to the loop: ``("error", exc)`` for a bad request; for a streaming
-request ``("start", prompt_tokens)``, ``("piece", text)`` ... and ``("done", Generation)``, for
-another only ``("done", Generation)`` (one wake-up of the loop); ``("cancelled", None)`` if the
-client left while the job was still queued. Setting ``job.cancel`` (the client disconnected) ends the
-generation before its next step and frees the engine for the next job.
+A request's prompt is built first (tokenizer, chat template, FIM) on a small pool of prompt
+threads, each with its own copy of the tokenizer, so that tokenizing one large prompt stalls
+neither the engine nor the loop. The prompt then becomes a ``Job`` queued for the engine thread,
+which runs ``Engine.stream`` with the job's ``cancel`` event and posts events back to the loop:
+``("error", exc)`` for a bad request; for a streaming request ``("start", prompt_tokens)``,
+``("piece", text)`` ... and ``("done", Generation)``, for another only ``("done", Generation)``
+(one wake-up of the loop); ``("cancelled", None)`` if the client left while the job was still
+queued. Setting ``job.cancel`` (the client disconnected) ends the generation before its next step
+and frees the engine for the next job. The counters of ``/health`` are updated before a job's
+last event is posted, so a client that has its answer never sees its request still running.
 """
 from __future__ import annotations
 
@@ -20,19 +23,29 @@ from typing import Callable
 
 from lookupdec.server.prompts import Prompt, PromptBuilder
 from lookupdec.server.protocol import RequestError
+from lookupdec.validate import ParamError
 
 log = logging.getLogger("lookupdec.server")
 
-# Engine argument -> request field, to name the field in an engine ValueError's 400.
+PROMPT_THREADS = 2  # prompts tokenized at once (one large prompt does not hold up the others)
+
+# Engine argument (ParamError.field) -> request field, to name the field in the 400.
 ENGINE_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
                  "top_k": "top_k", "repetition_penalty": "repetition_penalty", "stop": "stop", "seed": "seed",
                  "prompt": "prompt"}
 
 
-def field_of(message: str) -> str | None:
-    """The request field an engine ``ValueError`` message is about (it names it first)."""
-    hits = [(message.find(name), field) for name, field in ENGINE_FIELDS.items() if name in message]
-    return min(hits)[1] if hits else None
+def request_error(exc: ParamError, request=None) -> RequestError:
+    """An engine ``ParamError`` as a 400 naming the request's field (``.field`` mapped to the
+    wire name: ``max_new_tokens`` is ``max_tokens``, or ``max_completion_tokens`` when a chat
+    request gave that; a chat request's prompt is its ``messages``)."""
+    param = ENGINE_FIELDS.get(exc.field, exc.field)
+    if request is not None and hasattr(request, "messages"):
+        if param == "prompt":
+            param = "messages"
+        elif param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
+            param = "max_completion_tokens"
+    return RequestError(str(exc), param)
 
 
 class Job:
@@ -61,17 +74,22 @@ class EngineWorker:
         self.engine = engine
         self.prompts = PromptBuilder(engine)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookupdec-engine")
+        self._prompt_executor = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="lookupdec-prompt")
         self._current: Job | None = None
         # counters (each written by one thread only): requests submitted, started by the engine
         # thread, and how the started ones ended
         self.submitted = self.started = 0
         self.ended = {"completed": 0, "cancelled": 0, "failed": 0}
 
-    def submit(self, build: Callable[[object], Prompt], request) -> Job:
-        """Queue ``request`` (``build`` makes its prompt on the engine thread); call on the loop."""
+    async def build(self, build: Callable[[object], Prompt], request) -> Prompt:
+        """The request's prompt, built on a prompt thread (raises ``RequestError``)."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_executor, build, request)
+
+    def submit(self, prompt: Prompt, request) -> Job:
+        """Queue ``request`` with its built ``prompt`` for the engine thread; call on the loop."""
         job = Job(asyncio.get_running_loop(), streaming=request.stream)
         self.submitted += 1
-        self._executor.submit(self._run, job, build, request)
+        self._executor.submit(self._run, job, prompt, request)
         return job
 
     def health(self) -> dict:
@@ -82,37 +100,35 @@ class EngineWorker:
         job = self._current
         if job is not None:
             job.cancel.set()
+        self._prompt_executor.shutdown(wait=False, cancel_futures=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     # -- on the engine thread -------------------------------------------------------------------
-    def _run(self, job: Job, build, request) -> None:
+    def _run(self, job: Job, prompt: Prompt, request) -> None:
         self.started += 1
         self._current = job
         job.queue_ms = (time.perf_counter() - job.submitted) * 1e3
         try:
-            self.ended[self._generate(job, build, request)] += 1
+            outcome, event = self._generate(job, prompt, request)
         except Exception as exc:  # a bug, not a bad request: the client gets a 500, the log a traceback
             log.exception("generation failed")
-            job.post("error", exc)
-            self.ended["failed"] += 1
-        finally:
-            self._current = None
+            outcome, event = "failed", ("error", exc)
+        self._current = None
+        self.ended[outcome] += 1  # before the last event: once answered, a request is not "running"
+        job.post(*event)
 
-    def _generate(self, job: Job, build, request) -> str:
+    def _generate(self, job: Job, prompt: Prompt, request) -> tuple[str, tuple]:
+        """Runs the job; returns (outcome counter, the job's last event, still to post)."""
         if job.cancel.is_set():
-            job.post("cancelled")
-            return "cancelled"
+            return "cancelled", ("cancelled", None)
         start = time.perf_counter()
         try:
-            prompt = build(request)
             stream = self.engine.stream(prompt.token_ids, cancel=job.cancel,
                                         **request.engine_kwargs(prompt.max_new_tokens))
-        except RequestError as exc:
-            job.post("error", exc)
-            return "failed"
-        except ValueError as exc:  # the engine's own checks
-            job.post("error", RequestError(str(exc), field_of(str(exc))))
-            return "failed"
+        except ParamError as exc:  # the engine's own checks, naming the field
+            return "failed", ("error", request_error(exc, request))
+        except ValueError as exc:  # an unnamed bad value: still the client's (400), not a 500
+            return "failed", ("error", RequestError(str(exc), None))
         job.prompt_tokens = len(prompt.token_ids)
         if job.streaming:
             job.post("start", job.prompt_tokens)
@@ -120,5 +136,5 @@ class EngineWorker:
             if job.streaming:
                 job.post("piece", piece)
         job.engine_ms = (time.perf_counter() - start) * 1e3
-        job.post("done", stream.generation)
-        return "cancelled" if stream.generation.finish_reason == "cancelled" else "completed"
+        generation = stream.generation
+        return ("cancelled" if generation.finish_reason == "cancelled" else "completed"), ("done", generation)
