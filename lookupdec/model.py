@@ -12,6 +12,7 @@ with the ordinary causal mask (detected by a probe at start-up, logged once).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Sequence
@@ -77,10 +78,11 @@ def load(model_path: str | os.PathLike, *, device: str | None = None, dtype=None
     if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
         raise ModelLoadError(f"{path}: model type {config.model_type!r} is not a causal language model")
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, local_files_only=True
-        )
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        with _quiet_progress(transformers):  # a folder loads in seconds: no bar on stderr
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, local_files_only=True
+            )
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"{path}: cannot load the model ({exc.__class__.__name__}: {_first_line(exc)})") from None
     except Exception as exc:  # safetensors' SafetensorError (truncated or corrupt weights) and kin
@@ -88,6 +90,18 @@ def load(model_path: str | os.PathLike, *, device: str | None = None, dtype=None
             raise
         raise ModelLoadError(f"{path}: the weights file is damaged ({_first_line(exc)})") from None
     return model.to(device).eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_progress(transformers):
+    logging_utils = transformers.utils.logging
+    was_enabled = logging_utils.is_progress_bar_enabled()
+    logging_utils.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            logging_utils.enable_progress_bar()
 
 
 def _first_line(exc: BaseException) -> str:
