@@ -156,7 +156,7 @@ def replay_records(records, tokenizer, shared, per_record=None):
 
 
 def _open_built(paths, out, tokenizer_path) -> Index:
-    build_index(paths, tokenizer_path=tokenizer_path, out=out, progress=False)
+    build_index(paths, tokenizer=load_tokenizer(tokenizer_path), out=out, progress=False)
     return Index.open(out, check_hashes=False)
 
 

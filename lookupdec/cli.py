@@ -321,11 +321,12 @@ def _add_index(sub) -> None:
 
 
 def _cmd_index_build(args) -> int:
+    from lookupdec import model as model_lib
     from lookupdec.index import build_index
 
     logging.getLogger("lookupdec").setLevel(logging.INFO)
     try:
-        manifest = build_index(args.paths, tokenizer_path=args.tokenizer, out=args.out,
+        manifest = build_index(args.paths, tokenizer=model_lib.load_tokenizer(args.tokenizer), out=args.out,
                                chunk_tokens=args.chunk_tokens, embedder=args.embedder, dim=args.dim,
                                faiss_kind=args.faiss, gpu=args.gpu, include=args.include, exclude=args.exclude,
                                field=args.field, force=args.force, progress=sys.stderr.isatty())

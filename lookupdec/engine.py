@@ -16,7 +16,7 @@ from lookupdec import model as model_lib
 from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget, choose_num_nodes
 from lookupdec.config import EngineConfig
 from lookupdec.proposers import Proposer, build_proposers
-from lookupdec.proposers.mixture import Mixture
+from lookupdec.mixture import Mixture
 from lookupdec.sampling import SamplingParams, accept
 from lookupdec.stops import StopStrings, TextAssembler
 from lookupdec.tree import TokenTree

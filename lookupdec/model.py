@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from lookupdec.tokens import vocab_fingerprint  # noqa: F401  (part of this module's API)
 from lookupdec.tree import TokenTree
 
 log = logging.getLogger("lookupdec")
@@ -283,6 +284,7 @@ class SentencePieceTokenizer:
         import sentencepiece
 
         self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.name_or_path = path
         self.bos_token_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
         self.eos_token_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
         self.vocab_size = self._sp.get_piece_size()
@@ -319,12 +321,3 @@ def load_tokenizer(path: str | os.PathLike):
         return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: cannot load a tokenizer ({exc})") from None
-
-
-def vocab_fingerprint(tokenizer) -> str:
-    """A short hash of the vocabulary (token -> id), to tie caches and indexes to a tokenizer."""
-    import hashlib
-
-    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    digest = hashlib.sha256("\n".join(f"{i}\t{t}" for t, i in items).encode("utf-8", "surrogatepass"))
-    return digest.hexdigest()[:16]

@@ -19,7 +19,7 @@ from lookupdec.config import DraftConfig
 from lookupdec.model import ModelLoadError
 from lookupdec.proposers.base import Draft
 from lookupdec.proposers.draft_model import DraftModelProposer
-from lookupdec.proposers.mixture import Mixture
+from lookupdec.mixture import Mixture
 from lookupdec.sampling import SamplingParams, accept, node_distribution, rejection_distribution, residual
 from lookupdec.tree import TokenTree
 from test_sampling import plain_probs, synthetic_logits, total_variation, tv_between, tv_bound

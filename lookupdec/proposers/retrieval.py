@@ -18,9 +18,10 @@ import numpy as np
 
 from lookupdec.automaton import SuffixAutomaton
 from lookupdec.config import RetrievalConfig
-from lookupdec.index.store import SEPARATOR, Index
+from lookupdec.index.store import Index
 from lookupdec.proposers.base import Draft, RequestRegistry
 from lookupdec.proposers.suffix import CertainStepEstimate, automaton_drafts
+from lookupdec.tokens import SEPARATOR
 
 
 class _Request:

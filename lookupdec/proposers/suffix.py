@@ -27,8 +27,8 @@ import numpy as np
 from lookupdec.automaton import SuffixAutomaton
 from lookupdec.config import SuffixConfig
 from lookupdec.proposers.base import Draft, RequestRegistry
+from lookupdec.tokens import SEPARATOR
 
-SEPARATOR = 2**31 - 1  # joins outputs in the global stream; never a real token id
 MATCH_PRIOR = 1.0  # confidence in a match of length L is L / (L + MATCH_PRIOR)
 EMPTY_MATCH_CONFIDENCE = 0.2  # pseudo match length: a 0-token match still scores above 0
 MATCH_LEVELS = 2  # subtrees from this many match lengths (the longest and shorter ones)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from lookupdec.budget import AcceptanceCalibrator, draft_factor
+from lookupdec.budget import AcceptanceCalibrator
 from lookupdec.config import DraftConfig
-from lookupdec.proposers.base import Draft, Proposer
+from lookupdec.proposers.base import Proposer
+from lookupdec.tree import Draft, draft_factor
 
 
 class Mixture:
@@ -24,7 +25,7 @@ class Mixture:
         self.draft = draft
         self.config = config or DraftConfig()
         self.calibrator = calibrator or AcceptanceCalibrator()
-        self.draft_steps = 0  # steps on which the draft model ran (since the last take_draft_steps)
+        self.draft_steps = 0  # steps on which the draft model ran (the engine resets it per request)
 
     @property
     def proposers(self) -> list:
