@@ -249,7 +249,7 @@ def _cmd_simulate(args) -> int:
             raise CliError(f"--cost-curve {args.cost_curve}: expected {{\"sizes\": [...], \"seconds\": [...]}} ({exc})") from None
     elif args.auto_budget:
         raise CliError("--auto-budget needs --cost-curve")
-    result = replay(records, tokenizer, build_proposers(config, tokenizer=tokenizer), budget=args.budget,
+    result = replay(records, tokenizer, build_proposers(config, tokenizer=tokenizer), max_nodes=args.budget,
                     max_depth=args.max_depth, progress=sys.stderr.isatty(), cost=cost, choose=args.auto_budget)
     if cost is not None:
         result["modeled_speedup"] = result["response_tokens"] * cost(1) / result["modeled_seconds"]

@@ -25,16 +25,25 @@ def _find(data: str, *parts: str) -> str:
     raise FileNotFoundError(f"{os.path.join(data, *parts)} not found (--data should be ../shared/data)")
 
 
-def _jsonl(path: str) -> list[dict]:
+def read_jsonl(path: str) -> list[dict]:
+    """One JSON object per non-blank line; a bad line raises ``ValueError`` naming ``path:line``."""
+    records = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+    return records
 
 
 def mtbench(data: str) -> Iterator[dict]:
     """Both turns of the 80 MT-Bench questions with Vicuna-7B's real greedy answers (v1.1 template;
     the second turn's prompt holds the first answer)."""
-    questions = {q["question_id"]: q for q in _jsonl(_find(data, "mt_bench", "question.jsonl"))}
-    for answer in _jsonl(_find(data, "mt_bench", "vicuna-7b-v1.5-greedy.jsonl")):
+    questions = {q["question_id"]: q for q in read_jsonl(_find(data, "mt_bench", "question.jsonl"))}
+    for answer in read_jsonl(_find(data, "mt_bench", "vicuna-7b-v1.5-greedy.jsonl")):
         q = questions[answer["question_id"]]
         a1, a2 = answer["choices"][0]["turns"][:2]
         first = f"{VICUNA_SYSTEM} USER: {q['turns'][0]} ASSISTANT:"
@@ -46,7 +55,7 @@ def mtbench(data: str) -> Iterator[dict]:
 def code_edit(data: str, with_diff: bool = True) -> Iterator[dict]:
     """Real single-file edits: the prompt holds the change (message, diff) and the file before;
     the response is the file after."""
-    for i, r in enumerate(_jsonl(_find(data, "code_edits", "thealgorithms_python.jsonl"))):
+    for i, r in enumerate(read_jsonl(_find(data, "code_edits", "thealgorithms_python.jsonl"))):
         diff = f"Diff:\n{r['diff']}\n" if with_diff else ""
         prompt = (f"Apply this change.\nMessage: {r['message']}\n{diff}"
                   f"File {r['path']} before:\n{r['before']}\nUpdated file:\n")

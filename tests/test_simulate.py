@@ -22,7 +22,7 @@ def test_accepted_path_follows_the_response():
 def test_copy_task_accepts_many_tokens_per_step():
     body = list(range(10, 70))
     records = [{"id": "copy", "prompt_ids": [1] + body + [2], "response_ids": body}]
-    result = replay(records, None, build_proposers(EngineConfig()), budget=64, max_depth=64)
+    result = replay(records, None, build_proposers(EngineConfig()), max_nodes=64, max_depth=64)
     # the first step has nothing to copy after token 2 but the bonus; then whole spans copy
     assert result["steps"] <= 3 and result["mat"] >= 20
     assert result["per_record"][0]["response_tokens"] == 60
@@ -30,7 +30,7 @@ def test_copy_task_accepts_many_tokens_per_step():
 
 def test_no_drafts_means_one_token_per_step():
     records = [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}]
-    result = replay(records, None, build_proposers(EngineConfig(proposers=())), budget=16, max_depth=16)
+    result = replay(records, None, build_proposers(EngineConfig(proposers=())), max_nodes=16, max_depth=16)
     assert result["mat"] == 1.0 and result["steps"] == 4
 
 
