@@ -3,7 +3,7 @@
 The bottom of the package: it imports nothing of lookupdec, and everything that handles trees
 (proposers, acceptance, the model, the step) imports it.
 
-One format (STYLE.md item 3): ``token_ids[i]`` and ``parents[i]`` for every node, and parents
+One format (ARCHITECTURE.md, "The tree format"): ``token_ids[i]`` and ``parents[i]`` for every node, and parents
 come before children (``parents[i] < i``). In a ``Draft``, ``parents[i] == -1`` marks a child of
 the root (the last committed token). In a ``TokenTree`` node 0 is the root itself (not yet in
 the KV cache) with ``parents[0] == -1``: ``TokenTree.from_drafts`` merges drafts into one trie

@@ -1,6 +1,6 @@
 """Shared test helpers: a fake tokenizer for tiny random models, plain-transformers reference
 decoding, models whose attention ignores or rejects custom masks, a proposer spy, and scripted
-proposers whose right answer is obvious (STYLE.md item 10).
+proposers whose right answer is obvious.
 
 The scripted proposers know the true greedy continuation (``truth`` = prompt + reference output,
 computed beforehand by ``transformers`` ``generate``) and follow the ``Proposer`` protocol of
