@@ -89,7 +89,7 @@ def replay_workloads(args, curves: list[dict], tokenizer) -> list[dict]:
         fixed = {}
         for budget in BUDGETS:
             t = time.perf_counter()
-            r = replay(records, tokenizer, build_proposers(EngineConfig(), tokenizer=tokenizer), budget=budget,
+            r = replay(records, tokenizer, build_proposers(EngineConfig(), tokenizer=tokenizer), max_nodes=budget,
                        max_depth=min(budget, 64), cost=CostModel([1], [1.0]))
             fixed[budget] = r
             print(f"{workload:10s} fixed {budget:3d}: MAT {r['mat']:.3f} ({time.perf_counter() - t:.0f} s)", flush=True)
@@ -100,7 +100,7 @@ def replay_workloads(args, curves: list[dict], tokenizer) -> list[dict]:
             for budget, r in fixed.items():
                 seconds = sum(count * cost(1 + nodes) for nodes, count in r["nodes_histogram"].items())
                 speedups[budget] = r["response_tokens"] * cost(1) / seconds
-            r = replay(records, tokenizer, build_proposers(EngineConfig(), tokenizer=tokenizer), budget=256,
+            r = replay(records, tokenizer, build_proposers(EngineConfig(), tokenizer=tokenizer), max_nodes=256,
                        max_depth=64, cost=cost, choose=True)
             auto = r["response_tokens"] * cost(1) / r["modeled_seconds"]
             best_budget = max(speedups, key=speedups.get)

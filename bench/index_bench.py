@@ -145,7 +145,7 @@ def replay_records(records, tokenizer, shared, per_record=None):
     for i, record in enumerate(records):
         rid, prompt, response = tokenize_record(record, tokenizer, i)
         extra = per_record(record) if per_record else []
-        results.append(replay_one(rid, prompt, response, [*shared, *extra], budget=BUDGET, max_depth=BUDGET,
+        results.append(replay_one(rid, prompt, response, [*shared, *extra], max_nodes=BUDGET, max_depth=BUDGET,
                                   draft_seconds=draft_seconds, calibrator=calibrator))
         queries += [s for p in extra for s in getattr(p, "query_seconds", [])]
     out = summarize(results, draft_seconds, budget=BUDGET)
@@ -156,7 +156,7 @@ def replay_records(records, tokenizer, shared, per_record=None):
 
 
 def _open_built(paths, out, tokenizer_path) -> Index:
-    build_index(paths, tokenizer_path=tokenizer_path, out=out, progress=False)
+    build_index(paths, tokenizer=load_tokenizer(tokenizer_path), out=out, progress=False)
     return Index.open(out, check_hashes=False)
 
 

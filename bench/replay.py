@@ -72,7 +72,7 @@ def main(argv=None) -> int:
             if args.methods and not any(m in label for m in args.methods.split(",")):
                 continue
             start = time.perf_counter()
-            r = replay(records, tokenizer, factory(), budget=budget, max_depth=budget)
+            r = replay(records, tokenizer, factory(), max_nodes=budget, max_depth=budget)
             r.pop("per_record")
             rows.append({"workload": workload, "method": label, "budget": budget, "mat": r["mat"],
                          "tree_nodes": r["mean_tree_nodes"], "draft_us_p50": r["draft_us_p50"],

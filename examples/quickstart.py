@@ -10,14 +10,21 @@ import sys
 
 from lookupdec import Engine
 
-model = sys.argv[1] if len(sys.argv) > 1 else "smollm2"
-engine = Engine.from_pretrained(model)
-code = 'def area(width, height):\n    """Area of a rectangle."""\n    return width * height\n'
-request = f"Rename the function to rectangle_area and output the whole function.\n\n{code}"
-try:
-    prompt = engine.chat_prompt(request)
-except ValueError:  # no chat template
-    prompt = request
-gen = engine.generate(prompt, max_new_tokens=96)
-print(gen.text)
-print(f"{gen.stats.mean_accepted:.2f} tokens per forward, finish: {gen.finish_reason}")
+CODE = 'def area(width, height):\n    """Area of a rectangle."""\n    return width * height\n'
+REQUEST = f"Rename the function to rectangle_area and output the whole function.\n\n{CODE}"
+MAX_NEW_TOKENS = 96
+
+
+def main(model: str) -> None:
+    engine = Engine.from_pretrained(model)
+    try:
+        prompt = engine.chat_prompt(REQUEST)
+    except ValueError:  # no chat template
+        prompt = REQUEST
+    gen = engine.generate(prompt, max_new_tokens=MAX_NEW_TOKENS)
+    print(gen.text)
+    print(f"{gen.stats.mean_accepted:.2f} tokens per forward, finish: {gen.finish_reason}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "smollm2")

@@ -29,7 +29,7 @@ import platform
 import time
 from typing import Callable, Sequence
 
-from lookupdec.proposers.base import Draft
+from lookupdec.tree import Draft, match_bucket
 
 
 log = logging.getLogger("lookupdec")
@@ -106,10 +106,6 @@ class CostModel:
     def to_dict(self) -> dict:
         return {"sizes": self.sizes, "seconds": self.seconds}
 
-    def relative(self) -> dict[int, float]:
-        """``t(n) / t(1)`` at the measured sizes."""
-        return {n: t / self.seconds[0] for n, t in zip(self.sizes, self.seconds)}
-
 
 def cost_cache_path() -> str | None:
     """Where measured cost curves are kept: ``$LOOKUPDEC_COST_CACHE`` (a file; ``off`` disables
@@ -172,23 +168,7 @@ def store_cached_cost(key: str, cost: CostModel) -> None:
         log.warning("could not write the cost cache %s: %s", path, exc)
 
 
-MATCH_BUCKETS = (0, 1, 2, 3, 5, 9, 17, 33)  # match lengths are calibrated in these buckets
 BUCKET_PRIOR_WEIGHT = 2.0  # a bucket starts at its source's factor, worth this many observations
-
-
-def match_bucket(match_length: int) -> int:
-    """The lower end of ``match_length``'s bucket.
-
-    >>> [match_bucket(n) for n in (0, 1, 2, 4, 8, 16, 40)]
-    [0, 1, 2, 3, 5, 9, 33]
-    """
-    return MATCH_BUCKETS[bisect.bisect_right(MATCH_BUCKETS, match_length) - 1]
-
-
-def draft_factor(factors: dict, draft: Draft) -> float:
-    """The calibration factor for ``draft``: its (source, match bucket) entry, else its source's."""
-    key = (draft.source, match_bucket(draft.match_length))
-    return factors.get(key, factors.get(draft.source, 1.0))
 
 
 class AcceptanceCalibrator:
@@ -200,15 +180,6 @@ class AcceptanceCalibrator:
     def __init__(self) -> None:
         self._predicted: dict = {}  # key -> decayed sum of predicted conditional probs
         self._matched: dict = {}  # key -> decayed count of nodes that matched
-
-    def factor(self, source: str, match_length: int | None = None) -> float:
-        """The source's factor, or its factor at ``match_length``'s bucket (the source's
-        until that bucket has been observed)."""
-        if match_length is not None:
-            key = (source, match_bucket(match_length))
-            if key in self._predicted:
-                return self._ratio(key)
-        return self._ratio(source) if source in self._predicted else 1.0
 
     def _ratio(self, key) -> float:
         predicted, matched = self._predicted[key], self._matched[key]

@@ -283,7 +283,7 @@ def _cmd_simulate(args) -> int:
             raise CliError(f"--cost-curve {args.cost_curve}: expected {{\"sizes\": [...], \"seconds\": [...]}} ({exc})") from None
     elif args.auto_budget:
         raise CliError("--auto-budget needs --cost-curve")
-    result = replay(records, tokenizer, build_proposers(config, tokenizer=tokenizer), budget=args.budget,
+    result = replay(records, tokenizer, build_proposers(config, tokenizer=tokenizer), max_nodes=args.budget,
                     max_depth=args.max_depth, progress=sys.stderr.isatty(), cost=cost, choose=args.auto_budget)
     if cost is not None:
         result["modeled_speedup"] = result["response_tokens"] * cost(1) / result["modeled_seconds"]
@@ -360,11 +360,12 @@ def _add_index(sub) -> None:
 
 
 def _cmd_index_build(args) -> int:
+    from lookupdec import model as model_lib
     from lookupdec.index import build_index
 
     logging.getLogger("lookupdec").setLevel(logging.INFO)
     try:
-        manifest = build_index(args.paths, tokenizer_path=args.tokenizer, out=args.out,
+        manifest = build_index(args.paths, tokenizer=model_lib.load_tokenizer(args.tokenizer), out=args.out,
                                chunk_tokens=args.chunk_tokens, embedder=args.embedder, dim=args.dim,
                                faiss_kind=args.faiss, gpu=args.gpu, include=args.include, exclude=args.exclude,
                                field=args.field, force=args.force, progress=sys.stderr.isatty())

@@ -1,7 +1,9 @@
 """The decoding loop: draft → tree → one verify forward → accept → commit → observe.
 
 ``Engine.generate`` returns a ``Generation``; ``Engine.stream`` yields text pieces. Both run the
-same step loop (``Engine._steps``), which reads in the order of DESIGN.md §1.
+same step loop (``Engine._steps``); each step is ``step.StepCore.run`` (the part the replay
+simulator shares) with the target's verify forward and exact acceptance as its verdict
+(``Engine._verdict``).
 """
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ from typing import Iterator
 import torch
 
 from lookupdec import model as model_lib
-from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget, choose_num_nodes
+from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget
 from lookupdec.config import EngineConfig
+from lookupdec.mixture import Mixture
 from lookupdec.proposers import Proposer, build_proposers
-from lookupdec.proposers.mixture import Mixture
 from lookupdec.sampling import SamplingParams, accept
+from lookupdec.step import StepCore, StepResult, Verdict
 from lookupdec.stops import StopStrings, TextAssembler
 from lookupdec.tree import TokenTree
 from lookupdec.validate import ParamError, bad, check_device, check_max_new_tokens, check_seed, shown
@@ -69,6 +72,10 @@ class _Timer:
         self.draft = self.forward = self.total = 0.0
         self.nodes = self.steps = 0
 
+    def overhead_s(self) -> float:
+        """Mean time per step outside the verify forward, so far (0 before the first step)."""
+        return (self.total - self.forward) / self.steps if self.steps else 0.0
+
 
 class TextStream:
     """Iterator of text pieces; ``.generation`` is set once it is exhausted."""
@@ -98,6 +105,8 @@ class Engine:
             draft = DraftModelProposer(draft_model, self.config.draft, vocab_size=self.target.vocab_size)
         self.mixture = Mixture(build_proposers(self.config, tokenizer=tokenizer), draft, self.config.draft,
                                self.calibrator)
+        self.step_core = StepCore(self.mixture, max_nodes=self.config.max_nodes, calibrator=self.calibrator,
+                                  draft_budget=self.draft_budget, chain_only=not self.target.tree_mode)
         self._costs: dict[int, CostModel] = {}  # context bucket -> t(n) (budget="auto"), measured or cached
         self.cost_origin: dict[int, str] = {}  # context bucket -> "measured" | "cached"
         self._request_ids = itertools.count()
@@ -235,7 +244,7 @@ class Engine:
         """The step loop. Yields (new token ids, finish reason so far) once per verify forward;
         ``([], "cancelled")`` instead of a step once ``cancelled()`` is true."""
         rid, context, target = f"req-{next(self._request_ids)}", list(prompt_ids), self.target
-        self.mixture.start(rid, context, params, seed)
+        self.step_core.start(rid, context, params, seed)
         self.mixture.draft_steps = 0
         try:
             cost = None
@@ -250,43 +259,34 @@ class Engine:
                     yield [], "cancelled"
                     return
                 t0 = time.perf_counter()
-                asked = self.draft_budget.nodes(self.config.max_nodes) if cost else self.config.max_nodes
-                drafts = self.mixture.propose(rid, context, asked)
-                t1 = time.perf_counter()
-                tree = self._build_tree(context, drafts, asked, timer, cost)
-                t2 = time.perf_counter()
-                logits = target.verify(tree)  # [1 + n, vocab]
-                t3 = time.perf_counter()
-                result = accept(tree, logits, params, generator=generator,
-                                context_ids=self._seen_ids(seen) if params.uses_prefix else None)
-                target.commit(tree, result.accepted)
-                new = [tree.token_ids[i] for i in result.accepted] + [result.next_token]
-                new, eos = self._clip(new, min(max_new_tokens - produced, self._room(context)))
-                self.mixture.observe(rid, new)
-                self.calibrator.learn(drafts, new)
-                context.extend(new)
-                seen.update(new)
-                produced += len(new)
-                self._count(stats, timer, tree, result.accepted[: len(new)], t0, t1, t2, t3)
-                yield new, "eos" if eos else "length"
+                limit = min(max_new_tokens - produced, self._room(context))
+                step = self.step_core.run(
+                    rid, context, lambda tree: self._verdict(tree, params, generator, seen, limit, timer),
+                    max_depth=min(self.config.max_depth, self._room(context)), cost=cost,
+                    overhead_s=timer.overhead_s())
+                context.extend(step.new_tokens)
+                seen.update(step.new_tokens)
+                produced += len(step.new_tokens)
+                self._count(stats, timer, step, t0)
+                eos = step.new_tokens[-1] in self.eos_token_ids
+                yield step.new_tokens, "eos" if eos else "length"
                 if eos:
                     return
         finally:
             stats.draft_model_steps = self.mixture.draft_steps
-            self.mixture.stop(rid)
+            self.step_core.stop(rid)
 
-    def _build_tree(self, context, drafts, max_nodes: int, timer, cost: CostModel | None) -> TokenTree:
-        """Merge the drafts into one trie and keep the nodes worth verifying."""
-        depth = min(self.config.max_depth, self._room(context))
-        tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=max_nodes, max_depth=depth,
-                                     factors=self.calibrator.factors())
-        if not self.target.tree_mode:
-            tree = tree.best_chain()
-        if cost is not None and tree.num_draft_nodes:
-            overhead = (timer.total - timer.forward) / timer.steps if timer.steps else 0.0
-            tree = tree.prune(choose_num_nodes(tree.expected_in_prune_order(), cost, overhead, max_nodes))
-            self.draft_budget.observe(tree.num_draft_nodes)
-        return tree
+    def _verdict(self, tree: TokenTree, params, generator, seen: set, limit: int, timer) -> Verdict:
+        """The target's verdict on ``tree``: one verify forward, exact acceptance, KV commit; the
+        new tokens cut to ``limit`` and after the first EOS."""
+        t = time.perf_counter()
+        logits = self.target.verify(tree)  # [1 + n, vocab]
+        timer.forward += time.perf_counter() - t
+        result = accept(tree, logits, params, generator=generator,
+                        context_ids=self._seen_ids(seen) if params.uses_prefix else None)
+        self.target.commit(tree, result.accepted)
+        new = [tree.token_ids[i] for i in result.accepted] + [result.next_token]
+        return Verdict(result.accepted, self._clip(new, limit))
 
     def cost_model(self, context_tokens: int = MIN_CALIBRATION_CONTEXT) -> CostModel:
         """t(n) for n = 1 ... 256 tree tokens at about this context length: from the cost cache
@@ -318,30 +318,24 @@ class Engine:
         limit = self.target.max_context
         return (1 << 30) if limit is None else limit - len(context)
 
-    def _clip(self, new: list[int], room: int) -> tuple[list[int], bool]:
+    def _clip(self, new: list[int], room: int) -> list[int]:
+        """``new`` cut to ``room`` tokens and after its first EOS."""
         new = new[:room]
         for i, tok in enumerate(new):
             if tok in self.eos_token_ids:
-                return new[: i + 1], True
-        return new, False
+                return new[: i + 1]
+        return new
 
     def _seen_ids(self, seen: set) -> torch.Tensor:
         return torch.tensor(sorted(seen), device=self.target.device)
 
     @staticmethod
-    def _count(stats, timer, tree, accepted, t0, t1, t2, t3) -> None:
-        now = time.perf_counter()
+    def _count(stats, timer, step: StepResult, t0: float) -> None:
         stats.steps += 1
-        stats.new_tokens += len(accepted) + 1
-        for node in accepted:
-            source = tree.sources[node]
-            stats.accepted_by_source[source] = stats.accepted_by_source.get(source, 0) + 1
-        timer.draft += t1 - t0
-        timer.forward += t3 - t2
-        timer.total += now - t0
-        timer.nodes += tree.num_draft_nodes
-        for source in tree.sources[1:]:
-            stats.nodes_by_source[source] = stats.nodes_by_source.get(source, 0) + 1
+        step.count_sources(stats.accepted_by_source, stats.nodes_by_source)
+        timer.draft += step.propose_s
+        timer.total += time.perf_counter() - t0
+        timer.nodes += step.tree.num_draft_nodes
         timer.steps += 1
 
     @staticmethod

@@ -1,4 +1,7 @@
-"""The only module that imports ``transformers``: loading, tree forward, KV commit.
+"""The only module that imports ``transformers`` (the demo's training script aside): loading,
+tree forward, KV commit, and every detail of the KV cache's layout (``new_cache``,
+``crop_cache``, ``gather_cache``), for the target (``TargetModel``) and a draft model
+(``DraftLM``).
 
 Cache layout during a step: slots ``[0, n_cached)`` hold the committed prefix; the verify
 forward appends the tree's ``1 + n`` nodes at slots ``n_cached + i`` (node index ``i``), with
@@ -19,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from lookupdec.tokens import vocab_fingerprint  # noqa: F401  (part of this module's API)
 from lookupdec.tree import TokenTree
 
 log = logging.getLogger("lookupdec")
@@ -159,9 +163,7 @@ class TargetModel:
 
     # -- cache lifecycle ------------------------------------------------------------------------
     def reset(self) -> None:
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache()  # no config: full-length layers; windows live in our mask
+        self.cache = new_cache()
         self.n_cached = 0
 
     @torch.inference_mode()
@@ -193,15 +195,8 @@ class TargetModel:
         """Keep the root and the accepted nodes' K/V in contiguous slots; drop the rest."""
         base = self.n_cached - len(tree)  # slot of the root
         keep = base + 1 + len(accepted)
-        moved = [base + node for node in accepted]
-        if moved != list(range(base + 1, keep)):
-            src = torch.tensor(moved, device=self.device)
-            for layer in self.cache.layers:
-                layer.keys[:, :, base + 1 : keep] = layer.keys[:, :, src]
-                layer.values[:, :, base + 1 : keep] = layer.values[:, :, src]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[:, :, :keep]
-            layer.values = layer.values[:, :, :keep]
+        gather_cache(self.cache, [base + node for node in accepted], base + 1)
+        crop_cache(self.cache, keep)
         self.n_cached = keep
 
     def sync(self) -> None:
@@ -219,9 +214,7 @@ class TargetModel:
             tree = TokenTree(token_ids=[(5 * i + 1) % vocab for i in range(n)], parents=list(range(-1, n - 1)))
             self.verify(tree)
             self.sync()
-            for layer in self.cache.layers:  # back to the prefix: every call sees the same context
-                layer.keys = layer.keys[:, :, :prefix_len]
-                layer.values = layer.values[:, :, :prefix_len]
+            crop_cache(self.cache, prefix_len)  # back to the prefix: every call sees the same context
             self.n_cached = prefix_len
 
         return forward
@@ -269,6 +262,78 @@ class TargetModel:
         return bool(((got - want).abs().max() / scale) < PROBE_REL_TOL)
 
 
+# -- the KV cache's layout: the only code that knows it ---------------------------------------------
+def new_cache():
+    """An empty cache (no config: full-length layers; sliding windows live in our masks)."""
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` slots of every layer. By slicing: ``DynamicCache.crop``'s
+    meaning changed across releases (in 5.23 it takes a negative count of tokens to drop)."""
+    for layer in cache.layers:
+        layer.keys = layer.keys[:, :, :length]
+        layer.values = layer.values[:, :, :length]
+
+
+def gather_cache(cache, slots: Sequence[int], start: int) -> None:
+    """Copy the K/V of ``slots`` (in order) to the contiguous slots from ``start`` on."""
+    end = start + len(slots)
+    if list(slots) == list(range(start, end)):
+        return
+    src = torch.tensor(list(slots), device=cache.layers[0].keys.device)
+    for layer in cache.layers:
+        layer.keys[:, :, start:end] = layer.keys[:, :, src]
+        layer.values[:, :, start:end] = layer.values[:, :, src]
+
+
+class DraftLM:
+    """A small causal LM that drafts: one KV cache per request (``new_state``) kept in step with
+    a token list, fed incrementally."""
+
+    class State:
+        def __init__(self) -> None:
+            self.cache = new_cache()
+            self.tokens: list[int] = []  # tokens whose K/V are in the cache, in order
+
+    def __init__(self, model, *, vocab_size: int | None = None) -> None:
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]
+        self.max_context = getattr(model.config, "max_position_embeddings", None)
+        self.forwards = 0  # forward passes, for stats
+
+    def new_state(self) -> "DraftLM.State":
+        return DraftLM.State()
+
+    @torch.inference_mode()
+    def advance(self, state: "DraftLM.State", context: Sequence[int]) -> torch.Tensor:
+        """Crop the cache to what still agrees with ``context`` (at most all but its last
+        token), feed the rest in one forward; the logits after ``context``.  [vocab]"""
+        context = list(context)
+        common = 0
+        for a, b in zip(state.tokens, context):
+            if a != b:
+                break
+            common += 1
+        keep = min(common, len(context) - 1)
+        if keep < len(state.tokens):
+            crop_cache(state.cache, keep)
+            del state.tokens[keep:]
+        return self.feed(state, context[keep:])
+
+    @torch.inference_mode()
+    def feed(self, state: "DraftLM.State", ids: Sequence[int]) -> torch.Tensor:
+        """Append ``ids`` to the cache in one forward; the logits after the last.  [vocab]"""
+        out = self.model(input_ids=torch.tensor([list(ids)], device=self.device), past_key_values=state.cache,
+                         use_cache=True, logits_to_keep=1)
+        state.tokens.extend(ids)
+        self.forwards += 1
+        return out.logits[0, -1]
+
+
 def _max_context(config) -> int | None:
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
@@ -297,6 +362,7 @@ class SentencePieceTokenizer:
         import sentencepiece
 
         self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.name_or_path = path
         self.bos_token_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
         self.eos_token_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
         self.vocab_size = self._sp.get_piece_size()
@@ -306,7 +372,19 @@ class SentencePieceTokenizer:
         return [self.bos_token_id] + ids if add_special_tokens and self.bos_token_id is not None else ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self._sp.decode(list(ids))
+        """The text of ``ids``; control tokens (BOS, EOS) are left out, or with
+        ``skip_special_tokens=False`` written as their pieces (``<s>``, ``</s>``)."""
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            return self._sp.decode(ids)
+        parts, run = [], []
+        for i in ids:
+            if self._sp.is_control(i):
+                parts += [self._sp.decode(run), self._sp.id_to_piece(i)]
+                run = []
+            else:
+                run.append(i)
+        return "".join(parts + [self._sp.decode(run)])
 
     def get_vocab(self) -> dict[str, int]:
         return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)}
@@ -333,12 +411,3 @@ def load_tokenizer(path: str | os.PathLike):
         return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: cannot load a tokenizer ({exc})") from None
-
-
-def vocab_fingerprint(tokenizer) -> str:
-    """A short hash of the vocabulary (token -> id), to tie caches and indexes to a tokenizer."""
-    import hashlib
-
-    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    digest = hashlib.sha256("\n".join(f"{i}\t{t}" for t, i in items).encode("utf-8", "surrogatepass"))
-    return digest.hexdigest()[:16]

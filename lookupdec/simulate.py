@@ -1,24 +1,25 @@
 """Replay recorded (prompt, response) pairs through the proposers, with no model.
 
-At each step the proposers see the prompt plus the response so far, the draft tree is built
-exactly as the engine builds it with a fixed budget, and the step accepts the longest tree path
-that matches the recorded response, plus one bonus token. For greedy decoding this is exactly
-what the real model would accept, since its output is the recorded response. Requests are
-replayed in order with the proposers kept across them, so caches learn as in serving.
+Each step is the engine's own (``step.StepCore.run``: the same propose, merge, choose, observe
+and learn); only the verdict differs: the step accepts the longest tree path that matches the
+recorded response, plus one bonus token. For greedy decoding this is exactly what the real model
+would accept, since its output is the recorded response. Requests are replayed in order with
+the proposers kept across them, so caches learn as in serving.
 """
 from __future__ import annotations
 
-import json
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
 
-from lookupdec.budget import AcceptanceCalibrator
+from lookupdec.budget import AcceptanceCalibrator, DraftBudget
+from lookupdec.mixture import Mixture
 from lookupdec.proposers import Proposer
+from lookupdec.step import StepCore, Verdict
 from lookupdec.tree import TokenTree
+from lookupdec.workloads import JsonlRecord, read_jsonl  # noqa: F401  (the records reader, also this module's)
 
 log = logging.getLogger("lookupdec")
 
@@ -37,12 +38,6 @@ class RecordResult:
     @property
     def mat(self) -> float:
         return self.response_tokens / self.steps if self.steps else 0.0
-
-
-class JsonlRecord(dict):
-    """A record read from a file; ``where`` is its ``FILE:LINE`` (for error messages)."""
-
-    where: str = ""
 
 
 def _where(record, index: int) -> str:
@@ -92,65 +87,50 @@ def accepted_path(tree: TokenTree, target: Sequence[int]) -> list[int]:
 
 
 def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequence[Proposer], *,
-               budget: int, max_depth: int, draft_seconds: list,
+               max_nodes: int, max_depth: int, draft_seconds: list,
                calibrator: AcceptanceCalibrator | None = None, cost=None, choose: bool = False,
-               draft_budget=None) -> RecordResult:
+               draft_budget: DraftBudget | None = None) -> RecordResult:
     """One record; ``calibrator`` scales each source's scores as the engine does (and learns).
 
     ``cost`` (a ``budget.CostModel``): adds up the modelled verify time ``t(1 + nodes)`` of every
     step; with ``choose=True`` each step also keeps only the number of nodes that maximises
     expected tokens per second under that cost, as the engine's ``budget="auto"`` does (per-step
-    overhead taken as 0), asking the proposers for ``draft_budget.nodes(budget)`` nodes."""
-    from lookupdec.budget import DraftBudget, choose_num_nodes
-
-    choosing = choose and cost is not None
-    draft_budget = draft_budget or DraftBudget()
-
+    overhead taken as 0), asking the proposers for ``draft_budget.nodes(max_nodes)`` nodes."""
+    core = StepCore(Mixture(proposers), max_nodes=max_nodes, calibrator=calibrator, draft_budget=draft_budget)
+    choose_with = cost if choose else None
     result = RecordResult(rid, len(prompt), len(response), 0, 0)
     context = list(prompt)
-    for p in proposers:
-        p.start(rid, context)
+    core.start(rid, context)
     try:
-        pos = 0
-        while pos < len(response):
-            t = time.perf_counter()
-            asked = draft_budget.nodes(budget) if choosing else budget
-            drafts = [d for p in proposers for d in p.propose(rid, context, asked)]
-            tree = TokenTree.from_drafts(context[-1], drafts, max_nodes=asked, max_depth=max_depth,
-                                         factors=calibrator.factors() if calibrator else None)
-            if choosing and tree.num_draft_nodes:
-                tree = tree.prune(choose_num_nodes(tree.expected_in_prune_order(), cost, 0.0, asked))
-                draft_budget.observe(tree.num_draft_nodes)
-            draft_seconds.append(time.perf_counter() - t)
-            result.nodes_per_step.append(tree.num_draft_nodes)
+        while len(context) - len(prompt) < len(response):
+            rest = response[len(context) - len(prompt):]
+            step = core.run(rid, context, lambda tree: recorded_verdict(tree, rest), max_depth=max_depth,
+                            cost=choose_with)
+            draft_seconds.append(step.propose_s + step.tree_s)
+            result.nodes_per_step.append(step.tree.num_draft_nodes)
             if cost is not None:
-                result.modeled_seconds += cost(1 + tree.num_draft_nodes)
-            path = accepted_path(tree, response[pos:])
-            new = response[pos : pos + len(path) + 1]
-            for node in path:
-                source = tree.sources[node]
-                result.accepted_by_source[source] = result.accepted_by_source.get(source, 0) + 1
-            for p in proposers:
-                p.observe(rid, new)
-            if calibrator:
-                calibrator.learn(drafts, new)
-            context.extend(new)
-            pos += len(new)
+                result.modeled_seconds += cost(1 + step.tree.num_draft_nodes)
+            step.count_sources(result.accepted_by_source)
+            context.extend(step.new_tokens)
             result.steps += 1
-            result.tree_nodes += tree.num_draft_nodes
+            result.tree_nodes += step.tree.num_draft_nodes
     finally:
-        for p in proposers:
-            p.stop(rid)
+        core.stop(rid)
     return result
 
 
-def replay(records: Iterable[dict], tokenizer, proposers: Sequence[Proposer], *, budget: int,
+def recorded_verdict(tree: TokenTree, rest: Sequence[int]) -> Verdict:
+    """The greedy target's verdict when its output is ``rest``: the longest matching path, then
+    the next recorded token as the bonus (none once ``rest`` is used up)."""
+    path = accepted_path(tree, rest)
+    return Verdict(path, list(rest[: len(path) + 1]))
+
+
+def replay(records: Iterable[dict], tokenizer, proposers: Sequence[Proposer], *, max_nodes: int,
            max_depth: int, progress: bool = False, cost=None, choose: bool = False) -> dict:
     """Replay every record; returns the summary and per-record figures (JSON-ready). With
     ``cost``, also the modelled speedup over plain decoding (``replay_one``)."""
     from tqdm import tqdm
-
-    from lookupdec.budget import DraftBudget
 
     results, draft_seconds, calibrator, draft_budget = [], [], AcceptanceCalibrator(), DraftBudget()
     records = list(records)
@@ -161,11 +141,12 @@ def replay(records: Iterable[dict], tokenizer, proposers: Sequence[Proposer], *,
             skipped.append(_where(record, i))
             log.warning("%s: empty response: nothing to replay, record skipped", skipped[-1])
         else:
-            results.append(replay_one(rid, prompt, response, proposers, budget=budget,
+            results.append(replay_one(rid, prompt, response, proposers, max_nodes=max_nodes,
                                       max_depth=max_depth, draft_seconds=draft_seconds,
                                       calibrator=calibrator, cost=cost, choose=choose,
                                       draft_budget=draft_budget))
-    summary = summarize(results, draft_seconds, budget=budget, max_depth=max_depth,
+    # "budget": the CLI's --budget, the node budget of every step
+    summary = summarize(results, draft_seconds, budget=max_nodes, max_depth=max_depth,
                         proposers=[p.name for p in proposers])
     summary["skipped_empty_responses"] = skipped
     queries = [s for p in proposers for s in getattr(p, "query_seconds", [])]
@@ -206,34 +187,3 @@ def summarize(results: list[RecordResult], draft_seconds: list, **settings) -> d
         "per_record": [{"id": r.id, "prompt_tokens": r.prompt_tokens, "response_tokens": r.response_tokens,
                         "steps": r.steps, "mat": round(r.mat, 4)} for r in results],
     }
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """Every record of a JSON Lines file (blank lines skipped), each a ``JsonlRecord`` knowing
-    its ``FILE:LINE``. A line that is not UTF-8, not JSON or not an object is a ValueError
-    naming ``FILE:LINE``."""
-    records = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            where = f"{path}:{n}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ValueError(f"{where}: not UTF-8 text (is {path} a JSON Lines file?)") from None
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as exc:
-                raise ValueError(f"{where}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
-            if not isinstance(value, dict):
-                raise ValueError(f"{where}: expected a JSON object with prompt and response, "
-                                 f"found a JSON {_json_kind(value)}")
-            record = JsonlRecord(value)
-            record.where = where
-            records.append(record)
-    return records
-
-
-def _json_kind(value) -> str:
-    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")

@@ -1,8 +1,13 @@
-"""The draft tree of one decoding step: drafts merged into a trie, pruned to a budget.
+"""The tree format and its two types: a proposer's ``Draft`` and the step's ``TokenTree``.
 
-One format (STYLE.md item 3): ``token_ids[i]`` and ``parents[i]`` for every node, node 0 is the
-root (the last committed token, not yet in the KV cache) with ``parents[0] == -1``, and parents
-come before children (``parents[i] < i``). Everything else — RoPE positions, the attention mask,
+The bottom of the package: it imports nothing of lookupdec, and everything that handles trees
+(proposers, acceptance, the model, the step) imports it.
+
+One format (ARCHITECTURE.md, "The tree format"): ``token_ids[i]`` and ``parents[i]`` for every node, and parents
+come before children (``parents[i] < i``). In a ``Draft``, ``parents[i] == -1`` marks a child of
+the root (the last committed token). In a ``TokenTree`` node 0 is the root itself (not yet in
+the KV cache) with ``parents[0] == -1``: ``TokenTree.from_drafts`` merges drafts into one trie
+and prunes it to ``max_nodes`` draft nodes. Everything else — RoPE positions, the attention mask,
 paths — is derived from those two lists by the pure functions here. A RoPE position
 (``depth``, offset by the cache length) and a cache slot (the node index, offset by the cache
 length) are different things: siblings share a position but never a slot.
@@ -15,16 +20,81 @@ Worked example::
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from lookupdec.proposers.base import Draft
+MATCH_BUCKETS = (0, 1, 2, 3, 5, 9, 17, 33)  # match lengths are calibrated in these buckets
+
+
+def match_bucket(match_length: int) -> int:
+    """The lower end of ``match_length``'s bucket.
+
+    >>> [match_bucket(n) for n in (0, 1, 2, 4, 8, 16, 40)]
+    [0, 1, 2, 3, 5, 9, 33]
+    """
+    return MATCH_BUCKETS[bisect.bisect_right(MATCH_BUCKETS, match_length) - 1]
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One proposer's small tree, hung under the root (the last committed token)."""
+
+    token_ids: tuple[int, ...]  # [n] draft tokens
+    parents: tuple[int, ...]  # [n] parent index in this draft, -1 = child of the root
+    scores: tuple[float, ...]  # [n] proposer's estimate that node i is accepted (in [0, 1])
+    source: str  # proposer name, used for per-source acceptance stats
+    match_length: int = 0  # context tokens the draft's match rests on (0: not a lookup), for
+    #                        calibration per source and match length
+    # Draft-model drafts when sampling: draft node (-1 = the root) -> (q [vocab], tokens drawn
+    # i.i.d. from q there, in order). Acceptance uses them for rejection sampling (sampling.py).
+    samples: dict | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.parents) != n or len(self.scores) != n:
+            raise ValueError(f"Draft from {self.source!r}: token_ids, parents, scores lengths differ")
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"Draft from {self.source!r}: parents[{i}]={p} must be in [-1, {i})")
+
+    def best_chain(self) -> tuple[list[int], list[float]]:
+        """The path that follows the best-scored child from the root: (tokens, conditional
+        probabilities score[i] / score[parent])."""
+        if self.parents == tuple(range(-1, len(self.parents) - 1)):  # already a chain
+            prev = (1.0,) + self.scores[:-1]
+            return list(self.token_ids), [s / p if p > 0 else 0.0 for s, p in zip(self.scores, prev)]
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            children.setdefault(p, []).append(i)
+        tokens, cond, node, parent_score = [], [], -1, 1.0
+        while node in children:
+            node = max(children[node], key=lambda i: self.scores[i])
+            tokens.append(self.token_ids[node])
+            cond.append(self.scores[node] / parent_score if parent_score > 0 else 0.0)
+            parent_score = self.scores[node]
+        return tokens, cond
+
+    @classmethod
+    def chain(cls, token_ids: Sequence[int], scores: Sequence[float], source: str, match_length: int = 0) -> "Draft":
+        """A single path: node i is the child of node i-1."""
+        n = len(token_ids)
+        return cls(tuple(token_ids), tuple(range(-1, n - 1)), tuple(scores), source, match_length)
+
+
+def draft_factor(factors: dict, draft: Draft) -> float:
+    """The calibration factor for ``draft`` (``budget.AcceptanceCalibrator.factors``): its
+    (source, match bucket) entry, else its source's, else 1."""
+    key = (draft.source, match_bucket(draft.match_length))
+    return factors.get(key, factors.get(draft.source, 1.0))
 
 
 @dataclass
 class TokenTree:
+    """The step's tree: the root and the draft nodes the target verifies in one forward."""
+
     token_ids: list[int]  # [1 + n] node tokens, node 0 = root
     parents: list[int]  # [1 + n] parent node index, -1 for the root
     scores: list[float] = field(default_factory=list)  # [1 + n] estimated acceptance probability
@@ -89,8 +159,6 @@ class TokenTree:
         score never takes a child before its parent. Ties go to the earlier node (drafts earlier
         in the list win).
         """
-        from lookupdec.budget import draft_factor
-
         token_ids, parents, scores, sources, depths = [root_token], [-1], [1.0], [""], [0]
         point_mass, samples = [True], {}
         index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node

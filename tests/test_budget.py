@@ -8,7 +8,7 @@ import random
 import pytest
 
 from conftest import cached_references, cached_tiny
-from helpers import FakeTokenizer
+from helpers import FakeTokenizer, SpyProposer
 from lookupdec import Engine, EngineConfig
 from lookupdec.budget import DRAFT_BUDGET_MIN, CostModel, DraftBudget, choose_num_nodes
 
@@ -46,24 +46,10 @@ def test_draft_budget_follows_what_was_kept():
     assert all(budget.nodes(m) & (budget.nodes(m) - 1) == 0 for m in (16, 32, 64, 128))  # powers of 2
 
 
-class _CountingProposer:
-    """Wraps a proposer and records the budget each call asked for."""
-
-    def __init__(self, inner):
-        self.inner, self.name, self.asked = inner, inner.name, []
-
-    def __getattr__(self, item):
-        return getattr(self.inner, item)
-
-    def propose(self, request_id, context, budget):
-        self.asked.append(budget)
-        return self.inner.propose(request_id, context, budget)
-
-
 def test_engine_asks_the_adapted_budget_and_output_is_unchanged():
     model = cached_tiny("llama")
     engine = Engine(model, FakeTokenizer(), EngineConfig(max_nodes=128, budget="auto"))
-    counting = [_CountingProposer(p) for p in engine.proposers]
+    counting = [SpyProposer(p) for p in engine.proposers]
     engine.proposers = counting
     for prompt, n, expected in itertools.islice(cached_references("llama"), 6):
         assert engine.generate(prompt, max_new_tokens=n).token_ids == expected

@@ -9,41 +9,18 @@ import threading
 import pytest
 
 from conftest import cached_tiny
-from helpers import FakeTokenizer
+from helpers import FakeTokenizer, SpyProposer
 from lookupdec import Engine, EngineConfig
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
 MAX_NEW = 48
 
 
-class LifecycleSpy:
-    """Wraps a proposer and records which requests were started and stopped."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.name = inner, inner.name
-        self.started: list[str] = []
-        self.stopped: list[str] = []
-
-    def start(self, request_id, prompt_ids):
-        self.started.append(request_id)
-        self.inner.start(request_id, prompt_ids)
-
-    def propose(self, request_id, context, budget):
-        return self.inner.propose(request_id, context, budget)
-
-    def observe(self, request_id, new_ids):
-        self.inner.observe(request_id, new_ids)
-
-    def stop(self, request_id):
-        self.stopped.append(request_id)
-        self.inner.stop(request_id)
-
-
 @pytest.fixture()
 def engine():
     # fixed budget and only the n-gram proposer: no cost calibration, steps of known shape
     engine = Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig(budget="fixed", proposers=("ngram",)))
-    engine.proposers = [LifecycleSpy(p) for p in engine.proposers]
+    engine.proposers = [SpyProposer(p) for p in engine.proposers]
     return engine
 
 

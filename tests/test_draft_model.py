@@ -17,11 +17,9 @@ from helpers import FakeTokenizer, hf_greedy, make_prompts
 from lookupdec import Engine, EngineConfig
 from lookupdec.config import DraftConfig
 from lookupdec.model import ModelLoadError
-from lookupdec.proposers.base import Draft
 from lookupdec.proposers.draft_model import DraftModelProposer
-from lookupdec.proposers.mixture import Mixture
 from lookupdec.sampling import SamplingParams, accept, node_distribution, rejection_distribution, residual
-from lookupdec.tree import TokenTree
+from lookupdec.tree import Draft, TokenTree
 from test_sampling import plain_probs, synthetic_logits, total_variation, tv_between, tv_bound
 from tiny_models import FAMILIES, tiny_model
 
@@ -144,60 +142,6 @@ def test_draft_model_with_another_tokenizer_is_refused(tmp_path):
     tok.save_pretrained(other)
     with pytest.raises(ModelLoadError, match=r"draft model .*other has another tokenizer .*target .*stories260K"):
         Engine.from_pretrained(STORIES, draft_model=str(other))
-
-
-# -- mixture gating -------------------------------------------------------------------------------
-class _Counting:
-    name = "draft"
-
-    def __init__(self):
-        self.calls = 0
-
-    def start(self, rid, prompt):
-        pass
-
-    def set_sampling(self, rid, params, seed):
-        pass
-
-    def propose(self, rid, context, budget):
-        self.calls += 1
-        return [Draft.chain([3], [0.5], "draft")]
-
-    def observe(self, rid, new):
-        pass
-
-    def stop(self, rid):
-        pass
-
-
-class _Lookup:
-    name = "lookup"
-
-    def __init__(self, score):
-        self.score = score
-
-    def start(self, rid, prompt):
-        pass
-
-    def propose(self, rid, context, budget):
-        return [Draft.chain([4, 5], [self.score, self.score], "lookup", match_length=3)]
-
-    def observe(self, rid, new):
-        pass
-
-    def stop(self, rid):
-        pass
-
-
-@pytest.mark.parametrize("mode, lookup_score, runs", [("never", 0.0, False), ("always", 0.99, True),
-                                                       ("auto", 0.9, False), ("auto", 0.1, True)])
-def test_mixture_runs_the_draft_model_where_lookups_are_weak(mode, lookup_score, runs):
-    draft = _Counting()
-    mixture = Mixture([_Lookup(lookup_score)], draft, DraftConfig(mode=mode, threshold=0.3))
-    mixture.start("r", [1, 2])
-    drafts = mixture.propose("r", [1, 2], 16)
-    assert (draft.calls == 1) == runs and any(d.source == "draft" for d in drafts) == runs
-    assert mixture.draft_steps == int(runs)
 
 
 # -- sampling exactness with draft-model children -------------------------------------------------

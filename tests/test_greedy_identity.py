@@ -11,11 +11,10 @@ import functools
 import logging
 
 import pytest
-import torch
 
 from conftest import cached_references, cached_tiny, load_stories
-from helpers import (AdversarialProposer, FakeTokenizer, OracleProposer, RandomTreeProposer, first_difference,
-                     hf_greedy, oracle_expectation)
+from helpers import (AdversarialProposer, FakeTokenizer, OracleProposer, RandomTreeProposer, TreeMaskRejectingModel,
+                     first_difference, hf_greedy, oracle_expectation)
 from lookupdec import Engine, EngineConfig
 from tiny_models import FAMILIES
 
@@ -118,27 +117,10 @@ def test_context_limit(family):
     assert_same(outputs["none"], ref, f"{family} at the context limit")
 
 
-class _NoTreeMask(torch.nn.Module):
-    """A causal LM whose attention rejects custom 4D masks (as some model types do)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.inner = model
-        self.config = model.config
-
-    def get_output_embeddings(self):
-        return self.inner.get_output_embeddings()
-
-    def forward(self, input_ids=None, attention_mask=None, **kwargs):
-        if attention_mask is not None and (isinstance(attention_mask, dict) or attention_mask.dim() == 4):
-            raise NotImplementedError("custom 4D attention masks are not supported")
-        return self.inner(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-
-
 def test_chain_fallback_when_tree_masks_are_rejected(caplog):
     refs = cached_references("llama")[::4]
     with caplog.at_level(logging.WARNING, logger="lookupdec"):
-        engine = Engine(_NoTreeMask(cached_tiny("llama")), FakeTokenizer(), EngineConfig())
+        engine = Engine(TreeMaskRejectingModel(cached_tiny("llama")), FakeTokenizer(), EngineConfig())
         for prompt, n, ref in refs:
             assert engine.generate(prompt, max_new_tokens=n).token_ids == ref
     assert not engine.target.tree_mode
@@ -199,9 +181,12 @@ def test_stories_greedy_identity(stories, config):
         assert gen.text == tokenizer.decode(ref, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("budget,floor", [("fixed", 1.2), ("auto", 1.0)])
+# stories260K seldom copies its prompt; on this one it gives 1.30 tokens per step with a fixed
+# budget (deterministic) and about 1.28 with budget="auto" (the chosen trees depend on the cost
+# curve measured on the machine): the floors leave room for that and still fail an engine whose
+# drafts are accepted only now and then (1.0 would pass with a single accepted token).
+@pytest.mark.parametrize("budget,floor", [("fixed", 1.25), ("auto", 1.15)])
 def test_stories_ngram_accepts_more_than_one_token_per_step(stories, budget, floor):
-    """stories260K seldom copies its prompt; this prompt gives 1.30 tokens per step (fixed budget)."""
     model, tokenizer = stories
     gen = Engine(model, tokenizer, EngineConfig(budget=budget)).generate(REPETITIVE, max_new_tokens=STORY_TOKENS)
     assert gen.token_ids == stories_reference(REPETITIVE)

@@ -77,7 +77,7 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("index")
     corpus = make_corpus(root)
     out = str(root / "idx")
-    manifest = build_index([corpus], tokenizer_path=LLAMA_SP, out=out, chunk_tokens=32, progress=False)
+    manifest = build_index([corpus], tokenizer=load_tokenizer(LLAMA_SP), out=out, chunk_tokens=32, progress=False)
     return corpus, out, manifest
 
 
@@ -123,15 +123,15 @@ def test_every_chunk_retrieves_itself_first(built):
 
 def test_include_and_jsonl_field(tmp_path):
     corpus = make_corpus(tmp_path)
-    m = build_index([corpus], tokenizer_path=LLAMA_SP, out=str(tmp_path / "py"), include=["*.py"], progress=False)
+    m = build_index([corpus], tokenizer=load_tokenizer(LLAMA_SP), out=str(tmp_path / "py"), include=["*.py"], progress=False)
     assert m["counts"]["sources"] == 2 and m["counts"]["skipped"] == {}
     records = tmp_path / "r.jsonl"
     records.write_text(json.dumps({"body": "alpha beta gamma"}) + "\n" + json.dumps({"text": "x"}) + "\n")
-    m = build_index([str(records)], tokenizer_path=LLAMA_SP, out=str(tmp_path / "jl"), field="body", progress=False)
+    m = build_index([str(records)], tokenizer=load_tokenizer(LLAMA_SP), out=str(tmp_path / "jl"), field="body", progress=False)
     assert m["counts"]["documents"] == 1 and m["counts"]["skipped"] == {"no string field 'body'": 1}
     with gzip.open(tmp_path / "r2.jsonl.gz", "wt") as f:  # .jsonl inside .gz: records, not one text
         f.write(json.dumps({"text": "first record"}) + "\n" + json.dumps({"text": "second record"}) + "\n")
-    m = build_index([str(tmp_path / "r2.jsonl.gz")], tokenizer_path=LLAMA_SP, out=str(tmp_path / "gz"), progress=False)
+    m = build_index([str(tmp_path / "r2.jsonl.gz")], tokenizer=load_tokenizer(LLAMA_SP), out=str(tmp_path / "gz"), progress=False)
     assert m["counts"]["documents"] == 2
 
 
@@ -139,23 +139,23 @@ def test_empty_corpus_and_missing_path_are_clear_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "x.bin").write_bytes(b"\x00" * 10)
     with pytest.raises(ValueError, match=r"no text found .*binary"):
-        build_index([str(tmp_path / "empty")], tokenizer_path=LLAMA_SP, out=str(tmp_path / "o"), progress=False)
+        build_index([str(tmp_path / "empty")], tokenizer=load_tokenizer(LLAMA_SP), out=str(tmp_path / "o"), progress=False)
     with pytest.raises(FileNotFoundError, match="nope"):
-        build_index([str(tmp_path / "nope")], tokenizer_path=LLAMA_SP, out=str(tmp_path / "o"), progress=False)
+        build_index([str(tmp_path / "nope")], tokenizer=load_tokenizer(LLAMA_SP), out=str(tmp_path / "o"), progress=False)
     assert not os.path.exists(tmp_path / "o")
 
 
 def test_existing_output_needs_force(built, tmp_path):
     dst = fresh_copy(built, tmp_path)
     with pytest.raises(ValueError, match="already exists.*--force"):
-        build_index([built[0]], tokenizer_path=LLAMA_SP, out=dst, progress=False)
-    m = build_index([built[0]], tokenizer_path=LLAMA_SP, out=dst, chunk_tokens=64, force=True, progress=False)
+        build_index([built[0]], tokenizer=load_tokenizer(LLAMA_SP), out=dst, progress=False)
+    m = build_index([built[0]], tokenizer=load_tokenizer(LLAMA_SP), out=dst, chunk_tokens=64, force=True, progress=False)
     assert Index.open(dst).manifest["chunking"]["chunk_tokens"] == 64 == m["chunking"]["chunk_tokens"]
     not_index = tmp_path / "notindex"
     not_index.mkdir()
     (not_index / "precious.txt").write_text("keep me")
     with pytest.raises(IndexStoreError, match="not a lookupdec index"):
-        build_index([built[0]], tokenizer_path=LLAMA_SP, out=str(not_index), force=True, progress=False)
+        build_index([built[0]], tokenizer=load_tokenizer(LLAMA_SP), out=str(not_index), force=True, progress=False)
     assert (not_index / "precious.txt").read_text() == "keep me"
 
 
@@ -304,11 +304,11 @@ def test_exception_during_write_leaves_no_index(built, tmp_path, monkeypatch):
     monkeypatch.setattr(build_mod, "file_sha256", boom)
     out = tmp_path / "idx"
     with pytest.raises(KeyboardInterrupt):
-        build_index([built[0]], tokenizer_path=LLAMA_SP, out=str(out), progress=False)
+        build_index([built[0]], tokenizer=load_tokenizer(LLAMA_SP), out=str(out), progress=False)
     assert os.listdir(tmp_path) == []  # neither the index nor a temporary folder
     old = fresh_copy(built, tmp_path)
     with pytest.raises(KeyboardInterrupt):
-        build_index([built[0]], tokenizer_path=LLAMA_SP, out=old, force=True, chunk_tokens=64, progress=False)
+        build_index([built[0]], tokenizer=load_tokenizer(LLAMA_SP), out=old, force=True, chunk_tokens=64, progress=False)
     assert Index.open(old).manifest["chunking"]["chunk_tokens"] == 32  # the old index, intact
 
 
@@ -317,13 +317,14 @@ def test_sigkill_mid_build_leaves_no_index(built, tmp_path):
     out, flag = tmp_path / "idx", tmp_path / "writing"
     script = textwrap.dedent(f"""
         import time, lookupdec.index.build as b
+        from lookupdec.model import load_tokenizer
         real = b.file_sha256
         def slow(path):
             open({str(flag)!r}, "w").close()
             time.sleep(60)
             return real(path)
         b.file_sha256 = slow
-        b.build_index([{built[0]!r}], tokenizer_path={LLAMA_SP!r}, out={str(out)!r}, progress=False)
+        b.build_index([{built[0]!r}], tokenizer=load_tokenizer({LLAMA_SP!r}), out={str(out)!r}, progress=False)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script])
     try:
@@ -340,7 +341,7 @@ def test_sigkill_mid_build_leaves_no_index(built, tmp_path):
     assert len(leftovers) == 1  # the killed build's temporary folder, never mistaken for an index
     with pytest.raises(IndexStoreError, match="no index folder here"):
         Index.open(str(out))
-    build_index([built[0]], tokenizer_path=LLAMA_SP, out=str(out), chunk_tokens=32, progress=False)
+    build_index([built[0]], tokenizer=load_tokenizer(LLAMA_SP), out=str(out), chunk_tokens=32, progress=False)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".idx.")]  # the next build cleaned up
 
 
@@ -365,7 +366,7 @@ def test_next_build_removes_leftovers_of_dead_builds_only(built, tmp_path, caplo
     os.utime(legacy_old / "tokens.npy", (hour_ago, hour_ago))
     os.utime(legacy_old, (hour_ago, hour_ago))
     with caplog.at_level("WARNING", logger="lookupdec"):
-        build_index([built[0]], tokenizer_path=LLAMA_SP, out=str(tmp_path / "idx"), chunk_tokens=32, progress=False)
+        build_index([built[0]], tokenizer=load_tokenizer(LLAMA_SP), out=str(tmp_path / "idx"), chunk_tokens=32, progress=False)
     assert not dead.exists() and not legacy_old.exists()
     assert running.exists() and legacy_new.exists() and other.exists()
     assert str(dead) in caplog.text and "interrupted build" in caplog.text
@@ -436,7 +437,7 @@ def test_gpu_flag_without_faiss_gpu_is_a_clear_error(built, tmp_path):
     if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
         pytest.skip("a GPU is here")
     with pytest.raises(ValueError, match=r"--gpu: .*(faiss-gpu|no CUDA device)"):
-        build_index([built[0]], tokenizer_path=LLAMA_SP, out=str(tmp_path / "g"), gpu=True, progress=False)
+        build_index([built[0]], tokenizer=load_tokenizer(LLAMA_SP), out=str(tmp_path / "g"), gpu=True, progress=False)
     assert not (tmp_path / "g").exists()
 
 
@@ -463,7 +464,7 @@ def test_sentence_transformers_embedder_from_a_local_folder(tmp_path):
     SentenceTransformer(modules=[word, models.Pooling(dim())]).save(str(tmp_path / "st"))
     corpus = make_corpus(tmp_path)
     out = str(tmp_path / "idx")
-    m = build_index([corpus], tokenizer_path=LLAMA_SP, out=out, chunk_tokens=32,
+    m = build_index([corpus], tokenizer=load_tokenizer(LLAMA_SP), out=out, chunk_tokens=32,
                     embedder=f"sentence-transformers:{tmp_path / 'st'}", progress=False)
     assert m["embedder"]["name"] == "sentence-transformers" and m["embedder"]["dim"] == 32
     index = Index.open(out, decode=load_tokenizer(LLAMA_SP).decode)

@@ -1,4 +1,4 @@
-"""The fast paths of ``lookupdec.model`` against their reference paths (STYLE.md item 9):
+"""The fast paths of ``lookupdec.model`` against their reference paths:
 
 - one tree forward over a 4D mask == each root-to-node path run through the model on its own;
 - KV commit (gather the accepted nodes into contiguous slots, crop the rest) == a fresh prefill of

@@ -63,11 +63,11 @@ def test_draft_length_is_capped_by_max_draft_tokens_and_budget():
 
 
 def test_lengths_within_budget():
-    assert lengths_within_budget([0.9, 0.3], length=10, budget=12) == [10, 2]  # the docstring's example
-    assert lengths_within_budget([0.9, 0.3], length=5, budget=12) == [5, 5]  # everything fits
+    assert lengths_within_budget([0.9, 0.3], length=10, max_nodes=12) == [10, 2]  # the docstring's example
+    assert lengths_within_budget([0.9, 0.3], length=5, max_nodes=12) == [5, 5]  # everything fits
     # 0.5 * 0.95**7 = 0.35 > 0.3: every token of branch 0 beats branch 1's first
-    assert lengths_within_budget([0.5, 0.5 * BRANCH_DECAY], length=8, budget=8) == [8, 0]
-    lengths = lengths_within_budget([0.8, 0.48, 0.288], length=20, budget=17)
+    assert lengths_within_budget([0.5, 0.5 * BRANCH_DECAY], length=8, max_nodes=8) == [8, 0]
+    lengths = lengths_within_budget([0.8, 0.48, 0.288], length=20, max_nodes=17)
     assert sum(lengths) == 17 and lengths[0] >= lengths[1] >= lengths[2]
 
 

@@ -36,7 +36,7 @@ def code_index(tmp_path_factory):
     (root / "corpus" / "handlers.py").write_text(MODULE)
     (root / "corpus" / "fox.txt").write_text(OTHER)
     out = root / "idx"
-    build_index([str(root / "corpus")], tokenizer_path=LLAMA_SP, out=str(out), chunk_tokens=48, progress=False)
+    build_index([str(root / "corpus")], tokenizer=load_tokenizer(LLAMA_SP), out=str(out), chunk_tokens=48, progress=False)
     return Index.open(str(out)), load_tokenizer(LLAMA_SP)
 
 
@@ -115,7 +115,7 @@ def stories_corpus_index(tmp_path_factory, stories):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         out = model.generate(ids, do_sample=False, max_new_tokens=80)[0]
         (root / "corpus" / f"story{i}.txt").write_text(tokenizer.decode(out, skip_special_tokens=True))
-    build_index([str(root / "corpus")], tokenizer_path=STORIES, out=str(root / "idx"), chunk_tokens=32, progress=False)
+    build_index([str(root / "corpus")], tokenizer=load_tokenizer(STORIES), out=str(root / "idx"), chunk_tokens=32, progress=False)
     return str(root / "idx"), prompts
 
 

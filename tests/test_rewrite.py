@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from helpers import hf_greedy
 from lookupdec.cli import main
 from lookupdec.pipelines import PromptFormat, ReadOptions, Record, ResultsFile, ResultsFileError, read_records
 from lookupdec.pipelines.results import TMP_SUFFIX
@@ -54,12 +55,6 @@ def write(path, text: str) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return str(path)
-
-
-def hf_greedy(stories, prompt: str, max_new_tokens: int) -> list[int]:
-    model, tokenizer = stories
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    return model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)[0, ids.shape[1]:].tolist()
 
 
 # -- reading records (no model) ---------------------------------------------------------------------
@@ -179,7 +174,7 @@ def test_outputs_equal_transformers_greedy(stories, tmp_path, run):
     assert [line["id"] for line in lines] == ["r0", "r1", "r2"]
     _, tokenizer = stories
     for line, text in zip(lines, texts):
-        want = hf_greedy(stories, f"{INSTRUCTION}\n\n{text}\n\nOutput:\n", 12)
+        want = hf_greedy(stories[0], stories[1](f"{INSTRUCTION}\n\n{text}\n\nOutput:\n").input_ids, 12)
         assert line["token_ids"] == want
         assert line["output"] == tokenizer.decode(want, skip_special_tokens=True)
         assert line["finish_reason"] == "length" and line["stats"]["new_tokens"] == 12

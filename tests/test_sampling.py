@@ -1,4 +1,4 @@
-"""Exactness of sampling acceptance, three ways (STYLE.md item 10):
+"""Exactness of sampling acceptance, three ways:
 
 1. closed form: on a small vocabulary the acceptance walk's outcome probabilities are computed
    exactly by recursion; the probability of every output sequence of length 2 and 3 equals plain

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from conftest import STORIES
+from helpers import hf_greedy
 from server_process import REPO, running_server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(STORIES), reason="../shared/models/stories260K is absent")
@@ -101,14 +102,6 @@ def chat_tokenizer(chat_model):
     return transformers.AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
 
 
-@torch.inference_mode()
-def greedy_ids(model, prompt_ids, max_new_tokens) -> list[int]:
-    """The reference: transformers' own greedy decoding."""
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
-    return out[0, ids.shape[1]:].tolist()
-
-
 def complete(client, prompt, **kwargs):
     kwargs = {"max_tokens": 24, "temperature": 0} | kwargs
     return client.completions.create(model="stories260K", prompt=prompt, **kwargs)
@@ -124,7 +117,7 @@ def test_models_and_health(client, server):
 def test_completion_is_transformers_greedy(client, stories):
     model, tokenizer = stories
     response = complete(client, STORY, max_tokens=32)
-    want = greedy_ids(model, tokenizer(STORY).input_ids, 32)
+    want = hf_greedy(model, tokenizer(STORY).input_ids, 32)
     choice = response.choices[0]
     assert choice.text == tokenizer.decode(want, skip_special_tokens=True)
     assert choice.finish_reason == "length" and response.object == "text_completion"
@@ -144,7 +137,7 @@ def test_chat_uses_the_template(client, stories, chat_tokenizer):
     text = chat_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == "system: You tell stories.\nuser: A cat\nassistant:"
     prompt_ids = chat_tokenizer(text, add_special_tokens=False).input_ids
-    want = greedy_ids(model, prompt_ids, 20)
+    want = hf_greedy(model, prompt_ids, 20)
     assert response.object == "chat.completion"
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == chat_tokenizer.decode(want, skip_special_tokens=True)
@@ -325,7 +318,7 @@ THINGS = ["ball", "cat", "kite", "boat"]
 def test_twenty_concurrent_clients_get_their_own_answers(server, stories):
     model, tokenizer = stories
     prompts = [f"{name} had a {thing}. One day, {name}" for name in NAMES for thing in THINGS]
-    want = {p: tokenizer.decode(greedy_ids(model, tokenizer(p).input_ids, 16), skip_special_tokens=True)
+    want = {p: tokenizer.decode(hf_greedy(model, tokenizer(p).input_ids, 16), skip_special_tokens=True)
             for p in prompts}
     got, errors = {}, []
     client = openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=300)
@@ -370,7 +363,7 @@ def test_fim_prompt_is_prefix_suffix_middle(fim_server, fim_model):
     client = openai.OpenAI(base_url=fim_server.api, api_key="unused", max_retries=0, timeout=120)
     response = client.completions.create(model="tiny-fim", prompt=prompt, suffix=suffix, max_tokens=12, temperature=0)
     assert response.usage.prompt_tokens == len(ids)
-    assert response.choices[0].text == tokenizer.decode(greedy_ids(model, ids, 12), skip_special_tokens=True)
+    assert response.choices[0].text == tokenizer.decode(hf_greedy(model, ids, 12), skip_special_tokens=True)
 
 
 def test_chat_without_template_is_a_400(fim_server):

@@ -22,7 +22,7 @@ def test_accepted_path_follows_the_response():
 def test_copy_task_accepts_many_tokens_per_step():
     body = list(range(10, 70))
     records = [{"id": "copy", "prompt_ids": [1] + body + [2], "response_ids": body}]
-    result = replay(records, None, build_proposers(EngineConfig()), budget=64, max_depth=64)
+    result = replay(records, None, build_proposers(EngineConfig()), max_nodes=64, max_depth=64)
     # the first step has nothing to copy after token 2 but the bonus; then whole spans copy
     assert result["steps"] <= 3 and result["mat"] >= 20
     assert result["per_record"][0]["response_tokens"] == 60
@@ -30,7 +30,7 @@ def test_copy_task_accepts_many_tokens_per_step():
 
 def test_no_drafts_means_one_token_per_step():
     records = [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}]
-    result = replay(records, None, build_proposers(EngineConfig(proposers=())), budget=16, max_depth=16)
+    result = replay(records, None, build_proposers(EngineConfig(proposers=())), max_nodes=16, max_depth=16)
     assert result["mat"] == 1.0 and result["steps"] == 4
 
 
@@ -67,7 +67,7 @@ def test_cli_simulate_missing_field(tmp_path, capsys):
 @pytest.mark.skipif(not LLAMA2_TOKENIZER.exists(), reason="../shared tokenizer absent")
 @pytest.mark.parametrize("content, message", [
     (b'{"prompt_ids": [1], "response_ids": [2]}\n[1, 2]\n', "in.jsonl:2: expected a JSON object"),
-    (b'"just a string"\n', "in.jsonl:1: expected a JSON object with prompt and response, found a JSON string"),
+    (b'"just a string"\n', "in.jsonl:1: expected a JSON object, found a JSON string"),
     (b'\n\n{"prompt": "a", "response": 5}\n', "in.jsonl:3: field 'response' must be a string"),
     (b'{"prompt_ids": [1], "response_ids": [2]}\n{"prompt_ids": [], "response_ids": [2]}\n', "in.jsonl:2: empty prompt"),
     (b'{"prompt_ids": [1, -4], "response_ids": [2]}\n', "in.jsonl:1: field 'prompt_ids' must be a list of token ids"),
@@ -107,7 +107,9 @@ def test_cli_simulate_retrieval_named_with_an_index(tmp_path, capsys):
     corpus.mkdir()
     story = "The quick brown fox jumps over the lazy dog near the old river bank. " * 4
     (corpus / "a.txt").write_text(story)
-    build_index([str(corpus)], tokenizer_path=str(LLAMA2_TOKENIZER), out=str(tmp_path / "idx"), chunk_tokens=16,
+    from lookupdec.model import load_tokenizer
+
+    build_index([str(corpus)], tokenizer=load_tokenizer(str(LLAMA2_TOKENIZER)), out=str(tmp_path / "idx"), chunk_tokens=16,
                 progress=False)
     path = tmp_path / "in.jsonl"
     path.write_text(json.dumps({"prompt": "Story: The quick brown", "response": story[15:120]}) + "\n")

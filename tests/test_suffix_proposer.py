@@ -23,7 +23,7 @@ def test_request_automaton_drafts_what_followed_the_context():
     p = SuffixProposer()
     prompt = [5, 6, 7, 8, 9, 1, 2, 5, 6]
     p.start("r", prompt)
-    drafts = p.propose("r", prompt, budget=8)
+    drafts = p.propose("r", prompt, max_nodes=8)
     assert (7, 8, 9, 1) in _paths(drafts)  # [5, 6] was followed by 7 8 9 1 ...
     for d in drafts:
         assert all(0 < s <= 1 for s in d.scores)
@@ -37,7 +37,7 @@ def test_observe_extends_and_global_cache_learns_across_requests():
     p.stop("a")
     assert p.global_tokens == 6  # 5 output tokens + separator
     p.start("b", [9, 9, 40, 41])
-    drafts = p.propose("b", [9, 9, 40, 41], budget=8)
+    drafts = p.propose("b", [9, 9, 40, 41], max_nodes=8)
     assert any(d.source == "suffix-global" for d in drafts)
     assert (42, 43, 44) in _paths([d for d in drafts if d.source == "suffix-global"])
     assert all(SEPARATOR not in d.token_ids for d in drafts)
@@ -49,7 +49,7 @@ def test_lifecycle_errors_name_the_request():
     with pytest.raises(ValueError, match="'x'"):
         p.start("x", [1, 2])
     with pytest.raises(ValueError, match="'y'"):
-        p.propose("y", [1, 2], budget=4)
+        p.propose("y", [1, 2], max_nodes=4)
     with pytest.raises(ValueError, match="'y'"):
         p.observe("y", [3])
     p.stop("x")

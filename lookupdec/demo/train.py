@@ -11,6 +11,10 @@ stage is reproducible from ``--seed``; training logs loss and tokens/s as JSON l
 (``log.jsonl`` next to the checkpoint) and evaluates on held-out files. On a GPU, pass
 ``--device cuda`` (bfloat16 autocast either way). ``model`` resumes from the checkpoint in
 ``--out`` if there is one.
+
+Kept apart from the package's layers: an offline tool (not imported by the engine, the CLI or
+the server) that builds models and tokenizers with ``transformers`` directly, so it is the one
+module besides ``lookupdec/model.py`` that imports ``transformers``.
 """
 from __future__ import annotations
 

@@ -22,6 +22,8 @@ from lookupdec.index.corpus import CorpusReader
 from lookupdec.index.embed import make_embedder
 from lookupdec.index.store import (FILES, FORMAT_VERSION, MANIFEST, MANIFEST_HASH, SEPARATOR, IndexStoreError,
                                    file_sha256, import_faiss, manifest_sha256)
+from lookupdec.tokens import vocab_fingerprint
+from lookupdec.version import __version__
 
 log = logging.getLogger("lookupdec")
 
@@ -97,15 +99,13 @@ def chunk_documents(doc_lengths: Sequence[int], chunk_tokens: int) -> np.ndarray
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
 
 
-def build_index(paths: Sequence[str], *, tokenizer_path: str, out: str, chunk_tokens: int = 256,
+def build_index(paths: Sequence[str], *, tokenizer, out: str, chunk_tokens: int = 256,
                 embedder: str = "hash", dim: int | None = None, faiss_kind: str = "auto", gpu: bool = False,
                 include: Sequence[str] = (), exclude: Sequence[str] = (), field: str = "text",
                 force: bool = False, progress: bool = True) -> dict:
-    """Build an index folder at ``out``; returns its manifest."""
+    """Build an index folder at ``out``; returns its manifest. ``tokenizer``: the model's, loaded
+    by the caller (``lookupdec.model.load_tokenizer``); its ``name_or_path`` is recorded."""
     from tqdm import tqdm
-
-    from lookupdec import __version__
-    from lookupdec import model as model_lib
 
     if chunk_tokens < 8:
         raise ValueError(f"--chunk-tokens {chunk_tokens}: must be >= 8")
@@ -120,7 +120,6 @@ def build_index(paths: Sequence[str], *, tokenizer_path: str, out: str, chunk_to
     if os.path.exists(out) and not force:
         raise ValueError(f"{out} already exists (pass --force to replace it)")
     remove_leftovers(out)
-    tokenizer = model_lib.load_tokenizer(tokenizer_path)
     emb = make_embedder(embedder, tokenizer.decode, dim=dim)
     started = time.time()
 
@@ -170,8 +169,8 @@ def build_index(paths: Sequence[str], *, tokenizer_path: str, out: str, chunk_to
         faiss.write_index(index, os.path.join(tmp, "faiss.index"))
         manifest = {
             "format_version": FORMAT_VERSION,
-            "tokenizer": {"fingerprint": model_lib.vocab_fingerprint(tokenizer),
-                          "path": os.path.abspath(tokenizer_path)},
+            "tokenizer": {"fingerprint": vocab_fingerprint(tokenizer),
+                          "path": _abspath(getattr(tokenizer, "name_or_path", None))},
             "embedder": emb.params(),
             "chunking": {"chunk_tokens": chunk_tokens, "document_separator": SEPARATOR},
             "counts": {"sources": len(reader.sources), "documents": len(docs), "chunks": int(len(chunks)),
@@ -196,6 +195,10 @@ def build_index(paths: Sequence[str], *, tokenizer_path: str, out: str, chunk_to
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _abspath(path) -> str | None:
+    return os.path.abspath(path) if path else None
 
 
 def _replace(tmp: str, out: str) -> None:

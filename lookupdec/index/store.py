@@ -16,8 +16,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from lookupdec.tokens import SEPARATOR  # noqa: F401  (between documents in tokens.npy)
+
 FORMAT_VERSION = 1
-SEPARATOR = 2**31 - 1  # between documents in tokens.npy (also the suffix cache's separator)
 MANIFEST = "manifest.json"
 FILES = ("tokens.npy", "chunks.npy", "documents.json", "embedder.npy", "faiss.index")
 HASH_BLOCK = 1 << 22

@@ -16,8 +16,8 @@ def build_proposers(config: EngineConfig, *, tokenizer=None) -> list[Proposer]:
 
     def retrieval():
         from lookupdec.index import Index
-        from lookupdec.model import vocab_fingerprint
         from lookupdec.proposers.retrieval import RetrievalProposer
+        from lookupdec.tokens import vocab_fingerprint
 
         if tokenizer is None:
             raise ValueError("the retrieval proposer needs the model's tokenizer (build_proposers(..., tokenizer=))")

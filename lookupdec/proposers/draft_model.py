@@ -19,16 +19,14 @@ from typing import Sequence
 import torch
 
 from lookupdec.config import DraftConfig
+from lookupdec.model import DraftLM
 from lookupdec.proposers.base import Draft, RequestRegistry
 from lookupdec.sampling import SamplingParams, process_row
 
 
 class _State:
-    def __init__(self) -> None:
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache()
-        self.cached: list[int] = []  # tokens whose K/V are in the cache, in order
+    def __init__(self, lm: DraftLM) -> None:
+        self.lm_state = lm.new_state()  # the draft model's KV cache and the tokens in it
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
 
@@ -37,17 +35,21 @@ class DraftModelProposer:
     name = "draft"
 
     def __init__(self, model, config: DraftConfig | None = None, *, vocab_size: int | None = None) -> None:
-        self.model = model.eval()
+        self.lm = DraftLM(model, vocab_size=vocab_size)
         self.config = config or DraftConfig()
-        self.device = next(model.parameters()).device
-        self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]
-        self.max_context = getattr(model.config, "max_position_embeddings", None)
+        self.device = self.lm.device
+        self.vocab_size = self.lm.vocab_size
+        self.max_context = self.lm.max_context
         self._requests = RequestRegistry("DraftModelProposer")
-        self.forwards = 0  # draft-model forward passes, for stats
+
+    @property
+    def forwards(self) -> int:
+        """Draft-model forward passes, for stats."""
+        return self.lm.forwards
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        self._requests.add(request_id, _State())
+        self._requests.add(request_id, _State(self.lm))
 
     def set_sampling(self, request_id: str, params: SamplingParams, seed: int | None) -> None:
         """Draw draft samples for this request with ``params``; a seeded request seeds them too
@@ -68,12 +70,12 @@ class DraftModelProposer:
         self._requests.pop(request_id)
 
     # -- drafting -------------------------------------------------------------------------------
-    def propose(self, request_id: str, context: Sequence[int], budget: int) -> list[Draft]:
+    def propose(self, request_id: str, context: Sequence[int], max_nodes: int) -> list[Draft]:
         state: _State = self._requests.get(request_id)
-        depth = min(self.config.max_tokens, budget)
+        depth = min(self.config.max_tokens, max_nodes)
         if depth <= 0 or (self.max_context and len(context) + depth > self.max_context):
             return []
-        logits = self._advance(state, list(context))
+        logits = self.lm.advance(state.lm_state, context)
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
@@ -88,17 +90,17 @@ class DraftModelProposer:
                 samples[parent] = (q, tuple(drawn))
             chain_node = None
             for tok in dict.fromkeys(drawn):  # distinct, in order of first draw
-                if len(tokens) == budget:
+                if len(tokens) == max_nodes:
                     break
                 tokens.append(tok)
                 parents.append(parent)
                 scores.append(parent_score * float(q[tok]))
                 if chain_node is None:
                     chain_node = len(tokens) - 1
-            if chain_node is None or level == depth - 1 or len(tokens) == budget:
+            if chain_node is None or level == depth - 1 or len(tokens) == max_nodes:
                 break
             parent, parent_score = chain_node, scores[chain_node]
-            logits = self._feed(state, [tokens[chain_node]])
+            logits = self.lm.feed(state.lm_state, [tokens[chain_node]])
         return [Draft(tuple(tokens), tuple(parents), tuple(scores), self.name, 0, samples or None)] if tokens else []
 
     def _distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -113,33 +115,8 @@ class DraftModelProposer:
             return logits.softmax(-1)
         return process_row(logits, None, params).softmax(-1)
 
-    @torch.inference_mode()
-    def _advance(self, state: _State, context: list[int]) -> torch.Tensor:
-        """Crop the cache to what still agrees with ``context`` (at most all but its last token),
-        feed the rest in one forward, return the logits after ``context``."""
-        common = 0
-        for a, b in zip(state.cached, context):
-            if a != b:
-                break
-            common += 1
-        keep = min(common, len(context) - 1)
-        if keep < len(state.cached):  # by slicing, as TargetModel.commit does (crop()'s meaning changed across releases)
-            for layer in state.cache.layers:
-                layer.keys = layer.keys[:, :, :keep]
-                layer.values = layer.values[:, :, :keep]
-            del state.cached[keep:]
-        return self._feed(state, context[keep:])
-
-    @torch.inference_mode()
-    def _feed(self, state: _State, ids: list[int]) -> torch.Tensor:
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=state.cache,
-                         use_cache=True, logits_to_keep=1)
-        state.cached.extend(ids)
-        self.forwards += 1
-        return out.logits[0, -1]
-
     def cached_tokens(self, request_id: str) -> list[int]:
-        return list(self._requests.get(request_id).cached)
+        return list(self._requests.get(request_id).lm_state.tokens)
 
     def cache_of(self, request_id: str):
-        return self._requests.get(request_id).cache
+        return self._requests.get(request_id).lm_state.cache

@@ -53,14 +53,14 @@ class NgramProposer:
     def stop(self, request_id: str) -> None:
         self._requests.pop(request_id)
 
-    def propose(self, request_id: str, context: Sequence[int], budget: int) -> list[Draft]:
+    def propose(self, request_id: str, context: Sequence[int], max_nodes: int) -> list[Draft]:
         state: _NgramIndex = self._requests.get(request_id)
         if len(state.tokens) != len(context):
             raise ValueError(f"NgramProposer: request {request_id!r} saw {len(state.tokens)} tokens, "
                              f"context has {len(context)} (observe() missed?)")
-        if budget <= 0:
+        if max_nodes <= 0:
             return []
-        length = min(self.config.max_draft_tokens, budget)
+        length = min(self.config.max_draft_tokens, max_nodes)
         found, seen = [], set()  # (first score, continuation start)
         for match_len, end in self._occurrences(state):
             key = tuple(periodic_continuation(state.tokens, end, length))  # same draft, same branch
@@ -70,7 +70,7 @@ class NgramProposer:
             found.append((match_len / (match_len + 1) * BRANCH_DECAY ** len(found), end, match_len))
             if len(found) == self.config.max_branches:
                 break
-        lengths = lengths_within_budget([first for first, _, _ in found], length, budget)
+        lengths = lengths_within_budget([first for first, _, _ in found], length, max_nodes)
         return [
             Draft.chain(periodic_continuation(state.tokens, end, n),
                         [first * CONTINUE_PROB**d for d in range(n)], self.name, match_length=match_len)
@@ -96,18 +96,18 @@ class NgramProposer:
                 ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
 
 
-def lengths_within_budget(firsts: Sequence[float], length: int, budget: int) -> list[int]:
-    """How many tokens of each branch are among the ``budget`` best-scored draft tokens, when
+def lengths_within_budget(firsts: Sequence[float], length: int, max_nodes: int) -> list[int]:
+    """How many tokens of each branch are among the ``max_nodes`` best-scored draft tokens, when
     branch ``r``'s token ``d`` scores ``firsts[r] * CONTINUE_PROB**d``.
 
-    >>> lengths_within_budget([0.9, 0.3], length=10, budget=12)  # 0.3 ~ 0.9 * 0.95**21
+    >>> lengths_within_budget([0.9, 0.3], length=10, max_nodes=12)  # 0.3 ~ 0.9 * 0.95**21
     [10, 2]
     """
-    if len(firsts) * length <= budget:
+    if len(firsts) * length <= max_nodes:
         return [length] * len(firsts)
     scored = sorted(((f * CONTINUE_PROB**d, r) for r, f in enumerate(firsts) for d in range(length)), reverse=True)
     lengths = [0] * len(firsts)
-    for _, r in scored[:budget]:
+    for _, r in scored[:max_nodes]:
         lengths[r] += 1
     return lengths
 

@@ -18,9 +18,10 @@ import numpy as np
 
 from lookupdec.automaton import SuffixAutomaton
 from lookupdec.config import RetrievalConfig
-from lookupdec.index.store import SEPARATOR, Index
+from lookupdec.index.store import Index
 from lookupdec.proposers.base import Draft, RequestRegistry
-from lookupdec.proposers.suffix import CertainStepEstimate, automaton_drafts
+from lookupdec.proposers.suffix import CertainStepEstimate, automaton_drafts, settle_pending
+from lookupdec.tokens import SEPARATOR
 
 
 class _Request:
@@ -51,9 +52,7 @@ class RetrievalProposer:
 
     def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
         request: _Request = self._requests.get(request_id)
-        for source, (chain, certain) in request.pending.items():
-            self.certain_step.update(chain, certain, new_ids)
-        request.pending.clear()
+        settle_pending(request.pending, {self.name: self.certain_step}, new_ids)
         request.tail = (request.tail + list(new_ids))[-self.config.query_tokens :]
         request.since_refresh += len(new_ids)
         if self.config.refresh_every and request.since_refresh >= self.config.refresh_every:
@@ -63,12 +62,12 @@ class RetrievalProposer:
     def stop(self, request_id: str) -> None:
         self._requests.pop(request_id)
 
-    def propose(self, request_id: str, context: Sequence[int], budget: int) -> list[Draft]:
+    def propose(self, request_id: str, context: Sequence[int], max_nodes: int) -> list[Draft]:
         request: _Request = self._requests.get(request_id)
-        if budget <= 0 or not request.reference_tokens:
+        if max_nodes <= 0 or not request.reference_tokens:
             return []
         ctx = np.asarray(context[-self.config.max_match :], dtype=np.int64)
-        return automaton_drafts(request.automaton, ctx, budget, self.config.min_match, self.name,
+        return automaton_drafts(request.automaton, ctx, max_nodes, self.config.min_match, self.name,
                                 self.certain_step, request.pending)
 
     def retrieved_chunks(self, request_id: str) -> list[int]:

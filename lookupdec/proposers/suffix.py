@@ -27,12 +27,12 @@ import numpy as np
 from lookupdec.automaton import SuffixAutomaton
 from lookupdec.config import SuffixConfig
 from lookupdec.proposers.base import Draft, RequestRegistry
+from lookupdec.tokens import SEPARATOR
 
-SEPARATOR = 2**31 - 1  # joins outputs in the global stream; never a real token id
 MATCH_PRIOR = 1.0  # confidence in a match of length L is L / (L + MATCH_PRIOR)
 EMPTY_MATCH_CONFIDENCE = 0.2  # pseudo match length: a 0-token match still scores above 0
 MATCH_LEVELS = 2  # subtrees from this many match lengths (the longest and shorter ones)
-SHORTER_MATCH_BUDGET_DIVISOR = 2  # shorter matches add breadth: half the budget is enough (replay: same MAT, 1.5x less drafting)
+SHORTER_MATCH_NODES_DIVISOR = 2  # shorter matches add breadth: half the nodes are enough (replay: same MAT, 1.5x less drafting)
 CERTAIN_STEP = 0.9  # prior probability that a step all earlier occurrences agree on is right
 CERTAIN_PRIOR_WEIGHT = 20.0  # observations the prior is worth
 CERTAIN_DECAY = 0.998  # per observation: the estimate follows the last ~500 certain steps
@@ -91,30 +91,28 @@ class SuffixProposer:
         request: _Request = self._requests.get(request_id)
         request.automaton.extend(np.asarray(new_ids, dtype=np.int64))
         request.output.extend(new_ids)
-        for source, (chain, certain) in request.pending.items():
-            self.certain_step[source].update(chain, certain, new_ids)
-        request.pending.clear()
+        settle_pending(request.pending, self.certain_step, new_ids)
 
     def stop(self, request_id: str) -> None:
         request: _Request = self._requests.pop(request_id)
         if request.output and self.config.global_capacity:
             self.add_to_global(request.output)
 
-    def propose(self, request_id: str, context: Sequence[int], budget: int) -> list[Draft]:
+    def propose(self, request_id: str, context: Sequence[int], max_nodes: int) -> list[Draft]:
         request: _Request = self._requests.get(request_id)
-        if budget <= 0:
+        if max_nodes <= 0:
             return []
         ctx = np.asarray(context[-self.config.max_match :], dtype=np.int64)
-        drafts = self._drafts(request, request.automaton, ctx, budget, self.config.min_match, "suffix")
+        drafts = self._drafts(request, request.automaton, ctx, max_nodes, self.config.min_match, "suffix")
         if self._global_tokens:
-            drafts += self._drafts(request, self.global_automaton, ctx, budget, self.config.global_min_match,
+            drafts += self._drafts(request, self.global_automaton, ctx, max_nodes, self.config.global_min_match,
                                    "suffix-global")
         return drafts
 
     # -- drafting -------------------------------------------------------------------------------
-    def _drafts(self, request: _Request, automaton: SuffixAutomaton, ctx: np.ndarray, budget: int,
+    def _drafts(self, request: _Request, automaton: SuffixAutomaton, ctx: np.ndarray, max_nodes: int,
                 min_match: int, source: str) -> list[Draft]:
-        return automaton_drafts(automaton, ctx, budget, min_match, source, self.certain_step[source],
+        return automaton_drafts(automaton, ctx, max_nodes, min_match, source, self.certain_step[source],
                                 request.pending)
 
     # -- the global cache -----------------------------------------------------------------------
@@ -166,7 +164,7 @@ class SuffixProposer:
         self.global_automaton = SuffixAutomaton(stream)
 
 
-def automaton_drafts(automaton: SuffixAutomaton, ctx: np.ndarray, budget: int, min_match: int, source: str,
+def automaton_drafts(automaton: SuffixAutomaton, ctx: np.ndarray, max_nodes: int, min_match: int, source: str,
                      certain_step: CertainStepEstimate, pending: dict) -> list[Draft]:
     """Drafts from the longest match of ``ctx`` in ``automaton`` and up to ``MATCH_LEVELS - 1``
     shorter ones (suffix links: fewer context tokens, more occurrences, more varied
@@ -176,8 +174,9 @@ def automaton_drafts(automaton: SuffixAutomaton, ctx: np.ndarray, budget: int, m
     out = []
     while state >= 0 and length >= min_match and len(out) < MATCH_LEVELS:
         if automaton.continuation_count(state):
-            level_budget = budget if not out else max(1, budget // SHORTER_MATCH_BUDGET_DIVISOR)
-            tree = automaton.expand_tree(state, max_nodes=level_budget, max_depth=level_budget)
+            level_nodes = max_nodes if not out else max(1, max_nodes // SHORTER_MATCH_NODES_DIVISOR)
+            # no depth cap of its own: n nodes are at most n deep (the step's merge caps the depth)
+            tree = automaton.expand_tree(state, max_nodes=level_nodes, max_depth=level_nodes)
             tokens, parents, raw = without_separator(tree.token_ids, tree.parents, tree.scores)
             if tokens:
                 confidence = (length + EMPTY_MATCH_CONFIDENCE) / (length + EMPTY_MATCH_CONFIDENCE + MATCH_PRIOR)
@@ -190,6 +189,14 @@ def automaton_drafts(automaton: SuffixAutomaton, ctx: np.ndarray, budget: int, m
         state = automaton.suffix_link(state)
         length = automaton.state_len(state) if state >= 0 else -1
     return out
+
+
+def settle_pending(pending: dict, estimates: dict[str, CertainStepEstimate], committed: Sequence[int]) -> None:
+    """After a step: check each source's pending best chain (left by ``automaton_drafts``)
+    against the committed tokens in that source's estimate, then forget the chains."""
+    for source, (chain, certain) in pending.items():
+        estimates[source].update(chain, certain, committed)
+    pending.clear()
 
 
 def decay_certain_steps(parents: Sequence[int], scores: Sequence[float], scale: float,

@@ -1,4 +1,4 @@
-"""All of a step's drafting sources behind one call, with one node budget.
+"""All of a step's drafting sources behind one call, with one node budget (``max_nodes``).
 
 Lookups (n-gram, suffix cache, retrieval) run every step. The draft model, if there is one,
 runs only where they are weak (``DraftConfig.mode="auto"``: the best calibrated score of a
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from lookupdec.budget import AcceptanceCalibrator, draft_factor
+from lookupdec.budget import AcceptanceCalibrator
 from lookupdec.config import DraftConfig
-from lookupdec.proposers.base import Draft, Proposer
+from lookupdec.proposers.base import Proposer
+from lookupdec.tree import Draft, draft_factor
 
 
 class Mixture:
@@ -24,7 +25,7 @@ class Mixture:
         self.draft = draft
         self.config = config or DraftConfig()
         self.calibrator = calibrator or AcceptanceCalibrator()
-        self.draft_steps = 0  # steps on which the draft model ran (since the last take_draft_steps)
+        self.draft_steps = 0  # steps on which the draft model ran (the engine resets it per request)
 
     @property
     def proposers(self) -> list:
@@ -36,10 +37,11 @@ class Mixture:
         if self.draft is not None and params is not None:
             self.draft.set_sampling(request_id, params, seed)
 
-    def propose(self, request_id: str, context: Sequence[int], budget: int) -> list[Draft]:
-        drafts = [d for p in self.lookups for d in p.propose(request_id, context, budget)]
+    def propose(self, request_id: str, context: Sequence[int], max_nodes: int) -> list[Draft]:
+        """Every source's drafts, each of at most ``max_nodes`` nodes (the merge keeps the best)."""
+        drafts = [d for p in self.lookups for d in p.propose(request_id, context, max_nodes)]
         if self.draft is not None and self._want_draft_model(drafts):
-            drafts += self.draft.propose(request_id, context, budget)
+            drafts += self.draft.propose(request_id, context, max_nodes)
             self.draft_steps += 1
         return drafts
 

@@ -1,0 +1,107 @@
+"""One decoding step, less the model: the part the engine and the replay simulator share.
+
+    propose  the mixture's drafts for the context (``Mixture.propose``), each of at most
+             ``max_nodes`` nodes
+    merge    ``TokenTree.from_drafts``: one trie, scores scaled by the calibrator, the best
+             ``max_nodes`` nodes kept (ancestors first), at most ``max_depth`` deep
+    choose   with a cost model (``EngineConfig.budget == "auto"``): keep the node count that
+             maximises expected tokens per second (``budget.choose_num_nodes``) and prune to it
+    verdict  the caller's: the engine verifies the tree with the target and accepts exactly
+             (``sampling.accept``); the simulator walks the recorded response. Either returns
+             the accepted nodes and the step's new tokens (accepted + one bonus or recovered
+             token, cut at EOS, ``max_new_tokens`` or the context's end)
+    observe  every proposer sees the new tokens
+    learn    the calibrator checks each source's best chain against them (``DraftBudget`` has
+             already seen the node count chosen)
+
+``max_nodes`` is the one name of the node budget: ``EngineConfig.max_nodes`` caps it; with a cost
+model, ``DraftBudget.nodes`` asks for fewer where fewer were kept lately. Only history enters the
+tree (committed tokens, earlier timings), never the verdict's random draws, so sampling stays
+exact. Because the engine and ``simulate`` both call ``StepCore.run``, a replayed step is the
+served step (``tests/test_step.py`` runs both on one recorded response and compares them).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget, choose_num_nodes
+from lookupdec.mixture import Mixture
+from lookupdec.tree import Draft, TokenTree
+
+
+@dataclass
+class Verdict:
+    """What the target (or the recorded response) made of a tree."""
+
+    accepted: list[int]  # accepted draft nodes, root excluded, in path order
+    new_tokens: list[int]  # the step's committed tokens: the accepted nodes' + one bonus/recovered, maybe cut
+
+
+@dataclass
+class StepResult:
+    tree: TokenTree  # the tree verified (after choosing and pruning)
+    drafts: list[Draft]  # every source's drafts, before the merge
+    accepted: list[int]  # accepted nodes whose tokens were committed (cut like new_tokens)
+    new_tokens: list[int]
+    propose_s: float  # proposers' time
+    tree_s: float  # merge + choose + prune
+
+    def count_sources(self, accepted_by_source: dict, nodes_by_source: dict | None = None) -> None:
+        """Add this step's accepted (and verified) draft nodes per source to the dicts."""
+        for node in self.accepted:
+            source = self.tree.sources[node]
+            accepted_by_source[source] = accepted_by_source.get(source, 0) + 1
+        if nodes_by_source is not None:
+            for source in self.tree.sources[1:]:
+                nodes_by_source[source] = nodes_by_source.get(source, 0) + 1
+
+
+class StepCore:
+    """The model-free part of a step for one mixture of proposers, kept across requests (the
+    calibrator and the draft budget learn from every step)."""
+
+    def __init__(self, mixture: Mixture, *, max_nodes: int, calibrator: AcceptanceCalibrator | None,
+                 draft_budget: DraftBudget | None = None, chain_only: bool = False) -> None:
+        self.mixture = mixture
+        self.max_nodes = max_nodes  # cap on draft nodes per step (EngineConfig.max_nodes)
+        self.calibrator = calibrator  # None: scores as proposed, nothing learnt
+        self.draft_budget = draft_budget or DraftBudget()  # nodes asked when a cost model chooses
+        self.chain_only = chain_only  # verify only the best chain (a model without tree masks)
+
+    def start(self, request_id: str, prompt_ids: Sequence[int], params=None, seed=None) -> None:
+        self.mixture.start(request_id, prompt_ids, params, seed)
+
+    def stop(self, request_id: str) -> None:
+        self.mixture.stop(request_id)
+
+    def run(self, request_id: str, context: Sequence[int], verdict: Callable[[TokenTree], Verdict], *,
+            max_depth: int, cost: CostModel | None = None, overhead_s: float = 0.0) -> StepResult:
+        """One step: propose, merge, choose, ``verdict(tree)``, observe, learn. ``context`` (the
+        prompt and the output so far) is not changed: the caller appends ``new_tokens``."""
+        t0 = time.perf_counter()
+        max_nodes = self.draft_budget.nodes(self.max_nodes) if cost is not None else self.max_nodes
+        drafts = self.mixture.propose(request_id, context, max_nodes)
+        t1 = time.perf_counter()
+        tree = self.build_tree(context[-1], drafts, max_nodes=max_nodes, max_depth=max_depth, cost=cost,
+                               overhead_s=overhead_s)
+        t2 = time.perf_counter()
+        judged = verdict(tree)
+        self.mixture.observe(request_id, judged.new_tokens)
+        if self.calibrator is not None:
+            self.calibrator.learn(drafts, judged.new_tokens)
+        return StepResult(tree, drafts, judged.accepted[: len(judged.new_tokens)], judged.new_tokens,
+                          propose_s=t1 - t0, tree_s=t2 - t1)
+
+    def build_tree(self, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
+                   cost: CostModel | None, overhead_s: float) -> TokenTree:
+        """Merge the drafts into one trie and keep the nodes worth verifying."""
+        factors = self.calibrator.factors() if self.calibrator is not None else None
+        tree = TokenTree.from_drafts(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth, factors=factors)
+        if self.chain_only:
+            tree = tree.best_chain()
+        if cost is not None and tree.num_draft_nodes:
+            tree = tree.prune(choose_num_nodes(tree.expected_in_prune_order(), cost, overhead_s, max_nodes))
+            self.draft_budget.observe(tree.num_draft_nodes)
+        return tree
