@@ -66,7 +66,7 @@ def test_build_index_then_rewrite_logs_with_it(tmp_path):
 
     out = tmp_path / "logs.jsonl"
     run_example("bash", "examples/rewrite_logs.sh", STORIES, str(out), LIMIT="3", MAX_NEW_TOKENS="8",
-                INDEX=str(index))
+                INDEX=str(index), CHAT="")  # stories260K has no chat template
     lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     # the script's default LOGS, ../shared/data/loghub as given: ids are PATH:LINE of that path
     assert [line["id"] for line in lines] == [f"../shared/data/loghub/Apache_2k.log:{n}" for n in (1, 2, 3)]
