@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ from lookupdec.sampling import SamplingParams, accept
 from lookupdec.step import StepCore, StepResult, Verdict
 from lookupdec.stops import StopStrings, TextAssembler
 from lookupdec.tree import TokenTree
-from lookupdec.validate import ParamError, bad, check_device, check_max_new_tokens, check_seed, shown
+from lookupdec.validate import ParamError, bad, check_device, check_generation, shown
 
 
 @dataclass
@@ -89,9 +89,12 @@ class TextStream:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, draft_model=None) -> None:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, draft_model=None,
+                 proposers: Sequence[Proposer] | None = None) -> None:
         """``draft_model``: an optional small HF causal LM with the target's vocabulary
-        (``from_pretrained(draft_model=PATH)`` checks the tokenizers match)."""
+        (``from_pretrained(draft_model=PATH)`` checks the tokenizers match). ``proposers``: the
+        lookup sources to draft from, instead of those ``config.proposers`` names (custom
+        sources, scripted ones in tests); the draft model, if any, still comes after them."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.target = model_lib.TargetModel(model, verify=self.config.verify)
@@ -103,8 +106,8 @@ class Engine:
             from lookupdec.proposers.draft_model import DraftModelProposer
 
             draft = DraftModelProposer(draft_model, self.config.draft, vocab_size=self.target.vocab_size)
-        self.mixture = Mixture(build_proposers(self.config, tokenizer=tokenizer), draft, self.config.draft,
-                               self.calibrator)
+        lookups = build_proposers(self.config, tokenizer=tokenizer) if proposers is None else list(proposers)
+        self.mixture = Mixture(lookups, draft, self.config.draft, self.calibrator)
         self.step_core = StepCore(self.mixture, max_nodes=self.config.max_nodes, calibrator=self.calibrator,
                                   draft_budget=self.draft_budget, chain_only=not self.target.tree_mode)
         self._costs: dict[int, CostModel] = {}  # context bucket -> t(n) (budget="auto"), measured or cached
@@ -145,12 +148,6 @@ class Engine:
         """Every drafting source (lookups, then the draft model if any)."""
         return self.mixture.proposers
 
-    @proposers.setter
-    def proposers(self, value) -> None:
-        value = list(value)
-        self.mixture.draft = next((p for p in value if p.name == "draft"), None)
-        self.mixture.lookups = [p for p in value if p.name != "draft"]
-
     # -- public API -----------------------------------------------------------------------------
     def generate(self, prompt, *, max_new_tokens: int, temperature: float = 0.0, top_k=None, top_p=None,
                  repetition_penalty=None, seed=None, stop=None, cancel=None) -> Generation:
@@ -168,18 +165,54 @@ class Engine:
         ``cancel``: a ``threading.Event`` or a zero-argument callable, checked before each step
         (e.g. set by a server when its client disconnects); once set, generation ends before the
         next step with ``finish_reason == "cancelled"`` and the request's state is released."""
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = self.check_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop)
         cancelled = _cancel_check(cancel)
-        check_max_new_tokens(max_new_tokens)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty)
-        check_seed(seed)
         stops = StopStrings(stop)
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=self.target.device)
             generator.manual_seed(seed) if seed is not None else generator.seed()
         return TextStream(self._text_pieces(prompt_ids, params, max_new_tokens, stops, generator, seed, cancelled))
+
+    def check_request(self, prompt, *, max_new_tokens: int, temperature: float = 0.0, top_k=None, top_p=None,
+                      repetition_penalty=None, seed=None, stop=None, field: str = "prompt") -> list[int]:
+        """Check a request as ``generate``/``stream`` do, without running it: the prompt (see
+        ``prompt_ids``), then every other value (``validate.check_generation``, which needs no
+        model). Returns the prompt's token ids; a bad value raises ``ParamError`` whose
+        ``.field`` names it (the prompt's as ``field``)."""
+        ids = self.prompt_ids(prompt, field=field)
+        check_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         repetition_penalty=repetition_penalty, seed=seed, stop=stop)
+        return ids
+
+    def prompt_ids(self, prompt, *, field: str = "prompt") -> list[int]:
+        """The token ids of ``prompt`` (text, tokenized with the tokenizer's specials, or token
+        ids), checked: not empty, every id in the vocabulary, room left in the model's context.
+        A bad prompt raises ``ParamError`` with ``.field == field`` (a server names its own
+        request field, ``prompt`` or ``messages``; the message says "prompt" either way)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ParamError("prompt is empty", field)
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise ParamError(f"prompt={shown(prompt)}: expected a string or a list of token ids",
+                                 field) from None
+            outside = [t for t in ids if not 0 <= t < self.target.vocab_size]
+            if outside:
+                raise ParamError(f"prompt token id {shown(outside[0])} outside the vocabulary "
+                                 f"[0, {self.target.vocab_size})", field)
+        if not ids:
+            raise ParamError("prompt is empty", field)
+        limit = self.target.max_context
+        if limit is not None and len(ids) >= limit:
+            raise ParamError(f"prompt has {len(ids)} tokens; the model's context is {limit} tokens", field)
+        return ids
 
     def chat_prompt(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of chat ``messages`` (a string: one user message; or a list of
@@ -194,30 +227,9 @@ class Engine:
                                                       tokenize=False)
         except Exception as exc:  # the template's own checks (jinja2 raise_exception), e.g. role order
             raise ValueError(f"messages: the chat template rejects them ({exc})") from None
-        return self._prompt_ids(list(self.tokenizer(text, add_special_tokens=False).input_ids))
+        return self.prompt_ids(list(self.tokenizer(text, add_special_tokens=False).input_ids))
 
     # -- internals ------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ParamError("prompt is empty", "prompt")
-            ids = self.tokenizer(prompt).input_ids
-        else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise bad("prompt", prompt, "expected a string or a list of token ids") from None
-            outside = [t for t in ids if not 0 <= t < self.target.vocab_size]
-            if outside:
-                raise ParamError(f"prompt token id {shown(outside[0])} outside the vocabulary "
-                                 f"[0, {self.target.vocab_size})", "prompt")
-        if not ids:
-            raise ParamError("prompt is empty", "prompt")
-        limit = self.target.max_context
-        if limit is not None and len(ids) >= limit:
-            raise ParamError(f"prompt has {len(ids)} tokens; the model's context is {limit} tokens", "prompt")
-        return ids
-
     def _text_pieces(self, prompt_ids, params, max_new_tokens, stops, generator, seed=None, cancelled=None):
         text = TextAssembler(self.tokenizer, stops)
         stats, timer = GenerationStats(), _Timer()

@@ -28,18 +28,9 @@ class StopStrings:
     """
 
     def __init__(self, stop: str | Sequence[str] | None) -> None:
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        from lookupdec.validate import bad
+        from lookupdec.validate import check_stop
 
-        try:
-            stop = list(stop)
-        except TypeError:
-            raise bad("stop", stop, "expected a string or a list of non-empty strings") from None
-        if not all(isinstance(s, str) and s for s in stop):
-            raise bad("stop", stop, "stop strings must be non-empty strings")
+        stop = check_stop(stop)
         self.strings = list(dict.fromkeys(stop))
         self.max_len = max((len(s) for s in self.strings), default=0)
         self._prefixes = {s[:k] for s in self.strings for k in range(1, len(s))}

@@ -1,7 +1,9 @@
-"""Checks shared by every entry point (Python API, CLI, server): sampling values, seeds, token
-budgets and devices. A bad value raises ``ParamError``, a ``ValueError`` that carries the name
-of the field at fault in ``.field``: the CLI prints its message on one line (exit 2), the server
-answers 400 with ``param`` set from ``.field`` (mapped to the request's own field name).
+"""Checks shared by every entry point (Python API, CLI, server, rewrite pipeline): sampling
+values, seeds, token budgets, stop strings and devices (``check_generation`` runs all of a
+request's but the prompt's; ``Engine.check_request`` adds the prompt's). A bad value raises
+``ParamError``, a ``ValueError`` that carries the name of the field at fault in ``.field``: the
+CLI prints its message on one line (exit 2), the server answers 400 with ``param`` set from
+``.field`` (mapped to the request's own field name).
 
 No torch import at module level: the CLI validates before loading anything heavy.
 """
@@ -79,6 +81,34 @@ def check_seed(seed) -> None:
 def check_max_new_tokens(value) -> None:
     if not _is_int(value) or value <= 0:
         raise bad("max_new_tokens", value, "must be a positive integer")
+
+
+def check_stop(stop) -> list[str]:
+    """Stop strings (None, one string, or a list of non-empty strings) as a list."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        stop = list(stop)
+    except TypeError:
+        raise bad("stop", stop, "expected a string or a list of non-empty strings") from None
+    if not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop", stop, "stop strings must be non-empty strings")
+    return stop
+
+
+def check_generation(*, max_new_tokens=None, temperature=0.0, top_k=None, top_p=None, repetition_penalty=None,
+                     seed=None, stop=None) -> None:
+    """Every value of a generation request but the prompt, in the order ``Engine.check_request``
+    checks them (``max_new_tokens=None``: not checked, e.g. still to be derived from the prompt).
+    Needs no model: the CLI runs it before loading one, the server on its event loop, the
+    rewrite pipeline on its options."""
+    if max_new_tokens is not None:
+        check_max_new_tokens(max_new_tokens)
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
+    check_seed(seed)
+    check_stop(stop)
 
 
 def check_device(device) -> str | None:

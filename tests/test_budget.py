@@ -10,6 +10,7 @@ import pytest
 from conftest import cached_references, cached_tiny
 from helpers import FakeTokenizer, SpyProposer
 from lookupdec import Engine, EngineConfig
+from lookupdec.proposers import build_proposers
 from lookupdec.budget import DRAFT_BUDGET_MIN, CostModel, DraftBudget, choose_num_nodes
 
 
@@ -48,9 +49,9 @@ def test_draft_budget_follows_what_was_kept():
 
 def test_engine_asks_the_adapted_budget_and_output_is_unchanged():
     model = cached_tiny("llama")
-    engine = Engine(model, FakeTokenizer(), EngineConfig(max_nodes=128, budget="auto"))
-    counting = [SpyProposer(p) for p in engine.proposers]
-    engine.proposers = counting
+    config = EngineConfig(max_nodes=128, budget="auto")
+    counting = [SpyProposer(p) for p in build_proposers(config, tokenizer=FakeTokenizer())]
+    engine = Engine(model, FakeTokenizer(), config, proposers=counting)
     for prompt, n, expected in itertools.islice(cached_references("llama"), 6):
         assert engine.generate(prompt, max_new_tokens=n).token_ids == expected
     asked = [b for p in counting for b in p.asked]

@@ -11,6 +11,7 @@ import pytest
 from conftest import cached_tiny
 from helpers import FakeTokenizer, SpyProposer
 from lookupdec import Engine, EngineConfig
+from lookupdec.proposers import build_proposers
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
 MAX_NEW = 48
@@ -19,9 +20,9 @@ MAX_NEW = 48
 @pytest.fixture()
 def engine():
     # fixed budget and only the n-gram proposer: no cost calibration, steps of known shape
-    engine = Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig(budget="fixed", proposers=("ngram",)))
-    engine.proposers = [SpyProposer(p) for p in engine.proposers]
-    return engine
+    config = EngineConfig(budget="fixed", proposers=("ngram",))
+    return Engine(cached_tiny("llama"), FakeTokenizer(), config,
+                  proposers=[SpyProposer(p) for p in build_proposers(config, tokenizer=FakeTokenizer())])
 
 
 def released(engine) -> bool:

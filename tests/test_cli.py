@@ -84,3 +84,64 @@ def test_max_new_tokens_must_be_positive(capsys, value):
         main(["generate", "--model", STORIES, "--prompt", "x", "--max-new-tokens", value])
     assert exit_info.value.code == 2
     assert "--max-new-tokens" in capsys.readouterr().err
+
+
+# -- the engine options: one definition, every command that builds an engine ----------------------
+ENGINE_COMMANDS = {  # command -> the other arguments it needs to reach Engine.from_pretrained
+    "generate": ["--prompt", "x"],
+    "serve": [],
+    "rewrite": ["--instruction", "Fix:"],  # + --input/--output, in a tmp folder
+}
+ENGINE_FLAGS = ("--model", "--index", "--draft-model", "--draft-mode", "--max-nodes", "--fixed-budget", "--device",
+                "--dtype")
+
+
+def test_every_engine_command_takes_the_same_engine_flags():
+    from lookupdec.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    seen = {}
+    for command in ENGINE_COMMANDS:
+        actions = {a.option_strings[0]: a for a in commands[command]._actions if a.option_strings}
+        for flag in ENGINE_FLAGS:
+            a = actions[flag]
+            seen.setdefault(flag, set()).add((a.type, a.choices, a.help, a.nargs, a.const))
+    assert all(len(kinds) == 1 for kinds in seen.values()), {f: k for f, k in seen.items() if len(k) > 1}
+
+
+@pytest.mark.parametrize("command", sorted(ENGINE_COMMANDS))
+@pytest.mark.parametrize("value", ["0", "-2", "many"])
+def test_max_nodes_is_a_positive_int_everywhere(capsys, tmp_path, command, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *_engine_command_args(command, tmp_path), "--max-nodes", value])
+    assert exit_info.value.code == 2 and "--max-nodes" in capsys.readouterr().err
+
+
+def _engine_command_args(command, tmp_path):
+    extra = list(ENGINE_COMMANDS[command])
+    if command == "rewrite":
+        (tmp_path / "in.txt").write_text("one line\n")
+        extra += ["--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.jsonl")]
+    return extra
+
+
+@pytest.mark.parametrize("command", sorted(ENGINE_COMMANDS))
+def test_engine_flags_reach_the_engine(capsys, tmp_path, monkeypatch, command):
+    """Every command hands the same flags to ``Engine.from_pretrained`` (stopped there: no model
+    is loaded)."""
+    from lookupdec.config import DraftConfig, EngineConfig
+    from lookupdec.engine import Engine
+
+    seen = {}
+
+    def from_pretrained(model, **kwargs):
+        seen.update(kwargs, model=model)
+        raise ValueError("stopped before loading")
+
+    monkeypatch.setattr(Engine, "from_pretrained", from_pretrained)
+    code, _, err = run(capsys, command, *_engine_command_args(command, tmp_path), "--model", "some-model",
+                       "--max-nodes", "16", "--fixed-budget", "--draft-mode", "never", "--draft-model", "d",
+                       "--index", "idx", "--device", "cpu", "--dtype", "float32")
+    assert code == 2 and "stopped before loading" in err
+    assert seen == dict(model="some-model", device="cpu", dtype="float32", index="idx", draft_model="d",
+                        config=EngineConfig(max_nodes=16, budget="fixed", draft=DraftConfig(mode="never")))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import cached_references, cached_tiny
-from helpers import FakeTokenizer, hf_greedy
+from helpers import FakeTokenizer, SpyProposer, hf_greedy
 from lookupdec import Engine, EngineConfig, Generation, GenerationStats
+from lookupdec.proposers import build_proposers
+from lookupdec.validate import ParamError
 
 CONTEXT = 512  # max_position_embeddings of the tiny models
 
@@ -45,6 +47,40 @@ def test_bad_input_raises_value_error(engine, method, what, kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
         getattr(engine, method)(prompt, **call)  # stream raises here, before any iteration
     assert "\n" not in str(info.value), "one-line message"
+
+
+EXPECTED_FIELD = {"vocabulary": "prompt", "context": "prompt", "prompt is empty": "prompt"}
+
+
+@pytest.mark.parametrize("what,kwargs,message", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_check_request_names_the_field_without_running(engine, what, kwargs, message):
+    """``Engine.check_request`` is the public form of what ``generate``/``stream`` check: the same
+    calls fail with a ``ParamError`` whose ``.field`` names the argument (``field`` renames the
+    prompt's, as a server does for ``messages``)."""
+    call = dict(prompt=[5, 6, 7], max_new_tokens=4) | kwargs
+    prompt = call.pop("prompt")
+    with pytest.raises(ParamError, match=message) as info:
+        engine.check_request(prompt, **call)
+    assert info.value.field == EXPECTED_FIELD.get(message, message)
+    if info.value.field == "prompt":
+        with pytest.raises(ParamError, match=message) as renamed:
+            engine.prompt_ids(prompt, field="messages")
+        assert renamed.value.field == "messages" and str(renamed.value) == str(info.value)
+
+
+def test_check_request_returns_the_prompt_ids(engine):
+    assert engine.check_request([5, 6, 7], max_new_tokens=4) == [5, 6, 7]
+    assert engine.check_request("5 6 7", max_new_tokens=4, temperature=0.5, stop="x") == engine.prompt_ids("5 6 7")
+
+
+def test_proposers_are_a_constructor_argument_not_a_setter():
+    spy = SpyProposer(build_proposers(EngineConfig(proposers=("ngram",)), tokenizer=FakeTokenizer())[0])
+    engine = Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig(budget="fixed"), proposers=[spy])
+    assert engine.proposers == [spy]
+    engine.generate([5, 6, 7, 5, 6], max_new_tokens=3)
+    assert spy.started and spy.started == spy.stopped
+    with pytest.raises(AttributeError):
+        engine.proposers = []
 
 
 def test_good_edge_values_are_accepted(engine):

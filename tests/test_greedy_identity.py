@@ -35,15 +35,14 @@ def make_engine(family: str, setting: str, truths: dict) -> Engine:
         config = EngineConfig(proposers=(), budget="fixed", max_nodes=ORACLE_MAX_NODES, max_depth=ORACLE_MAX_DEPTH)
     else:
         config = EngineConfig(proposers=(), budget="fixed")
-    engine = Engine(model, FakeTokenizer(), config)
-    engine.proposers = {
+    proposers = {
         "none": [],
         "oracle": [OracleProposer(truths)],
         "oracle_behind_distractors": [OracleProposer(truths, distractors=2, overrun=5)],
         "adversarial": [AdversarialProposer(truths)],
         "random_tree": [RandomTreeProposer(truths, seed=sum(map(ord, family)))],
     }[setting]
-    return engine
+    return Engine(model, FakeTokenizer(), config, proposers=proposers)
 
 
 def assert_same(out, ref, what: str) -> None:
@@ -89,9 +88,9 @@ def test_chain_verification_identity(family):
     """verify="chain" (the fallback for models that reject a 4D mask): best chain per step."""
     refs = cached_references(family)[::3]
     truths = {tuple(prompt): prompt + ref for prompt, _, ref in refs}
-    engine = Engine(cached_tiny(family), FakeTokenizer(), EngineConfig(proposers=(), verify="chain", budget="fixed"))
+    engine = Engine(cached_tiny(family), FakeTokenizer(), EngineConfig(proposers=(), verify="chain", budget="fixed"),
+                    proposers=[RandomTreeProposer(truths, seed=7), OracleProposer(truths, distractors=2)])
     assert not engine.target.tree_mode
-    engine.proposers = [RandomTreeProposer(truths, seed=7), OracleProposer(truths, distractors=2)]
     for i, (prompt, n, ref) in enumerate(refs):
         assert_same(engine.generate(prompt, max_new_tokens=n).token_ids, ref, f"{family} chain prompt #{i}")
 
@@ -105,9 +104,9 @@ def test_context_limit(family):
     prompt = [(7 * i) % 90 + 3 for i in range(limit - 9)]  # periodic: drafts up to the end
     outputs = {}
     for setting in ("none", "ngram", "oracle"):
-        engine = make_engine(family, setting, {})
-        if setting == "oracle":  # the truth is the no-draft output, padded past the end
-            engine.proposers = [OracleProposer({tuple(prompt): prompt + outputs["none"] + [5] * 20})]
+        # oracle: the truth is the no-draft output, padded past the end
+        truths = {tuple(prompt): prompt + outputs["none"] + [5] * 20} if setting == "oracle" else {}
+        engine = make_engine(family, setting, truths)
         gen = engine.generate(prompt, max_new_tokens=40)
         outputs[setting] = gen.token_ids
         assert len(prompt) + len(gen.token_ids) <= limit, f"{setting}: output runs past the context"

@@ -12,7 +12,7 @@ from lookupdec.cli import main
 from lookupdec.config import EngineConfig, RetrievalConfig
 from lookupdec.index import Index, IndexStoreError, build_index
 from lookupdec.model import load_tokenizer
-from lookupdec.proposers.retrieval import RetrievalProposer
+from lookupdec.proposers.retrieval import RetrievalProposer, drafts_after
 
 SHARED = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
 LLAMA_SP = os.path.join(SHARED, "data", "tokenizers", "llama2", "tokenizer.model")
@@ -54,6 +54,19 @@ def test_drafts_continue_the_retrieved_text(code_index):
     proposer.stop("r")
     with pytest.raises(ValueError, match="was not started"):
         proposer.propose("r", ids[:cut], 32)
+
+
+def test_drafts_after_is_a_started_asked_stopped_request(code_index):
+    """``drafts_after`` (what ``index query`` prints) gives the drafts of a fresh request."""
+    index, tok = code_index
+    ids = tok.encode(MODULE, add_special_tokens=False)
+    cut = ids.index(tok.encode("charlie", add_special_tokens=False)[-1]) + 1
+    config = RetrievalConfig(index=index.path, top_k=5)
+    proposer = RetrievalProposer(index, config)
+    proposer.start("r", ids[:cut])
+    expected = proposer.propose("r", ids[:cut], 32)
+    got = drafts_after(index, ids[:cut], config)
+    assert [(d.token_ids, d.parents) for d in got] == [(d.token_ids, d.parents) for d in expected] and got
 
 
 def test_nothing_retrieved_means_no_drafts_not_an_error(code_index):

@@ -24,6 +24,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Repetit
 from conftest import cached_references, cached_tiny
 from helpers import EOS, FakeTokenizer, OracleProposer, RandomTreeProposer
 from lookupdec import Engine, EngineConfig
+from lookupdec.proposers import build_proposers
 from lookupdec.proposers.base import Draft
 from lookupdec.sampling import SamplingParams, accept, process_row, target_probs
 from lookupdec.tree import TokenTree
@@ -304,8 +305,8 @@ def test_monte_carlo_engine_first_two_tokens():
     exact = two_token_dist(lambda t1: second_logits[t1])
     likely = p1.topk(2).indices.tolist()
     children = {t: plain_probs(second_logits[t], prompt + [t], params).topk(2).indices.tolist() for t in likely}
-    engine = Engine(model, FakeTokenizer(), EngineConfig(proposers=(), budget="fixed"))
-    engine.proposers = [FixedTreeProposer(prompt, children)]
+    engine = Engine(model, FakeTokenizer(), EngineConfig(proposers=(), budget="fixed"),
+                    proposers=[FixedTreeProposer(prompt, children)])
     counts, two_in_one_step = Counter(), 0
     for seed in range(E2E_SEEDS):
         gen = engine.generate(prompt, max_new_tokens=2, seed=seed, **E2E_PARAMS)
@@ -350,10 +351,10 @@ def test_seeded_output_does_not_depend_on_the_drafts(family):
     truths = {tuple(p): p + r for p, _, r in refs}
     engines = {}
     for setting in ("none", "ngram", "oracle", "random"):
-        engine = Engine(cached_tiny(family), FakeTokenizer(), EngineConfig(proposers=(), budget="fixed"))
-        engine.proposers = {"none": [], "ngram": Engine(cached_tiny(family), FakeTokenizer()).proposers,
-                            "oracle": [OracleProposer(truths)], "random": [RandomTreeProposer(truths, seed=3)]}[setting]
-        engines[setting] = engine
+        proposers = {"none": [], "ngram": build_proposers(EngineConfig(), tokenizer=FakeTokenizer()),
+                     "oracle": [OracleProposer(truths)], "random": [RandomTreeProposer(truths, seed=3)]}[setting]
+        engines[setting] = Engine(cached_tiny(family), FakeTokenizer(), EngineConfig(proposers=(), budget="fixed"),
+                                  proposers=proposers)
     for i, (prompt, n, _) in enumerate(refs):
         outs = {s: e.generate(prompt, max_new_tokens=n, seed=100 + i, temperature=0.9, top_p=0.95).token_ids
                 for s, e in engines.items()}

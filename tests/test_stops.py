@@ -159,9 +159,9 @@ def engines(stories, story):
     model, tokenizer = stories
     ids, _, _ = story
     plain = Engine(model, tokenizer, EngineConfig(proposers=(), budget="fixed"))
-    oracle = Engine(model, tokenizer, EngineConfig(proposers=(), budget="fixed", max_nodes=64, max_depth=48))
     prompt_ids = tokenizer(PROMPT).input_ids
-    oracle.proposers = [OracleProposer({tuple(prompt_ids): prompt_ids + ids})]
+    oracle = Engine(model, tokenizer, EngineConfig(proposers=(), budget="fixed", max_nodes=64, max_depth=48),
+                    proposers=[OracleProposer({tuple(prompt_ids): prompt_ids + ids})])
     return {"one token per step": plain, "many tokens per step": oracle}
 
 

@@ -14,7 +14,7 @@ stage is reproducible from ``--seed``; training logs loss and tokens/s as JSON l
 
 Kept apart from the package's layers: an offline tool (not imported by the engine, the CLI or
 the server) that builds models and tokenizers with ``transformers`` directly, so it is the one
-module besides ``lookupdec/model.py`` that imports ``transformers``.
+module besides the ``lookupdec/model/`` package that imports ``transformers``.
 """
 from __future__ import annotations
 

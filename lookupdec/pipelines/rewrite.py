@@ -101,11 +101,12 @@ class RewriteOptions:
     token_ids: bool = False  # also write the generated token ids in each line
 
     def __post_init__(self) -> None:
-        from lookupdec.validate import check_max_new_tokens, check_sampling, check_seed
+        """The checks ``Engine.check_request`` runs on these values (``ParamError`` naming the
+        field), before any record is read or any model loaded."""
+        from lookupdec.validate import check_generation
 
-        check_max_new_tokens(self.max_new_tokens)
-        check_sampling(temperature=self.temperature)
-        check_seed(self.seed)
+        check_generation(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
+                         stop=self.stop)
 
     def record_seed(self, record_id: str) -> int | None:
         """Per record, so that an output does not depend on which records ran before it."""

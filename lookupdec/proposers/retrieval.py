@@ -99,6 +99,23 @@ class RetrievalProposer:
         self.query_seconds.append(time.perf_counter() - t)
 
 
+PREVIEW_MAX_NODES = 32  # draft nodes asked by ``drafts_after``
+
+
+def drafts_after(index: Index, context_ids: Sequence[int], config: RetrievalConfig | None = None, *,
+                 max_nodes: int = PREVIEW_MAX_NODES) -> list[Draft]:
+    """The drafts retrieval would propose right after ``context_ids`` if they ended a prompt:
+    one request started on them (its first query), asked once for ``max_nodes`` nodes, stopped.
+    For inspecting an index (``lookupdec index query``); the engine uses the proposer itself."""
+    proposer = RetrievalProposer(index, config)
+    ids = list(context_ids)
+    proposer.start("preview", ids)
+    try:
+        return proposer.propose("preview", ids, max_nodes)
+    finally:
+        proposer.stop("preview")
+
+
 def _runs(chunks: list[int], index: Index) -> list[list[int]]:
     """Sorted chunk ids grouped into runs that are consecutive in one document."""
     runs: list[list[int]] = []

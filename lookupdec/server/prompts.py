@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from lookupdec.server.protocol import ChatRequest, CompletionRequest, RequestError
+from lookupdec.validate import ParamError
 
 FIM_SPELLINGS = (
     ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
@@ -107,6 +108,6 @@ class PromptBuilder:
     def _checked(self, prompt, param: str) -> list[int]:
         """The engine's own prompt checks (empty, vocabulary, context), naming ``param``."""
         try:
-            return self.engine._prompt_ids(prompt)
-        except ValueError as exc:
-            raise RequestError(str(exc), param) from None
+            return self.engine.prompt_ids(prompt, field=param)
+        except ParamError as exc:
+            raise RequestError(str(exc), exc.field) from None

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from lookupdec.validate import ParamError, check_sampling, check_seed
+from lookupdec.validate import ParamError, check_generation
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -85,12 +85,12 @@ class _Sampling(BaseModel):
         return _must_be(v, (None, {}), "no logit_bias")
 
     def check_values(self) -> None:
-        """The sampling values and the seed, by the checks the engine itself runs (raises
-        ``RequestError`` naming the field); run on the loop, before the prompt is built."""
+        """The sampling values, the seed and the stop strings, by the checks the engine itself
+        runs (``validate.check_generation``, the model-free part of ``Engine.check_request``;
+        raises ``RequestError`` naming the field); run on the loop, before the prompt is built."""
         try:
-            check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                           repetition_penalty=self.repetition_penalty)
-            check_seed(self.seed)
+            check_generation(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop)
         except ParamError as exc:
             raise RequestError(str(exc), exc.field) from None
 

