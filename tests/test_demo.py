@@ -81,7 +81,7 @@ def test_builtin_alias():
     assert resolve("some/folder") == "some/folder"
 
 
-needs_weights = pytest.mark.skipif(not os.path.isfile(os.path.join(MODEL_DIR, "config.json")),
+needs_weights = pytest.mark.skipif(not os.path.isfile(os.path.join(MODEL_DIR, "model.safetensors")),
                                    reason="built-in weights not present")
 
 

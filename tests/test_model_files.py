@@ -155,13 +155,33 @@ def test_smollm2_alias_found_without_importing_it():
 
 def test_other_names_unchanged():
     assert model_files.resolve("some/folder") == "some/folder"
-    assert model_files.resolve("builtin").endswith("pycoder")
+    assert model_files.resolve("builtin", weights=False).endswith("pycoder")
+
+
+def test_builtin_without_its_weights_says_how_to_build_them(tmp_path, monkeypatch):
+    """The repository ships the built-in models' configs and tokenizers, not their weights."""
+    from lookupdec import demo
+
+    folder = tmp_path / "pycoder"
+    shutil.copytree(demo.MODEL_DIR, folder, ignore=shutil.ignore_patterns("model.safetensors"))
+    monkeypatch.setitem(demo.ALIASES, "builtin", str(folder))
+    with pytest.raises(ModelFileError, match="built, not shipped.*MODEL_CARD.md"):
+        model_files.resolve("builtin")
+    with pytest.raises(ModelLoadError, match="built, not shipped") as info:
+        load("builtin")
+    assert "\n" not in str(info.value)
+    assert model_files.resolve("builtin", weights=False) == str(folder)  # its tokenizer is there
 
 
 @pytest.fixture
 def builtin_copy(tmp_path):
+    """A real small model folder to damage: stories260K (../shared)."""
+    from conftest import STORIES
+
+    if not os.path.isdir(STORIES):
+        pytest.skip(f"stories260K not found at {STORIES}")
     folder = tmp_path / "model"
-    shutil.copytree(model_files.resolve("builtin"), folder)
+    shutil.copytree(STORIES, folder)
     return folder
 
 

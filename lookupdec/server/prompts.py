@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from lookupdec.server.protocol import ChatRequest, CompletionRequest, RequestError
+from lookupdec.tokens import chat_text
 from lookupdec.validate import ParamError
 
 FIM_SPELLINGS = (
@@ -75,9 +76,9 @@ class PromptBuilder:
                                "chat_template); use /v1/completions", "messages")
         messages = [m.as_template_input() for m in request.messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # the template's own checks (jinja2 raise_exception), e.g. role order
-            raise RequestError(f"the chat template rejects these messages: {exc}", "messages") from None
+            text = chat_text(self.tokenizer, messages)
+        except ParamError as exc:
+            raise RequestError(str(exc), exc.field) from None
         ids = self._checked(self._tokenize(text, "messages", special=False), "messages")
         max_tokens = request.requested_max_tokens()
         if max_tokens is None:
