@@ -29,7 +29,9 @@ import platform
 import time
 from typing import Callable, Sequence
 
-from lookupdec.tree import Draft, match_bucket
+import numpy as np
+
+from lookupdec.tree import CELLS_PER_ROW, Calibration, Draft, TokenTree, match_bucket
 
 
 log = logging.getLogger("lookupdec")
@@ -169,37 +171,78 @@ def store_cached_cost(key: str, cost: CostModel) -> None:
 
 
 BUCKET_PRIOR_WEIGHT = 2.0  # a bucket starts at its source's factor, worth this many observations
+CELL_PRIOR_WEIGHT = 2.0  # a (depth, rank) cell starts at its bucket's factor, worth this many
 
 
 class AcceptanceCalibrator:
-    """Factors on conditional acceptance probabilities per source and per (source, match-length
-    bucket), learnt from committed tokens: a source — or a source at short matches — whose
-    drafts keep failing gets lower scores, so fewer of the step's nodes (the budget is shared
-    by score, ``TokenTree.from_drafts``)."""
+    """Factors on the proposers' conditional acceptance probabilities, learnt from verified
+    steps, at two levels:
+
+    - coarse, per source and per (source, match-length bucket): after every step the best
+      chain of each source's first draft per bucket is checked against the committed tokens,
+      whether it was verified or not ("shadow" checking), so a source whose drafts were pruned
+      keeps being measured;
+    - fine, per (source, match bucket) row and (depth bucket, sibling rank) cell
+      (``tree.Calibration``): every verified node whose parent the target reached is one
+      observation of its conditional probability (accepted or not); a cell starts at its
+      bucket's coarse factor worth ``CELL_PRIOR_WEIGHT`` observations.
+
+    A factor is the decayed count of nodes accepted over the decayed sum of the probabilities
+    the proposer claimed for them, so a source, a depth or a second-ranked sibling that keeps
+    failing gets lower scores and fewer of the step's nodes; the budget chooser adds up the
+    calibrated probabilities as expected accepted tokens.
+    """
 
     def __init__(self) -> None:
         self._predicted: dict = {}  # key -> decayed sum of predicted conditional probs
         self._matched: dict = {}  # key -> decayed count of nodes that matched
+        self._rows: dict = {}  # (source, match bucket) -> row of the fine tables
+        self._cell_predicted = np.zeros((0, CELLS_PER_ROW))
+        self._cell_matched = np.zeros((0, CELLS_PER_ROW))
+        self._calibration: Calibration | None = None  # cached until the next learn
 
     def _ratio(self, key) -> float:
         predicted, matched = self._predicted[key], self._matched[key]
         return min(MAX_FACTOR, matched / predicted) if predicted > 0 else 1.0
 
     def factors(self) -> dict:
-        """Every observed key's factor: ``source`` and ``(source, bucket)`` keys
-        (``TokenTree.from_drafts(factors=...)``)."""
+        """Every observed coarse key's factor: ``source`` and ``(source, bucket)`` keys."""
         return {key: self._ratio(key) for key in self._predicted}
 
-    def learn(self, drafts: Sequence[Draft], committed: Sequence[int]) -> None:
-        """After a step: decay the history once, then shadow-check the best chain of each
-        source's first draft per match bucket against the tokens committed by the step.
+    def factor(self, draft: Draft) -> float:
+        """The coarse factor of ``draft``: its (source, bucket) entry, else its source's, else 1."""
+        key = (draft.source, match_bucket(draft.match_length))
+        if key in self._predicted:
+            return self._ratio(key)
+        return self._ratio(draft.source) if draft.source in self._predicted else 1.0
+
+    def calibration(self) -> Calibration:
+        """The factors as ``TokenTree.from_drafts`` takes them (cached between steps)."""
+        if self._calibration is None:
+            rows = self._rows
+            prior = np.array([self._ratio(key) for key in rows]).reshape(-1, 1)
+            table = (self._cell_matched + CELL_PRIOR_WEIGHT * prior) / (self._cell_predicted + CELL_PRIOR_WEIGHT)
+            np.minimum(table, MAX_FACTOR, out=table)
+            fallback = {key: self._ratio(key) for key in self._predicted if not isinstance(key, tuple)}
+            self._calibration = Calibration(dict(rows), table, fallback)
+        return self._calibration
+
+    def learn(self, drafts: Sequence[Draft], committed: Sequence[int], tree: TokenTree | None = None,
+              accepted: Sequence[int] = ()) -> None:
+        """After a step: decay the history once; shadow-check the best chain of each source's
+        first draft per match bucket against the ``committed`` tokens (coarse); and, given the
+        verified ``tree`` and its ``accepted`` nodes, count every node whose parent was reached
+        in its cell (fine).
 
         Priors are pseudo-observations that decay like real ones: a source starts at factor 1
         worth ``PRIOR_WEIGHT``; a bucket starts at its source's factor worth
         ``BUCKET_PRIOR_WEIGHT``. A source whose drafts never match fades towards 0."""
+        self._calibration = None
         for key in self._predicted:
             self._predicted[key] *= HISTORY_DECAY
             self._matched[key] *= HISTORY_DECAY
+        self._cell_predicted *= HISTORY_DECAY
+        self._cell_matched *= HISTORY_DECAY
         checked: set = set()
         sources_seen: set = set()
         for draft in drafts:
@@ -219,11 +262,28 @@ class AcceptanceCalibrator:
             if key not in self._predicted:
                 self._predicted[key] = BUCKET_PRIOR_WEIGHT
                 self._matched[key] = BUCKET_PRIOR_WEIGHT * self._ratio(draft.source)
+            if key not in self._rows:
+                self._rows[key] = len(self._rows)
+                self._cell_predicted = np.vstack([self._cell_predicted, np.zeros(CELLS_PER_ROW)])
+                self._cell_matched = np.vstack([self._cell_matched, np.zeros(CELLS_PER_ROW)])
             targets = [key] if draft.source in sources_seen else [key, draft.source]
             sources_seen.add(draft.source)
             for k in targets:
                 self._predicted[k] += predicted
                 self._matched[k] += matched
+        if tree is not None and len(tree) > 1:
+            self._learn_cells(tree, accepted)
+
+    def _learn_cells(self, tree: TokenTree, accepted: Sequence[int]) -> None:
+        predicted, matched = self._cell_predicted.reshape(-1), self._cell_matched.reshape(-1)
+        accepted_set = set(accepted)
+        for parent in [0, *accepted]:
+            for node in tree.children[parent].values():
+                cell = tree.cells[node]
+                if 0 <= cell < len(predicted):
+                    predicted[cell] += tree.conds[node]
+                    if node in accepted_set:
+                        matched[cell] += 1.0
 
 
 class DraftBudget:

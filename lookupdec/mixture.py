@@ -15,7 +15,7 @@ from typing import Sequence
 from lookupdec.budget import AcceptanceCalibrator
 from lookupdec.config import DraftConfig
 from lookupdec.proposers.base import Proposer
-from lookupdec.tree import Draft, draft_factor
+from lookupdec.tree import Draft
 
 
 class Mixture:
@@ -49,10 +49,9 @@ class Mixture:
         mode = self.config.mode
         if mode != "auto":
             return mode == "always"
-        factors = self.calibrator.factors()
         best = 0.0
         for d in drafts:
-            factor = draft_factor(factors, d)
+            factor = self.calibrator.factor(d)
             for score, parent in zip(d.scores, d.parents):
                 if parent < 0:
                     best = max(best, min(1.0, score * factor))

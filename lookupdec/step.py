@@ -90,15 +90,16 @@ class StepCore:
         judged = verdict(tree)
         self.mixture.observe(request_id, judged.new_tokens)
         if self.calibrator is not None:
-            self.calibrator.learn(drafts, judged.new_tokens)
+            self.calibrator.learn(drafts, judged.new_tokens, tree, judged.accepted)
         return StepResult(tree, drafts, judged.accepted[: len(judged.new_tokens)], judged.new_tokens,
                           propose_s=t1 - t0, tree_s=t2 - t1)
 
     def build_tree(self, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
                    cost: CostModel | None, overhead_s: float) -> TokenTree:
         """Merge the drafts into one trie and keep the nodes worth verifying."""
-        factors = self.calibrator.factors() if self.calibrator is not None else None
-        tree = TokenTree.from_drafts(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth, factors=factors)
+        calibration = self.calibrator.calibration() if self.calibrator is not None else None
+        tree = TokenTree.from_drafts(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
+                                     calibration=calibration)
         if self.chain_only:
             tree = tree.best_chain()
         if cost is not None and tree.num_draft_nodes:

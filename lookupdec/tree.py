@@ -84,11 +84,85 @@ class Draft:
         return cls(tuple(token_ids), tuple(range(-1, n - 1)), tuple(scores), source, match_length)
 
 
-def draft_factor(factors: dict, draft: Draft) -> float:
-    """The calibration factor for ``draft`` (``budget.AcceptanceCalibrator.factors``): its
-    (source, match bucket) entry, else its source's, else 1."""
-    key = (draft.source, match_bucket(draft.match_length))
-    return factors.get(key, factors.get(draft.source, 1.0))
+DEPTH_BUCKETS = (1, 2, 3, 5, 9, 17)  # node depths are calibrated in these buckets
+SIBLING_RANKS = 3  # sibling rank (by score within a draft) is calibrated as 0, 1, 2 or more
+CELLS_PER_ROW = len(DEPTH_BUCKETS) * SIBLING_RANKS
+
+
+def depth_bucket(depth: int) -> int:
+    """The index of ``depth``'s bucket in ``DEPTH_BUCKETS`` (depth 1 = a child of the root).
+
+    >>> [depth_bucket(d) for d in (1, 2, 3, 4, 5, 8, 9, 30)]
+    [0, 1, 2, 2, 3, 3, 4, 5]
+    """
+    return bisect.bisect_right(DEPTH_BUCKETS, depth) - 1
+
+
+def draft_features(draft: Draft) -> tuple[list[int], list[int]]:
+    """Per draft node: its depth (1 = a child of the root) and its sibling rank (0 = the
+    best-scored child of its parent in this draft; ties go to the earlier node).
+
+    >>> draft_features(Draft((1, 2, 3, 4), (-1, -1, 0, 0), (.5, .7, .2, .4), "t"))
+    ([1, 1, 2, 2], [1, 0, 1, 0])
+    """
+    parents, scores = draft.parents, draft.scores
+    n = len(parents)
+    depth = [0] * n
+    for i, p in enumerate(parents):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    if parents == tuple(range(-1, n - 1)):
+        return depth, [0] * n
+    rank = [0] * n
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    for kids in children.values():
+        if len(kids) > 1:
+            for r, i in enumerate(sorted(kids, key=lambda i: (-scores[i], i))):
+                rank[i] = r
+    return depth, rank
+
+
+class Calibration:
+    """What ``TokenTree.from_drafts`` multiplies each draft node's conditional probability by
+    (``budget.AcceptanceCalibrator.calibration`` builds it from verified steps).
+
+    ``rows`` maps ``(source, match bucket)`` to a row of ``table`` ``[rows, CELLS_PER_ROW]``; a
+    node's cell in the row is ``depth_bucket(depth) * SIBLING_RANKS + min(rank, SIBLING_RANKS - 1)``.
+    A draft without a row takes ``fallback[source]`` (1.0 when absent) for every node.
+    """
+
+    def __init__(self, rows: dict | None = None, table=None, fallback: dict | None = None) -> None:
+        self.rows = rows or {}
+        self.table = np.ones((0, CELLS_PER_ROW)) if table is None else np.asarray(table, dtype=np.float64)
+        self.fallback = fallback or {}
+
+    @classmethod
+    def from_factors(cls, factors: dict) -> "Calibration":
+        """One factor per source (or per ``(source, match bucket)``) for every node."""
+        rows, table, fallback = {}, [], {}
+        for key, factor in factors.items():
+            if isinstance(key, tuple):
+                rows[key] = len(table)
+                table.append([factor] * CELLS_PER_ROW)
+            else:
+                fallback[key] = factor
+        return cls(rows, np.array(table).reshape(-1, CELLS_PER_ROW), fallback)
+
+    def row(self, draft: Draft) -> int:
+        """``draft``'s row, -1 if none (``fallback`` then)."""
+        return self.rows.get((draft.source, match_bucket(draft.match_length)), -1)
+
+    def node_factors(self, draft: Draft) -> tuple[list[float], list[int]]:
+        """Each node's factor and its flat cell (``row * CELLS_PER_ROW + cell``, -1 without a row)."""
+        row = self.row(draft)
+        if row < 0:
+            return [self.fallback.get(draft.source, 1.0)] * len(draft.token_ids), [-1] * len(draft.token_ids)
+        depth, rank = draft_features(draft)
+        cells = [row * CELLS_PER_ROW + depth_bucket(d) * SIBLING_RANKS + min(r, SIBLING_RANKS - 1)
+                 for d, r in zip(depth, rank)]
+        flat = self.table.reshape(-1)
+        return [float(flat[c]) for c in cells], cells
 
 
 @dataclass
@@ -109,9 +183,18 @@ class TokenTree:
     # [1 + n] probability that the walk reaches each node (``coherent_scores``): what the budget
     # chooser adds up. ``scores`` rank the nodes (they decide what a budget keeps). Default: scores.
     expected: list[float] = field(default_factory=list)
+    # [1 + n] per node, from the draft that gave its score: the calibration cell it was scaled by
+    # (``Calibration``; -1: none) and its raw conditional probability (draft score / parent
+    # score), which ``AcceptanceCalibrator.learn`` compares with what the target accepted.
+    cells: list[int] = field(default_factory=list)
+    conds: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
+        if not self.cells:
+            self.cells = [-1] * n
+        if not self.conds:
+            self.conds = [1.0] * n
         if not self.scores:
             self.scores = [1.0] * n
         if not self.sources:
@@ -148,22 +231,28 @@ class TokenTree:
     @classmethod
     def from_drafts(
         cls, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
-        factors: dict[str, float] | None = None,
+        calibration: Calibration | dict | None = None,
     ) -> "TokenTree":
         """Merge drafts into a trie, then keep the ``max_nodes`` best nodes (ancestors kept).
 
-        ``factors`` (from ``budget.AcceptanceCalibrator.factors``, keyed by ``(source, match
-        length bucket)`` or by source) multiply each node's conditional probability
-        ``score / parent score``, capped at 1. A node's score is capped
-        by its parent's (a path cannot be likelier than its prefix), so taking nodes in order of
-        score never takes a child before its parent. Ties go to the earlier node (drafts earlier
-        in the list win).
+        ``calibration`` (``Calibration``, from ``budget.AcceptanceCalibrator.calibration``; a
+        dict of per-source factors is taken as ``Calibration.from_factors``) multiplies each
+        node's conditional probability ``score / parent score`` by its cell's factor (per
+        source, match bucket, depth bucket and sibling rank), capped at 1. A node's score is
+        capped by its parent's (a path cannot be likelier than its prefix), so taking nodes in
+        order of score never takes a child before its parent. Ties go to the earlier node
+        (drafts earlier in the list win).
         """
+        if isinstance(calibration, dict):
+            calibration = Calibration.from_factors(calibration)
         token_ids, parents, scores, sources, depths = [root_token], [-1], [1.0], [""], [0]
-        point_mass, samples = [True], {}
+        point_mass, samples, cells, conds = [True], {}, [-1], [1.0]
         index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
         for draft in drafts:
-            factor = draft_factor(factors, draft) if factors else 1.0
+            if calibration is not None:
+                node_factors, node_cells = calibration.node_factors(draft)
+            else:
+                node_factors, node_cells = None, None
             raw = draft.scores
             local = [0] * len(draft.token_ids)  # draft node -> trie node
             for i, (tok, par) in enumerate(zip(draft.token_ids, draft.parents)):
@@ -175,6 +264,7 @@ class TokenTree:
                 node = index.get(key)
                 raw_parent = 1.0 if par < 0 else raw[par]
                 cond = raw[i] / raw_parent if raw_parent > 0 else 0.0
+                factor = node_factors[i] if node_factors is not None else 1.0
                 score = scores[parent] * min(1.0, factor * cond)
                 if node is None:
                     if depths[parent] >= max_depth:
@@ -188,11 +278,15 @@ class TokenTree:
                     scores.append(score)
                     sources.append(draft.source)
                     point_mass.append(draft.samples is None)
+                    cells.append(node_cells[i] if node_cells is not None else -1)
+                    conds.append(cond)
                 else:
                     point_mass[node] = point_mass[node] or draft.samples is None
                     if score > scores[node]:
                         scores[node] = score
                         sources[node] = draft.source
+                        cells[node] = node_cells[i] if node_cells is not None else -1
+                        conds[node] = cond
                 local[i] = node
             for at, (q, drawn) in (draft.samples or {}).items():
                 node = 0 if at < 0 else local[at]
@@ -200,11 +294,11 @@ class TokenTree:
                     samples[node] = (q, tuple(drawn))
         expected = coherent_scores(parents, scores)
         keep = select_top_nodes(parents, scores, max_nodes)
-        return cls._subtree(keep, token_ids, parents, scores, sources, point_mass, samples, expected)
+        return cls._subtree(keep, token_ids, parents, scores, sources, point_mass, samples, expected, cells, conds)
 
     @classmethod
     def _subtree(cls, keep, token_ids, parents, scores, sources, point_mass=None, samples=None,
-                 expected=None) -> "TokenTree":
+                 expected=None, cells=None, conds=None) -> "TokenTree":
         remap = {old: new for new, old in enumerate(keep)}
         return cls(
             token_ids=[token_ids[i] for i in keep],
@@ -214,11 +308,13 @@ class TokenTree:
             samples={remap[node]: value for node, value in (samples or {}).items() if node in remap},
             point_mass=[point_mass[i] for i in keep] if point_mass else [],
             expected=[expected[i] for i in keep] if expected else [],
+            cells=[cells[i] for i in keep] if cells else [],
+            conds=[conds[i] for i in keep] if conds else [],
         )
 
     def _keep(self, keep) -> "TokenTree":
         return TokenTree._subtree(keep, self.token_ids, self.parents, self.scores, self.sources, self.point_mass,
-                                  self.samples, self.expected)
+                                  self.samples, self.expected, self.cells, self.conds)
 
     def expected_in_prune_order(self) -> list[float]:
         """``expected`` of the draft nodes in the order ``prune`` takes them (best score first):

@@ -62,7 +62,7 @@ def test_zero_budget_keeps_only_the_root():
 
 def test_factors_scale_conditional_probabilities():
     drafts = [chain([1, 2], [0.9, 0.8], "weak"), chain([3, 4], [0.5, 0.4], "strong")]
-    tree = TokenTree.from_drafts(0, drafts, max_nodes=BIG, max_depth=BIG, factors={"weak": 0.5, "strong": 4.0})
+    tree = TokenTree.from_drafts(0, drafts, max_nodes=BIG, max_depth=BIG, calibration={"weak": 0.5, "strong": 4.0})
     # weak: 0.5 * 0.9 = 0.45, then 0.45 * 0.5 * (0.8 / 0.9); strong: min(1, 4 * 0.5) = 1, min(1, 4 * 0.8) = 1
     assert tree.scores == pytest.approx([1.0, 0.45, 0.45 * 0.5 * 0.8 / 0.9, 1.0, 1.0])
 
