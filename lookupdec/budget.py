@@ -2,15 +2,16 @@
 
 Two parts, both cheap enough for the hot path:
 
-- ``CostModel``: the time of one verify forward for ``n`` tree tokens, ``t(n)``, measured once
-  per engine on the machine in use (a few forwards at start-up, bounded by
-  ``CALIBRATION_SECONDS``) and interpolated linearly between measured sizes.
+- ``CostModel``: the time of one verify forward for ``n`` tree tokens, ``t(n)``, learnt online
+  from the engine's own timed forwards, per context-length bucket, seeded from the cost cache
+  or a few forwards (``SEED_SIZES``, one each) the first time an engine meets a bucket.
 - ``AcceptanceCalibrator``: per proposer, how far its scores (estimated acceptance
   probabilities) are from what happens. After every step it checks the step's best draft chain
   against the tokens actually committed — whether that chain was verified or not — so a source
-  whose drafts were dropped keeps being measured at no cost ("shadow" checking). The factor
-  multiplies each node's conditional probability (score / parent score), so a failing source's
-  deep nodes fade fastest.
+  whose drafts were dropped keeps being measured at no cost ("shadow" checking); and every
+  verified node whose parent was reached is counted in its (source, match bucket, depth, sibling
+  rank) cell. The factor multiplies each node's conditional probability (score / parent
+  score), so a failing source's deep nodes fade fastest.
 
 ``choose_num_nodes`` then takes the ``n`` best nodes maximising expected new tokens per second,
 ``(1 + sum of the n best calibrated scores) / (t(1 + n) + overhead)``: the expected number of
@@ -36,10 +37,14 @@ from lookupdec.tree import CELLS_PER_ROW, Calibration, Draft, TokenTree, match_b
 
 log = logging.getLogger("lookupdec")
 
-CALIBRATION_SECONDS = 2.0  # start-up budget for measuring t(n) (once per model, device, dtype: cached)
-MAX_MEASURED_TOKENS = 256  # t(n) is measured for n = 1, 2, 4 ... 256 tree tokens
-COST_CACHE_VERSION = 1
+CALIBRATION_SECONDS = 2.0  # cap on a full measurement (``CostModel.measure``, benchmarks)
+SEED_SIZES = (1, 4, 16, 64)  # an engine's first context bucket: one forward each, then learnt online
+MAX_MEASURED_TOKENS = 256  # t(n) is measured for n = 1, 2, 4 ... 256 tree tokens by ``measure``
+COST_CACHE_VERSION = 2
+MAX_CACHED_CURVES = 32  # the cost cache keeps the curves updated last
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
+COST_LEARNING_RATE = 0.1  # an observed forward moves its size's estimate this far (after the first few)
+COST_SPIKE = 2.0  # an observation above this many times the estimate counts as this many times
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the initial factor of 1.0 (they decay like
 #                    real ones, so a source that never matches fades to a factor near 0)
 HISTORY_DECAY = 0.95  # per-step decay of old observations (half-life about 14 steps)
@@ -50,33 +55,45 @@ DRAFT_BUDGET_DECAY = 0.9  # per-step decay of the running mean of kept nodes
 
 
 class CostModel:
-    """``t(n)``: seconds for one verify forward of ``n`` tokens (the root included)."""
+    """``t(n)``: seconds for one verify forward of ``n`` tokens (the root included), learnt.
 
-    def __init__(self, sizes: Sequence[int], seconds: Sequence[float]) -> None:
-        if not sizes or list(sizes) != sorted(sizes) or len(sizes) != len(seconds):
+    Seeded by a few timed forwards (``measure``) or from the cost cache, then refined by every
+    verify forward the engine times (``observe``): each size keeps a running estimate, spikes
+    (another process, a cold cache) clipped. Between observed sizes ``t`` is interpolated
+    linearly; and since a tree can always take more nodes, the cost of ``n`` tokens is the
+    cheapest of any size ``>= n`` (on one CPU thread SmolLM2 verifies 4 tokens faster than 2:
+    the matrix kernels for 2 and 3 rows are slow), which ``choose_num_nodes`` exploits.
+    """
+
+    def __init__(self, sizes: Sequence[int], seconds: Sequence[float], counts: Sequence[int] | None = None) -> None:
+        if not sizes or list(sizes) != sorted(set(sizes)) or len(sizes) != len(seconds):
             raise ValueError("CostModel: sizes must be increasing and match seconds")
-        self.sizes, self.seconds = list(sizes), list(seconds)
+        self.sizes, self.seconds = [int(n) for n in sizes], [float(t) for t in seconds]
+        self.counts = list(counts) if counts is not None else [1] * len(self.sizes)  # observations per size
+        self._dense: np.ndarray | None = None
 
     @classmethod
     def flat(cls) -> "CostModel":
         """Every size costs the same: verify as many nodes as allowed."""
         return cls([1], [1.0])
 
-    @classmethod
-    def measure(cls, forward: Callable[[int], None], max_tokens: int) -> "CostModel":
-        """Time ``forward(n)`` for n = 1, 2, 4, ... ``max_tokens``, in interleaved rounds.
+    def copy(self) -> "CostModel":
+        return CostModel(self.sizes, self.seconds, self.counts)
 
-        Noise (other processes, a cold cache) only ever adds time, so each size keeps its
-        fastest round, and a size measured slower than a larger one takes the larger one's
-        time: verifying more tokens cannot be cheaper. Rounds stop at ``CALIBRATION_REPEATS``
-        or when ``CALIBRATION_SECONDS`` are spent (sizes never reached are extrapolated).
-        """
-        sizes = [1]
-        while sizes[-1] < max_tokens:
-            sizes.append(min(2 * sizes[-1], max_tokens))
+    @classmethod
+    def measure(cls, forward: Callable[[int], None], max_tokens: int, sizes: Sequence[int] | None = None,
+                repeats: int = CALIBRATION_REPEATS) -> "CostModel":
+        """Time ``forward(n)`` for each of ``sizes`` (default n = 1, 2, 4, ... ``max_tokens``;
+        sizes above ``max_tokens`` are dropped) in ``repeats`` interleaved rounds, keeping each
+        size's fastest (noise only adds time). Stops once ``CALIBRATION_SECONDS`` are spent."""
+        if sizes is None:
+            sizes = [1]
+            while sizes[-1] < max_tokens:
+                sizes.append(min(2 * sizes[-1], max_tokens))
+        sizes = sorted({n for n in sizes if n <= max_tokens} | {1})
         best = [float("inf")] * len(sizes)
         start = time.perf_counter()
-        for _ in range(CALIBRATION_REPEATS):
+        for _ in range(repeats):
             for i, n in enumerate(sizes):
                 t = time.perf_counter()
                 forward(n)
@@ -86,27 +103,63 @@ class CostModel:
             if time.perf_counter() - start > CALIBRATION_SECONDS:
                 break
         measured = [(n, t) for n, t in zip(sizes, best) if t < float("inf")]
-        seconds = [t for _, t in measured]
-        for i in range(len(seconds) - 2, -1, -1):
-            seconds[i] = min(seconds[i], seconds[i + 1])
-        return cls([n for n, _ in measured], seconds)
+        return cls([n for n, _ in measured], [t for _, t in measured])
 
-    def __call__(self, n: int) -> float:
+    def observe(self, n: int, seconds: float) -> None:
+        """One timed verify forward of ``n`` tokens."""
         i = bisect.bisect_left(self.sizes, n)
-        if i < len(self.sizes) and self.sizes[i] == n:
-            return self.seconds[i]
+        if i == len(self.sizes) or self.sizes[i] != n:
+            # a new size: its first observation replaces the interpolation (spikes clipped by it)
+            self.sizes.insert(i, n)
+            self.seconds.insert(i, self._raw(n, skip=i))
+            self.counts.insert(i, 0)
+        old = self.seconds[i]
+        seconds = min(seconds, COST_SPIKE * old)
+        self.counts[i] += 1
+        rate = max(COST_LEARNING_RATE, 1.0 / self.counts[i])
+        self.seconds[i] = old + rate * (seconds - old)
+        self._dense = None
+
+    def _raw(self, n: int, skip: int = -1) -> float:
+        """Linear interpolation between measured sizes (extrapolated past the ends); ``skip``:
+        a position in ``sizes`` to ignore (a size just inserted)."""
+        pairs = [(m, t) for j, (m, t) in enumerate(zip(self.sizes, self.seconds)) if j != skip]
+        if len(pairs) == 1:
+            return pairs[0][1]
+        xs = [m for m, _ in pairs]
+        i = bisect.bisect_left(xs, n)
+        if i < len(xs) and xs[i] == n:
+            return pairs[i][1]
         if i == 0:
-            return self.seconds[0]
-        if i == len(self.sizes):  # extrapolate from the last two sizes (linear in n)
-            if len(self.sizes) == 1:
-                return self.seconds[0]
+            (n0, t0), (n1, t1) = pairs[0], pairs[1]
+            return max(t0 * 0.5, t0 + (t1 - t0) * (n - n0) / (n1 - n0))
+        if i == len(xs):
             i -= 1
-        n0, n1 = self.sizes[i - 1], self.sizes[i]
-        t0, t1 = self.seconds[i - 1], self.seconds[i]
+        (n0, t0), (n1, t1) = pairs[i - 1], pairs[i]
         return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
 
+    def dense(self, upto: int) -> np.ndarray:
+        """``out[k]`` = the effective cost of ``k`` tokens for k = 0 ... upto (``out[0] = out[1]``):
+        interpolated, and the cheapest of any size from ``k`` up to the largest of ``upto`` and
+        the largest observed size."""
+        if self._dense is None or len(self._dense) <= upto:
+            top = max(upto, self.sizes[-1])
+            ks = np.arange(1, top + 1, dtype=np.float64)
+            xs, ys = np.asarray(self.sizes, dtype=np.float64), np.asarray(self.seconds)
+            curve = np.interp(ks, xs, ys)
+            if len(xs) > 1 and top > xs[-1]:  # linear past the last size
+                slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+                tail = ks > xs[-1]
+                curve[tail] = ys[-1] + max(slope, 0.0) * (ks[tail] - xs[-1])
+            curve = np.minimum.accumulate(curve[::-1])[::-1]
+            self._dense = np.concatenate([curve[:1], curve])
+        return self._dense
+
+    def __call__(self, n: int) -> float:
+        return float(self.dense(n)[n])
+
     def to_dict(self) -> dict:
-        return {"sizes": self.sizes, "seconds": self.seconds}
+        return {"sizes": self.sizes, "seconds": self.seconds, "counts": self.counts}
 
 
 def cost_cache_path() -> str | None:
@@ -142,7 +195,7 @@ def load_cached_cost(key: str) -> CostModel | None:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
         entry = doc["curves"][key] if doc.get("version") == COST_CACHE_VERSION else None
-        return CostModel(entry["sizes"], entry["seconds"]) if entry else None
+        return CostModel(entry["sizes"], entry["seconds"], entry.get("counts")) if entry else None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.debug("cost cache %s unreadable (%r): measuring", path, exc)
         return None
@@ -160,7 +213,10 @@ def store_cached_cost(key: str, cost: CostModel) -> None:
                 old = json.load(f)
             if old.get("version") == COST_CACHE_VERSION:
                 doc = old
-        doc["curves"][key] = {**cost.to_dict(), "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        doc["curves"][key] = {**cost.to_dict(), "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if len(doc["curves"]) > MAX_CACHED_CURVES:  # bounded: drop the curves updated longest ago
+            kept = sorted(doc["curves"].items(), key=lambda kv: (kv[0] == key, kv[1].get("updated", "")))
+            doc["curves"] = dict(kept[-MAX_CACHED_CURVES:])
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -325,16 +381,18 @@ class DraftBudget:
 def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int) -> int:
     """The ``n`` (0..max_nodes) maximising (1 + sum of the first n values) / (t(1 + n) + overhead);
     the values are the nodes' probabilities of acceptance in the order pruning keeps them
-    (``TokenTree.expected_in_prune_order``).
+    (``TokenTree.expected_in_prune_order``). The first of equal rates wins (fewer nodes).
 
     >>> cost = CostModel([1, 2, 4], [1.0, 1.1, 1.3])
     >>> choose_num_nodes([0.9, 0.8, 0.01], cost, 0.0, 3)   # the third node is not worth 0.1
     2
     """
-    best_n, best_rate, expected = 0, 1.0 / (cost(1) + overhead_s), 1.0
-    for n, score in enumerate(sorted_scores[:max_nodes], start=1):
-        expected += score
-        rate = expected / (cost(1 + n) + overhead_s)
-        if rate > best_rate:
-            best_n, best_rate = n, rate
-    return best_n
+    values = np.asarray(sorted_scores[:max_nodes], dtype=np.float64)
+    if not len(values):
+        return 0
+    expected = np.empty(len(values) + 1)
+    expected[0] = 1.0
+    np.cumsum(values, out=expected[1:])
+    expected[1:] += 1.0
+    seconds = cost.dense(len(values) + 1)[1 : len(values) + 2] + overhead_s
+    return int(np.argmax(expected / seconds))

@@ -48,6 +48,12 @@ class StepResult:
     propose_s: float  # proposers' time
     tree_s: float  # merge + choose + prune
 
+    @property
+    def predicted(self) -> float:
+        """Accepted draft tokens the calibrated tree promised (sum of the nodes' probabilities of
+        being reached), to set against ``len(accepted)``."""
+        return sum(self.tree.expected[1:])
+
     def count_sources(self, accepted_by_source: dict, nodes_by_source: dict | None = None) -> None:
         """Add this step's accepted (and verified) draft nodes per source to the dicts."""
         for node in self.accepted:

@@ -81,18 +81,22 @@ class TargetModel:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def chain_forward_timer(self, prefix_len: int):
-        """A function ``f(n)`` running one verify forward of ``n`` chain tokens after a dummy
-        prefix, for measuring the cost curve; call ``reset()`` when done."""
+    def chain_forward_timer(self, prefix_len: int | None = None):
+        """A function ``f(n)`` running one verify forward of ``n`` chain tokens, then cropping the
+        cache back, for measuring the cost curve. ``prefix_len``: after a fresh dummy prefix of
+        that length (call ``reset()`` when done); None: on the cache as it is (a request's own
+        context, left as it was)."""
         vocab = self.vocab_size
-        self.prefill([(7 * i + 3) % vocab for i in range(prefix_len)])
+        if prefix_len is not None:
+            self.prefill([(7 * i + 3) % vocab for i in range(prefix_len)])
+        base = self.n_cached
 
         def forward(n: int) -> None:
             tree = TokenTree(token_ids=[(5 * i + 1) % vocab for i in range(n)], parents=list(range(-1, n - 1)))
             self.verify(tree)
             self.sync()
-            crop_cache(self.cache, prefix_len)  # back to the prefix: every call sees the same context
-            self.n_cached = prefix_len
+            crop_cache(self.cache, base)  # back to the prefix: every call sees the same context
+            self.n_cached = base
 
         return forward
 
