@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from lookupdec.tree import CELLS_PER_ROW, Calibration, Draft, TokenTree, match_bucket
+from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, Calibration, Draft, TokenTree, draft_cells, match_bucket
 
 
 log = logging.getLogger("lookupdec")
@@ -45,8 +45,6 @@ MAX_CACHED_CURVES = 32  # the cost cache keeps the curves updated last
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
 COST_LEARNING_RATE = 0.1  # an observed forward moves its size's estimate this far (after the first few)
 COST_SPIKE = 2.0  # an observation above this many times the estimate counts as this many times
-PRIOR_WEIGHT = 4.0  # pseudo-observations behind the initial factor of 1.0 (they decay like
-#                    real ones, so a source that never matches fades to a factor near 0)
 HISTORY_DECAY = 0.95  # per-step decay of old observations (half-life about 14 steps)
 MAX_FACTOR = 1.5  # a source's scores are never trusted more than this
 DRAFT_BUDGET_HEADROOM = 2.0  # proposers are asked for this many times the nodes lately kept
@@ -226,120 +224,108 @@ def store_cached_cost(key: str, cost: CostModel) -> None:
         log.warning("could not write the cost cache %s: %s", path, exc)
 
 
-BUCKET_PRIOR_WEIGHT = 2.0  # a bucket starts at its source's factor, worth this many observations
-CELL_PRIOR_WEIGHT = 2.0  # a (depth, rank) cell starts at its bucket's factor, worth this many
+SOURCE_PRIOR_WEIGHT = 1.0  # a source starts at factor 1, worth this many predicted tokens
+ROW_PRIOR_WEIGHT = 2.0  # a (source, match bucket) row starts at its source's factor, worth this many
+CELL_PRIOR_WEIGHT = 2.0  # a cell starts at its row's factor x its claimed probability, worth this many nodes
+MAX_PRIOR_PROB = 0.9  # ... but a cell never observed is not believed certain
 
 
 class AcceptanceCalibrator:
-    """Factors on the proposers' conditional acceptance probabilities, learnt from verified
-    steps, at two levels:
+    """Factors on the proposers' conditional acceptance probabilities, learnt from every step.
 
-    - coarse, per source and per (source, match-length bucket): after every step the best
-      chain of each source's first draft per bucket is checked against the committed tokens,
-      whether it was verified or not ("shadow" checking), so a source whose drafts were pruned
-      keeps being measured;
-    - fine, per (source, match bucket) row and (depth bucket, sibling rank) cell
-      (``tree.Calibration``): every verified node whose parent the target reached is one
-      observation of its conditional probability (accepted or not); a cell starts at its
-      bucket's coarse factor worth ``CELL_PRIOR_WEIGHT`` observations.
-
-    A factor is the decayed count of nodes accepted over the decayed sum of the probabilities
-    the proposer claimed for them, so a source, a depth or a second-ranked sibling that keeps
-    failing gets lower scores and fewer of the step's nodes; the budget chooser adds up the
-    calibrated probabilities as expected accepted tokens.
+    After a step, every node of every draft — verified or not ("shadow" checking, so a source
+    whose nodes were pruned keeps being measured) — whose parent path matches the committed
+    tokens was *reached*: one observation, accepted if its own token is the next committed one.
+    Observations are summed per (source, match-length bucket) row and (depth bucket, sibling
+    rank, claimed-probability bucket) cell (``tree.Calibration``): the decayed count accepted over the decayed sum of the
+    conditional probabilities the proposer claimed. A cell with few observations leans on its
+    row, a row on its source, a source on 1 (``*_PRIOR_WEIGHT``), so a source, a depth or a
+    second-ranked sibling that keeps failing gets lower scores and fewer of the step's nodes,
+    and the budget chooser adds up honest probabilities as expected accepted tokens.
     """
 
     def __init__(self) -> None:
-        self._predicted: dict = {}  # key -> decayed sum of predicted conditional probs
-        self._matched: dict = {}  # key -> decayed count of nodes that matched
-        self._rows: dict = {}  # (source, match bucket) -> row of the fine tables
-        self._cell_predicted = np.zeros((0, CELLS_PER_ROW))
-        self._cell_matched = np.zeros((0, CELLS_PER_ROW))
+        self._rows: dict = {}  # (source, match bucket) -> row of the tables
+        self._row_source: list[str] = []
+        self._reached = np.zeros((0, CELLS_PER_ROW))  # decayed counts of reached nodes
+        self._predicted = np.zeros((0, CELLS_PER_ROW))  # decayed sums of their claimed conditional probabilities
+        self._matched = np.zeros((0, CELLS_PER_ROW))  # decayed counts of accepted nodes
         self._calibration: Calibration | None = None  # cached until the next learn
 
-    def _ratio(self, key) -> float:
-        predicted, matched = self._predicted[key], self._matched[key]
-        return min(MAX_FACTOR, matched / predicted) if predicted > 0 else 1.0
+    def _row(self, draft: Draft) -> int:
+        key = (draft.source, match_bucket(draft.match_length))
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = len(self._row_source)
+            self._row_source.append(draft.source)
+            grow = np.zeros((1, CELLS_PER_ROW))
+            self._reached = np.vstack([self._reached, grow])
+            self._predicted = np.vstack([self._predicted, grow])
+            self._matched = np.vstack([self._matched, grow])
+        return row
+
+    def _levels(self) -> tuple[dict, np.ndarray]:
+        """Per source and per row: the factor on claimed probabilities, prior included."""
+        row_p, row_m = self._predicted.sum(1), self._matched.sum(1)
+        totals: dict[str, list[float]] = {}
+        for row, source in enumerate(self._row_source):
+            t = totals.setdefault(source, [0.0, 0.0])
+            t[0] += row_p[row]
+            t[1] += row_m[row]
+        by_source = {s: min(MAX_FACTOR, (m + SOURCE_PRIOR_WEIGHT) / (p + SOURCE_PRIOR_WEIGHT))
+                     for s, (p, m) in totals.items()}
+        prior = np.array([by_source[s] for s in self._row_source])
+        by_row = np.minimum(MAX_FACTOR, (row_m + ROW_PRIOR_WEIGHT * prior) / (row_p + ROW_PRIOR_WEIGHT))
+        return by_source, by_row
 
     def factors(self) -> dict:
-        """Every observed coarse key's factor: ``source`` and ``(source, bucket)`` keys."""
-        return {key: self._ratio(key) for key in self._predicted}
+        """Every source's and every ``(source, match bucket)`` row's factor."""
+        by_source, by_row = self._levels()
+        return {**by_source, **{key: float(by_row[row]) for key, row in self._rows.items()}}
 
     def factor(self, draft: Draft) -> float:
-        """The coarse factor of ``draft``: its (source, bucket) entry, else its source's, else 1."""
-        key = (draft.source, match_bucket(draft.match_length))
-        if key in self._predicted:
-            return self._ratio(key)
-        return self._ratio(draft.source) if draft.source in self._predicted else 1.0
+        """The factor of ``draft``'s row, else its source's, else 1."""
+        return self.calibration().row_factor(draft)
 
     def calibration(self) -> Calibration:
-        """The factors as ``TokenTree.from_drafts`` takes them (cached between steps)."""
+        """Each cell's acceptance probability, as ``TokenTree.from_drafts`` takes it (cached
+        between steps): accepted over reached, leaning on the row's factor times the cell's mean
+        claimed probability (``CELL_PRIOR_WEIGHT`` observations' worth, at most ``MAX_PRIOR_PROB``)."""
         if self._calibration is None:
-            rows = self._rows
-            prior = np.array([self._ratio(key) for key in rows]).reshape(-1, 1)
-            table = (self._cell_matched + CELL_PRIOR_WEIGHT * prior) / (self._cell_predicted + CELL_PRIOR_WEIGHT)
-            np.minimum(table, MAX_FACTOR, out=table)
-            fallback = {key: self._ratio(key) for key in self._predicted if not isinstance(key, tuple)}
-            self._calibration = Calibration(dict(rows), table, fallback)
+            by_source, by_row = self._levels()
+            claimed = np.where(self._reached > 0, self._predicted / np.maximum(self._reached, 1e-12), COND_MIDS)
+            prior = np.minimum(by_row[:, None] * claimed, MAX_PRIOR_PROB)
+            table = (self._matched + CELL_PRIOR_WEIGHT * prior) / (self._reached + CELL_PRIOR_WEIGHT)
+            self._calibration = Calibration(dict(self._rows), table, by_source, row_factors=by_row,
+                                            probabilities=True)
         return self._calibration
 
     def learn(self, drafts: Sequence[Draft], committed: Sequence[int], tree: TokenTree | None = None,
               accepted: Sequence[int] = ()) -> None:
-        """After a step: decay the history once; shadow-check the best chain of each source's
-        first draft per match bucket against the ``committed`` tokens (coarse); and, given the
-        verified ``tree`` and its ``accepted`` nodes, count every node whose parent was reached
-        in its cell (fine).
-
-        Priors are pseudo-observations that decay like real ones: a source starts at factor 1
-        worth ``PRIOR_WEIGHT``; a bucket starts at its source's factor worth
-        ``BUCKET_PRIOR_WEIGHT``. A source whose drafts never match fades towards 0."""
+        """After a step: decay the history once, then count every reached node of every draft
+        against the ``committed`` tokens (``tree`` and ``accepted``, the verified tree and its
+        accepted nodes, add nothing: every verified node came from a draft)."""
         self._calibration = None
-        for key in self._predicted:
-            self._predicted[key] *= HISTORY_DECAY
-            self._matched[key] *= HISTORY_DECAY
-        self._cell_predicted *= HISTORY_DECAY
-        self._cell_matched *= HISTORY_DECAY
-        checked: set = set()
-        sources_seen: set = set()
+        self._reached *= HISTORY_DECAY
+        self._predicted *= HISTORY_DECAY
+        self._matched *= HISTORY_DECAY
+        known = len(committed)
         for draft in drafts:
-            key = (draft.source, match_bucket(draft.match_length))
-            if key in checked:
-                continue
-            checked.add(key)
-            chain, cond_probs = draft.best_chain()
-            predicted = matched = 0.0
-            for token, prob, actual in zip(chain, cond_probs, committed):
-                predicted += prob
-                if token != actual:
-                    break
-                matched += 1
-            if draft.source not in self._predicted:
-                self._predicted[draft.source] = self._matched[draft.source] = PRIOR_WEIGHT
-            if key not in self._predicted:
-                self._predicted[key] = BUCKET_PRIOR_WEIGHT
-                self._matched[key] = BUCKET_PRIOR_WEIGHT * self._ratio(draft.source)
-            if key not in self._rows:
-                self._rows[key] = len(self._rows)
-                self._cell_predicted = np.vstack([self._cell_predicted, np.zeros(CELLS_PER_ROW)])
-                self._cell_matched = np.vstack([self._cell_matched, np.zeros(CELLS_PER_ROW)])
-            targets = [key] if draft.source in sources_seen else [key, draft.source]
-            sources_seen.add(draft.source)
-            for k in targets:
-                self._predicted[k] += predicted
-                self._matched[k] += matched
-        if tree is not None and len(tree) > 1:
-            self._learn_cells(tree, accepted)
-
-    def _learn_cells(self, tree: TokenTree, accepted: Sequence[int]) -> None:
-        predicted, matched = self._cell_predicted.reshape(-1), self._cell_matched.reshape(-1)
-        accepted_set = set(accepted)
-        for parent in [0, *accepted]:
-            for node in tree.children[parent].values():
-                cell = tree.cells[node]
-                if 0 <= cell < len(predicted):
-                    predicted[cell] += tree.conds[node]
-                    if node in accepted_set:
-                        matched[cell] += 1.0
+            row = self._row(draft)
+            reached, predicted, matched = self._reached[row], self._predicted[row], self._matched[row]
+            depth, cells, conds = draft_cells(draft)
+            parents, tokens = draft.parents, draft.token_ids
+            hit = [False] * len(tokens)
+            for i, p in enumerate(parents):
+                d = depth[i]
+                if d > known or (p >= 0 and not hit[p]):
+                    continue
+                cell = cells[i]
+                reached[cell] += 1.0
+                predicted[cell] += conds[i]
+                if tokens[i] == committed[d - 1]:
+                    matched[cell] += 1.0
+                    hit[i] = True
 
 
 class DraftBudget:

@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from lookupdec import model as model_lib
@@ -54,6 +55,25 @@ class Generation:
     token_ids: list[int]  # generated tokens (EOS included when it ended the output)
     finish_reason: str  # "stop" (stop string), "length" (max_new_tokens or context), "eos", "cancelled"
     stats: GenerationStats
+
+
+def top_tokens(logits: torch.Tensor, rows: Sequence[int], k: int) -> list[list[int]]:
+    """The ``k`` highest-scoring token ids of each of ``rows`` of ``logits`` [n, vocab], best
+    first. On CPU by repeated numpy argmax on a copy of each row (several times faster than
+    ``torch.topk`` there for small k); elsewhere one ``topk``."""
+    if logits.device.type != "cpu":
+        return logits[list(rows)].topk(k, dim=-1).indices.tolist()
+    out = []
+    array = logits.numpy()
+    for r in rows:
+        row = array[r].copy()
+        best = []
+        for _ in range(min(k, len(row))):
+            i = int(row.argmax())
+            best.append(i)
+            row[i] = -np.inf
+        out.append(best)
+    return out
 
 
 def _cancel_check(cancel):
@@ -103,7 +123,7 @@ class Engine:
         sources, scripted ones in tests); the draft model, if any, still comes after them."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
-        self.target = model_lib.TargetModel(model, verify=self.config.verify)
+        self.target = model_lib.TargetModel(model, verify=self.config.verify, fast_head=self.config.fast_kernels)
         self.eos_token_ids = model_lib.tokenizer_info(tokenizer)["eos_token_ids"]
         self.calibrator = AcceptanceCalibrator()
         self.draft_budget = DraftBudget()  # budget="auto": nodes asked of the proposers
@@ -279,8 +299,9 @@ class Engine:
                     return
                 t0 = time.perf_counter()
                 limit = min(max_new_tokens - produced, self._room(context))
+                prev = context[-2] if len(context) > 1 else -1  # the token before the root (token recycling)
                 step = self.step_core.run(
-                    rid, context, lambda tree: self._verdict(tree, params, generator, seen, limit, timer, cost),
+                    rid, context, lambda tree: self._verdict(tree, params, generator, seen, limit, timer, cost, prev),
                     max_depth=min(self.config.max_depth, self._room(context)), cost=cost,
                     overhead_s=timer.overhead_s())
                 context.extend(step.new_tokens)
@@ -298,7 +319,7 @@ class Engine:
                 self._store_cost(bucket)
 
     def _verdict(self, tree: TokenTree, params, generator, seen: set, limit: int, timer,
-                 cost: CostModel | None = None) -> Verdict:
+                 cost: CostModel | None = None, prev: int = -1) -> Verdict:
         """The target's verdict on ``tree``: one verify forward (timed into ``cost``), exact
         acceptance, KV commit; the new tokens cut to ``limit`` and after the first EOS."""
         t = time.perf_counter()
@@ -311,6 +332,11 @@ class Engine:
             cost.observe(len(tree), seconds)
         result = accept(tree, logits, params, generator=generator,
                         context_ids=self._seen_ids(seen) if params.uses_prefix else None)
+        if self.mixture.successor_sinks:
+            visited = [0, *result.accepted]
+            before = [prev] + [tree.token_ids[tree.parents[u]] for u in result.accepted]
+            tops = top_tokens(logits, visited, self.config.recycle.successors)
+            self.mixture.observe_successors([(b, tree.token_ids[u], top) for b, u, top in zip(before, visited, tops)])
         self.target.commit(tree, result.accepted)
         new = [tree.token_ids[i] for i in result.accepted] + [result.next_token]
         return Verdict(result.accepted, self._clip(new, limit))

@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from lookupdec.model.cache import crop_cache, gather_cache, new_cache
+from lookupdec.model.head import fast_head_for, swapped
 from lookupdec.tree import TokenTree
 
 log = logging.getLogger("lookupdec")
@@ -21,10 +22,14 @@ PROBE_REL_TOL = 0.02
 class TargetModel:
     """A causal LM with a KV cache of the committed prefix, verifying token trees."""
 
-    def __init__(self, model, *, verify: str = "auto") -> None:
+    def __init__(self, model, *, verify: str = "auto", fast_head: bool = True) -> None:
+        """``fast_head``: ``EngineConfig.fast_kernels`` (model/head.py)."""
         self.model = model
+        # the output projection by the fastest product form per row count (CPU float32; model/head.py)
+        self.fast_head = fast_head_for(model) if fast_head else None
         self.config = model.config
         self.device = next(model.parameters()).device
+        self._gqa = fast_head and self.device.type == "cpu"  # K/V heads not copied per query group (model/head.py)
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = _max_context(self.config)
@@ -49,7 +54,8 @@ class TargetModel:
         self.reset()
         if len(token_ids):
             ids = torch.tensor([list(token_ids)], device=self.device)
-            self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            with swapped(self.model, self.fast_head):
+                self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             self.n_cached = len(token_ids)
 
     @torch.inference_mode()
@@ -62,8 +68,9 @@ class TargetModel:
         # A chain needs no custom mask: the model's own causal mask (and its fastest attention
         # path, the one plain decoding takes) is exactly the tree mask then.
         mask = self._tree_mask(tree, positions[0]) if self.tree_mode and not tree.is_chain else None
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True)
+        with swapped(self.model, self.fast_head, gqa=self._gqa):
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                             past_key_values=self.cache, use_cache=True)
         self.n_cached += n
         return out.logits[0].float()
 
