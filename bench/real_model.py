@@ -118,6 +118,8 @@ def cost_curve(engine) -> dict:
     """Verify cost t(n) of an n-token chain after a COST_CONTEXT-token prefix (fastest of rounds)."""
     from lookupdec.budget import CostModel
 
+    for n in COST_SIZES:
+        engine.target.prepare(n)  # kernel choices first (model/head.py), outside the timing
     timer = engine.target.chain_forward_timer(COST_CONTEXT)
     try:
         cost = CostModel.measure(timer, max_tokens=COST_SIZES_MAX, sizes=COST_SIZES)

@@ -6,8 +6,9 @@ reaches for a handful of rows is far from the fastest: measured at one thread on
 machine, 1 row 10.1 ms (5.0 ms with the weight stored transposed), 2 rows 22.3 ms (5.5 ms as
 ``W @ x.T``), 4 rows 16.6 ms (8.1 ms). ``FastHead`` computes the same product, the same
 float32 sums up to rounding, with whichever of the three forms was fastest for that number of
-rows: it times each form once, on the real input, the first time a row count (bucket) occurs,
-and keeps the winner. Nothing is measured at start-up.
+rows: the first time a row count (bucket) occurs it times each form on a random input
+(``prepare``, about 0.1 s, kept out of the engine's cost timings) and keeps the winner.
+Nothing is measured at start-up.
 
 ``TargetModel`` swaps it in for the duration of its own forwards only (``swapped``), so the model
 object it was handed behaves as before everywhere else (e.g. ``transformers.generate`` on the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -56,30 +58,41 @@ class FastHead(torch.nn.Module):
             return flat @ self._transposed
         return (w @ flat.t()).t()
 
+    @torch.inference_mode()
+    def prepare(self, rows: int) -> float:
+        """Choose the form for ``rows`` rows if not chosen yet: time each (twice, on a random
+        input; the faster counts) and keep the fastest. Returns the seconds it took (0 if known),
+        which the caller keeps out of its timings of the model."""
+        bucket = _bucket(rows)
+        if bucket in self.choice:
+            return 0.0
+        start = time.perf_counter()
+        w = self.head.weight
+        self._form("transposed", w[:1, :])  # the transposed copy is made outside the timing
+        flat = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
+        timings: dict[str, float] = {}
+        for candidate in FORMS * 2:
+            t = time.perf_counter()
+            self._form(candidate, flat)
+            seconds = time.perf_counter() - t
+            timings[candidate] = min(seconds, timings.get(candidate, seconds))
+        self.choice[bucket] = min(timings, key=timings.get)
+        return time.perf_counter() - start
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        bucket = _bucket(flat.shape[0])
-        form = self.choice.get(bucket)
-        if form is None:  # time each form (twice, the faster counts) and keep the fastest
-            self._form("transposed", flat[:1])  # the transposed copy is made outside the timing
-            timings = {}
-            out = None
-            for candidate in FORMS * 2:
-                t = time.perf_counter()
-                result = self._form(candidate, flat)
-                seconds = time.perf_counter() - t
-                timings[candidate] = min(seconds, timings.get(candidate, seconds))
-                if out is None:
-                    out = result
-            self.choice[bucket] = min(timings, key=timings.get)
-        else:
-            out = self._form(form, flat)
+        self.prepare(flat.shape[0])
+        out = self._form(self.choice[_bucket(flat.shape[0])], flat)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+_SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, FastHead]" = weakref.WeakKeyDictionary()
+
+
 def fast_head_for(model) -> FastHead | None:
-    """A ``FastHead`` for ``model``'s output projection where it applies: CPU, float32, a plain
-    bias-free ``nn.Linear`` head; else None."""
+    """The ``FastHead`` of ``model``'s output projection (one per head, shared by every engine on
+    the model, so the forms are timed once) where it applies: CPU, float32, a plain bias-free
+    ``nn.Linear`` head; else None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or head.bias is not None:
         return None
@@ -87,7 +100,9 @@ def fast_head_for(model) -> FastHead | None:
         return None
     if not hasattr(model, "set_output_embeddings"):
         return None
-    return FastHead(head)
+    if head not in _SHARED:
+        _SHARED[head] = FastHead(head)
+    return _SHARED[head]
 
 
 GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: SDPA's enable_gqa even with a mask

@@ -36,6 +36,7 @@ class TargetModel:
         self._windows = _sliding_windows(self.config)
         self.cache = None
         self.n_cached = 0
+        self.last_prepare_s = 0.0
         if verify == "auto":
             verify = "tree" if self._probe_tree_mask() else "chain"
             if verify == "chain":
@@ -58,10 +59,16 @@ class TargetModel:
                 self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             self.n_cached = len(token_ids)
 
+    def prepare(self, n: int) -> float:
+        """Get ready for forwards of ``n`` tokens (``FastHead.prepare``); the seconds it took."""
+        return self.fast_head.prepare(n) if self.fast_head is not None else 0.0
+
     @torch.inference_mode()
     def verify(self, tree: TokenTree) -> torch.Tensor:
-        """One forward over the tree's nodes. Returns logits [1 + n, vocab] (float32)."""
+        """One forward over the tree's nodes. Returns logits [1 + n, vocab] (float32).
+        ``last_prepare_s``: time it spent in ``prepare`` (not the forward's cost)."""
         n = len(tree)
+        self.last_prepare_s = self.prepare(n)
         ids = torch.tensor([tree.token_ids], device=self.device)
         depth = torch.tensor(tree.depth, device=self.device)
         positions = (self.n_cached + depth)[None]
