@@ -143,13 +143,14 @@ LLAMA2 = DATA / "tokenizers" / "llama2" / "tokenizer.model"
 
 
 @pytest.mark.skipif(not LLAMA2.exists(), reason="../shared data absent")
-@pytest.mark.parametrize("workload, bound", [("mtbench", 0.6), ("loghub", 0.25)])
+@pytest.mark.parametrize("workload, bound", [("mtbench", 0.3), ("loghub", 0.15)])
 def test_calibrated_predictions_match_what_is_accepted(workload, bound):
     """On recorded outputs (Vicuna-7B's MT-Bench answers, loghub lines), the accepted draft tokens
     the calibrated trees promise are within ``bound`` of those accepted; uncalibrated, further.
-    Measured (10 records, 200 tokens each): MT-Bench 1.51x promised (uncalibrated 6.9x), loghub
-    within 10%. What is left on MT-Bench: sources that disagree at a position are each right
-    less often than their own record says (each cell is learnt per source)."""
+    Measured (10 records, 200 tokens each, 2 of warm-up): MT-Bench 419 promised / 359 accepted
+    (error 0.17; without the cells 0.50), loghub 1339 / 1423 (0.06; 0.10). The cells alone left
+    MT-Bench at 1.5x promised (sources that disagree at a position are each right less often than
+    their own record says): ``StepCore.scale`` corrects that from whole verified trees."""
     predicted, accepted = _replay_calibration(workload, 10, calibrated=True)
     raw_predicted, raw_accepted = _replay_calibration(workload, 10, calibrated=False)
     error = abs(predicted / accepted - 1)
