@@ -108,6 +108,9 @@ class StepCore:
         if tree.num_draft_nodes:
             self._promised = SCALE_DECAY * self._promised + sum(tree.expected[1:])
             self._accepted = SCALE_DECAY * self._accepted + len(judged.accepted)
+        else:  # nothing verified, nothing learnt: drift back towards 1, or a low scale would stick
+            self._promised = SCALE_DECAY * self._promised + (1 - SCALE_DECAY) * SCALE_PRIOR
+            self._accepted = SCALE_DECAY * self._accepted + (1 - SCALE_DECAY) * SCALE_PRIOR
         return StepResult(tree, drafts, judged.accepted[: len(judged.new_tokens)], judged.new_tokens,
                           propose_s=t1 - t0, tree_s=t2 - t1, scale=scale)
 
