@@ -9,8 +9,8 @@ import inspect
 import pytest
 
 from lookupdec.automaton import SuffixAutomaton
-from lookupdec.config import (DEFAULT_MAX_MATCH, DraftConfig, EngineConfig, NgramConfig, RetrievalConfig,
-                              SuffixConfig)
+from lookupdec.config import (DEFAULT_MAX_MATCH, DraftConfig, EngineConfig, NgramConfig, RecycleConfig,
+                              RetrievalConfig, SuffixConfig)
 
 BAD = [
     (NgramConfig, dict(min_ngram=0), "min_ngram"),
@@ -26,6 +26,10 @@ BAD = [
     (RetrievalConfig, dict(max_match=0), "max_match"),
     (RetrievalConfig, dict(follow_chunks=-1), "follow_chunks"),
     (RetrievalConfig, dict(refresh_every=-1), "refresh_every"),
+    (RecycleConfig, dict(successors=0), "successors"),
+    (RecycleConfig, dict(max_nodes=0), "max_nodes"),
+    (RecycleConfig, dict(max_depth=0), "max_depth"),
+    (RecycleConfig, dict(max_entries=0), "max_entries"),
     (DraftConfig, dict(mode="sometimes"), "mode"),
     (DraftConfig, dict(threshold=1.5), "threshold"),
     (DraftConfig, dict(max_tokens=0), "max_tokens"),
