@@ -57,6 +57,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_default: str | None 
     p.add_argument("--max-nodes", type=positive_int, default=None, help="most draft-tree nodes per step (64)")
     p.add_argument("--fixed-budget", action="store_true",
                    help="always verify up to --max-nodes nodes (default: chosen per step from measured cost)")
+    p.add_argument("--no-fast-kernels", action="store_true",
+                   help="on CPU, run the model's own output projection and attention as transformers does "
+                   "(default: the fastest equivalent product form per row count; same logits up to rounding)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
 
@@ -75,7 +78,7 @@ def engine_config(args, **fields):
     from lookupdec.config import DraftConfig, EngineConfig
 
     fields = {"budget": "fixed" if args.fixed_budget else "auto", "draft": DraftConfig(mode=args.draft_mode),
-              **fields}
+              "fast_kernels": not args.no_fast_kernels, **fields}
     if args.max_nodes is not None:
         fields["max_nodes"] = args.max_nodes
     return EngineConfig(**fields)

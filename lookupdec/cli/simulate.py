@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", default=None,
                    help=f"HF tokenizer folder or sentencepiece .model file (default: {DEFAULT_SP_TOKENIZER})")
     p.add_argument("--proposers", default=None,
-                   help="comma-separated drafting sources: ngram, suffix, retrieval (default: the engine's, "
+                   help="comma-separated drafting sources: ngram, suffix, retrieval (default: the engine's but "
+                   "recycle, which drafts from the model's logits; "
                    "ngram,suffix; --index adds retrieval)")
     p.add_argument("--budget", type=positive_int, default=64, help="draft-tree nodes per step (64)")
     p.add_argument("--max-depth", type=positive_int, default=64, help="longest draft path (64)")
