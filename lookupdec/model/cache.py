@@ -33,6 +33,16 @@ def gather_cache(cache, slots: Sequence[int], start: int) -> None:
         layer.values[:, :, start:end] = layer.values[:, :, src]
 
 
+def commit_accepted(cache, root_slot: int, accepted: Sequence[int]) -> int:
+    """After a verify forward whose root went to ``root_slot`` (node i at ``root_slot + i``):
+    move the ``accepted`` nodes' K/V to the slots right after the root, drop everything after
+    them, and return the number of slots kept."""
+    keep = root_slot + 1 + len(accepted)
+    gather_cache(cache, [root_slot + node for node in accepted], root_slot + 1)
+    crop_cache(cache, keep)
+    return keep
+
+
 class DraftLM:
     """A small causal LM that drafts: one KV cache per request (``new_state``) kept in step with
     a token list, fed incrementally."""

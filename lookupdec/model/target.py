@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from lookupdec.model.cache import crop_cache, gather_cache, new_cache
+from lookupdec.model.cache import commit_accepted, crop_cache, new_cache
 from lookupdec.tree import TokenTree
 
 log = logging.getLogger("lookupdec")
@@ -55,26 +55,17 @@ class TargetModel:
     @torch.inference_mode()
     def verify(self, tree: TokenTree) -> torch.Tensor:
         """One forward over the tree's nodes. Returns logits [1 + n, vocab] (float32)."""
-        n = len(tree)
-        ids = torch.tensor([tree.token_ids], device=self.device)
-        depth = torch.tensor(tree.depth, device=self.device)
-        positions = (self.n_cached + depth)[None]
-        # A chain needs no custom mask: the model's own causal mask (and its fastest attention
-        # path, the one plain decoding takes) is exactly the tree mask then.
-        mask = self._tree_mask(tree, positions[0]) if self.tree_mode and not tree.is_chain else None
+        ids, positions, mask = tree_inputs(tree, self.n_cached, device=self.device, dtype=self.dtype,
+                                           windows=self._windows, tree_mode=self.tree_mode)
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                          past_key_values=self.cache, use_cache=True)
-        self.n_cached += n
+        self.n_cached += len(tree)
         return out.logits[0].float()
 
     @torch.inference_mode()
     def commit(self, tree: TokenTree, accepted: Sequence[int]) -> None:
         """Keep the root and the accepted nodes' K/V in contiguous slots; drop the rest."""
-        base = self.n_cached - len(tree)  # slot of the root
-        keep = base + 1 + len(accepted)
-        gather_cache(self.cache, [base + node for node in accepted], base + 1)
-        crop_cache(self.cache, keep)
-        self.n_cached = keep
+        self.n_cached = commit_accepted(self.cache, self.n_cached - len(tree), accepted)
 
     def sync(self) -> None:
         """Wait for the device (for timings)."""
@@ -95,25 +86,6 @@ class TargetModel:
             self.n_cached = prefix_len
 
         return forward
-
-    # -- masks ----------------------------------------------------------------------------------
-    def _tree_mask(self, tree: TokenTree, positions: torch.Tensor):
-        """Additive 4D mask(s) [1, 1, 1+n, n_cached+1+n]; a dict per layer type where needed."""
-        allowed = torch.ones((len(tree), self.n_cached + len(tree)), dtype=torch.bool, device=self.device)
-        allowed[:, self.n_cached :] = torch.from_numpy(tree.ancestor_mask()).to(self.device)
-        if not self._windows:
-            return self._additive(allowed)
-        key_pos = torch.cat([torch.arange(self.n_cached, device=self.device), positions])
-        masks = {}
-        for layer_type, window in self._windows.items():
-            visible = allowed if window is None else allowed & (positions[:, None] - key_pos[None, :] < window)
-            masks[layer_type] = self._additive(visible)
-        return masks.get(None) if set(masks) == {None} else masks
-
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return mask[None, None]
 
     @torch.inference_mode()
     def _probe_tree_mask(self) -> bool:
@@ -137,6 +109,44 @@ class TargetModel:
             self.reset()
         scale = want.std().clamp_min(1e-6)
         return bool(((got - want).abs().max() / scale) < PROBE_REL_TOL)
+
+
+def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict | None = None,
+                tree_mode: bool = True):
+    """What one verify forward of ``tree`` takes after ``n_cached`` committed slots, no model
+    needed: ``input_ids`` [1, 1+n], ``position_ids`` [1, 1+n] (``n_cached + depth``: siblings
+    share a position) and the attention mask: None for a chain (the model's own causal mask is
+    the tree mask then, on its fastest path) or without ``tree_mode``, else the additive 4D
+    mask [1, 1, 1+n, n_cached+1+n] (0 where node i sees slot j: the prefix, itself, its
+    ancestors; the dtype's minimum elsewhere), a dict per layer type with sliding ``windows``
+    (``_sliding_windows``)."""
+    ids = torch.tensor([tree.token_ids], device=device)
+    depth = torch.tensor(tree.depth, device=device)
+    positions = (n_cached + depth)[None]
+    mask = None
+    if tree_mode and not tree.is_chain:
+        mask = tree_mask(tree, n_cached, positions[0], device=device, dtype=dtype, windows=windows)
+    return ids, positions, mask
+
+
+def tree_mask(tree: TokenTree, n_cached: int, positions: torch.Tensor, *, device, dtype, windows: dict | None = None):
+    """Additive 4D mask(s) [1, 1, 1+n, n_cached+1+n]; a dict per layer type where needed."""
+    allowed = torch.ones((len(tree), n_cached + len(tree)), dtype=torch.bool, device=device)
+    allowed[:, n_cached:] = torch.from_numpy(tree.ancestor_mask()).to(device)
+    if not windows:
+        return _additive(allowed, dtype)
+    key_pos = torch.cat([torch.arange(n_cached, device=device), positions])
+    masks = {}
+    for layer_type, window in windows.items():
+        visible = allowed if window is None else allowed & (positions[:, None] - key_pos[None, :] < window)
+        masks[layer_type] = _additive(visible, dtype)
+    return masks.get(None) if set(masks) == {None} else masks
+
+
+def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
 
 
 def _max_context(config) -> int | None:

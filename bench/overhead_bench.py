@@ -1,0 +1,311 @@
+"""Per-step overhead outside the model forward, model-free, over recorded contexts.
+
+Replays recorded (prompt, response) pairs (``lookupdec.workloads`` over ``../shared/data``,
+Llama-2 tokenizer, as ``bench/replay.py``) through the engine's step in ``StepCore.run``'s order
+with a fixed node budget (``max_nodes=64``, ``max_depth=64``) and times every phase of it but
+the verify forward, in µs per step:
+
+    propose  ``Mixture.propose`` over ``build_proposers(EngineConfig())`` (n-gram + suffix)
+    merge    ``AcceptanceCalibrator.calibration()`` + ``TokenTree.from_drafts``
+    choose   ``choose_num_nodes`` (``CostModel``: a measured 150M-parameter curve) + ``prune``
+             (timed; the verified tree stays the fixed budget's, as with ``budget="fixed"``)
+    inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]
+    accept   ``sampling.accept`` (greedy) on logits [1+n, 49152] (SmolLM2's vocabulary) whose
+             argmax follows the recorded response along the tree: the walk the target makes
+    commit   ``model.commit_accepted`` on a transformers ``DynamicCache`` of SmolLM2-135M's
+             shape (30 layers of [1, 3, ctx+1+n, 64] float32 keys and values)
+    observe  ``Mixture.observe`` (every proposer sees the new tokens)
+    learn    ``AcceptanceCalibrator.learn``
+
+Two sets of code paths run the same steps, record by record in turn: ``reference`` (the pure
+Python reference of every fast path) and ``fast`` (what the engine runs); every step's tree and
+accepted nodes must be identical between them (checked). The verify forward is replaced by
+the recorded response, so greedy acceptance accepts what the real model would.
+
+    python bench/overhead_bench.py                       # ~1 minute, writes bench/results/overhead.json
+    python bench/overhead_bench.py --workloads loghub --records 2 --out /tmp/o.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_result  # noqa: E402
+
+import torch  # noqa: E402
+
+from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes  # noqa: E402
+from lookupdec.config import EngineConfig  # noqa: E402
+from lookupdec.mixture import Mixture  # noqa: E402
+from lookupdec.model import commit_accepted, load_tokenizer, new_cache, tree_inputs  # noqa: E402
+from lookupdec.proposers import build_proposers  # noqa: E402
+from lookupdec.sampling import SamplingParams, accept  # noqa: E402
+from lookupdec.simulate import accepted_path, tokenize_record  # noqa: E402
+from lookupdec.tree import TokenTree  # noqa: E402
+from lookupdec.workloads import WORKLOADS  # noqa: E402
+
+PHASES = ("propose", "merge", "choose", "inputs", "accept", "commit", "observe", "learn")
+MAX_NODES = 64
+MAX_DEPTH = 64
+# SmolLM2-135M-Instruct's shapes: what the KV cache and the logits of a real step hold
+LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 30, 3, 64, 49152
+DTYPE = torch.float32
+# The 150M-parameter Llama's measured verify cost on this machine (bench/results/budget.json,
+# 2 threads, 256-token context): t(n) for the chooser
+COST_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+COST_SECONDS = [0.0445, 0.0764, 0.0852, 0.0842, 0.0984, 0.1301, 0.1818, 0.2995, 0.5216]
+FULL_TREE = 60  # steps with at least this many draft nodes count as "at 64 nodes"
+NODE_BINS = [(0, 0), (1, 15), (16, 31), (32, 47), (48, 59), (60, 63), (64, 64)]
+DEFAULT_RECORDS = "loghub:8,code-edit:3,mtbench:6"  # workload:records (the first of each warms up)
+
+
+@dataclass
+class Paths:
+    """The code one set of paths runs per phase."""
+
+    name: str
+    merge: Callable  # (root, drafts, max_nodes=, max_depth=, calibration=) -> TokenTree
+    prepare: Callable = lambda proposers: None  # puts the proposers on this set of paths
+
+
+def reference_paths() -> Paths:
+    return Paths("reference", TokenTree.from_drafts)
+
+
+def fast_paths() -> Paths:
+    return Paths("fast", TokenTree.from_drafts)
+
+
+@dataclass
+class Mode:
+    """One set of paths with its own proposers and calibrator (state kept across records)."""
+
+    paths: Paths
+    mixture: Mixture
+    calibrator: AcceptanceCalibrator
+    times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # phase -> [ns per step]
+    nodes: list = field(default_factory=list)  # draft nodes verified per step
+    chosen: list = field(default_factory=list)  # nodes the chooser would keep
+    digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)  # trees and accepted nodes
+
+    @classmethod
+    def make(cls, paths: Paths) -> "Mode":
+        proposers = build_proposers(EngineConfig())
+        paths.prepare(proposers)
+        return cls(paths, Mixture(proposers), AcceptanceCalibrator())
+
+
+class KVBuffer:
+    """One preallocated buffer behind the DynamicCache's layers: before each step's commit the
+    layers are views of [0, ctx+1+n) slots, as after a verify forward (no copy per step)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.buffer = torch.zeros(LAYERS, 2, 1, KV_HEADS, capacity, HEAD_DIM, dtype=DTYPE)
+        self.cache = new_cache()
+        for layer in range(LAYERS):
+            one = torch.zeros(1, KV_HEADS, 1, HEAD_DIM, dtype=DTYPE)
+            self.cache.update(one, one, layer)
+
+    def after_forward(self, slots: int):
+        for i, layer in enumerate(self.cache.layers):
+            layer.keys = self.buffer[i, 0, :, :, :slots]
+            layer.values = self.buffer[i, 1, :, :, :slots]
+        return self.cache
+
+
+class WalkLogits:
+    """Random logits [1+MAX_NODES, VOCAB] made once; per step the rows along the recorded walk
+    get the recorded token as their argmax, and are restored afterwards."""
+
+    def __init__(self, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.logits = torch.randn(1 + MAX_NODES, VOCAB, generator=generator, dtype=DTYPE)
+        self.top = float(self.logits.max()) + 1.0
+        self._saved: list[tuple[int, int, float]] = []
+
+    def set_walk(self, tree: TokenTree, rest: list[int]) -> torch.Tensor:
+        path = accepted_path(tree, rest)
+        for row, node in enumerate([0, *path]):
+            if row < len(rest):
+                token = rest[row]
+                self._saved.append((node, token, float(self.logits[node, token])))
+                self.logits[node, token] = self.top
+        return self.logits[: len(tree)]
+
+    def restore(self) -> None:
+        for node, token, value in reversed(self._saved):
+            self.logits[node, token] = value
+        self._saved.clear()
+
+
+def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv: KVBuffer, walk: WalkLogits,
+               cost: CostModel, timed: bool, max_steps: int) -> None:
+    """One record through ``mode``'s paths, step by step as ``StepCore.run`` orders them."""
+    mixture, calibrator, paths, greedy = mode.mixture, mode.calibrator, mode.paths, SamplingParams()
+    context = list(prompt)
+    mixture.start(rid, context)
+    clock = time.perf_counter_ns
+    steps = 0
+    try:
+        while len(context) - len(prompt) < len(response) and steps < max_steps:
+            rest = response[len(context) - len(prompt):]
+            n_cached = len(context) - 1
+            t0 = clock()
+            drafts = mixture.propose(rid, context, MAX_NODES)
+            t1 = clock()
+            tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
+                               calibration=calibrator.calibration())
+            t2 = clock()
+            chosen = choose_num_nodes(tree.expected_in_prune_order(), cost, 0.0, MAX_NODES)
+            tree.prune(chosen)
+            t3 = clock()
+            tree_inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)
+            t4 = clock()
+            logits = walk.set_walk(tree, rest)  # what the forward would return (untimed)
+            cache = kv.after_forward(n_cached + len(tree))
+            t5 = clock()
+            result = accept(tree, logits, greedy)
+            new_tokens = ([tree.token_ids[i] for i in result.accepted] + [result.next_token])[: len(rest)]
+            accepted = result.accepted[: len(new_tokens)]
+            t6 = clock()
+            commit_accepted(cache, n_cached, accepted)
+            t7 = clock()
+            mixture.observe(rid, new_tokens)
+            t8 = clock()
+            calibrator.learn(drafts, new_tokens, tree, accepted)
+            t9 = clock()
+            walk.restore()
+            if new_tokens != rest[: len(new_tokens)]:
+                raise AssertionError(f"{rid}: greedy acceptance left the recorded response")
+            context.extend(new_tokens)
+            steps += 1
+            mode.digest.update(repr((tree.token_ids, tree.parents, accepted, chosen)).encode())
+            if timed:
+                for phase, (a, b) in zip(PHASES, [(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t5, t6), (t6, t7),
+                                                  (t7, t8), (t8, t9)]):
+                    mode.times[phase].append(b - a)
+                mode.nodes.append(tree.num_draft_nodes)
+                mode.chosen.append(chosen)
+    finally:
+        mixture.stop(rid)
+
+
+def summarize(mode: Mode) -> dict:
+    nodes = np.array(mode.nodes)
+    full = nodes >= FULL_TREE
+    out = {"paths": mode.paths.name, "steps": int(len(nodes)), "mean_nodes": float(nodes.mean()),
+           "steps_at_64": int(full.sum()), "mean_nodes_at_64": float(nodes[full].mean()) if full.any() else None,
+           "node_histogram": {f"{lo}-{hi}" if lo != hi else str(lo): int(((nodes >= lo) & (nodes <= hi)).sum())
+                              for lo, hi in NODE_BINS},
+           "mean_chosen": float(np.mean(mode.chosen)), "phases_us": {}, "phases_us_at_64": {}}
+    total_all, total_full = np.zeros(len(nodes)), np.zeros(int(full.sum()))
+    for phase in PHASES:
+        us = np.array(mode.times[phase]) / 1e3
+        total_all += us
+        total_full += us[full]
+        out["phases_us"][phase] = {"mean": float(us.mean()), "median": float(np.median(us))}
+        if full.any():
+            out["phases_us_at_64"][phase] = {"mean": float(us[full].mean()), "median": float(np.median(us[full]))}
+    out["phases_us"]["total"] = {"mean": float(total_all.mean()), "median": float(np.median(total_all)),
+                                 "p90": float(np.percentile(total_all, 90))}
+    if full.any():
+        out["phases_us_at_64"]["total"] = {"mean": float(total_full.mean()), "median": float(np.median(total_full)),
+                                           "p90": float(np.percentile(total_full, 90))}
+    return out
+
+
+def table(summaries: list[dict], key: str) -> str:
+    rows = []
+    for phase in (*PHASES, "total"):
+        row = {"phase": phase}
+        for s in summaries:
+            got = s[key].get(phase)
+            row[f"{s['paths']}_mean"] = got["mean"] if got else None
+            row[f"{s['paths']}_median"] = got["median"] if got else None
+        rows.append(row)
+    columns = [("phase", "phase", "")]
+    for s in summaries:
+        columns += [(f"{s['paths']}_mean", f"{s['paths']} mean", ".1f"),
+                    (f"{s['paths']}_median", f"{s['paths']} median", ".1f")]
+    return format_table(rows, columns)
+
+
+def load_records(spec: str, data: str, tokenizer) -> list[tuple[str, str, list[int], list[int]]]:
+    """(workload, id, prompt ids, response ids) for ``workload:count,...``, in that order."""
+    out = []
+    for item in spec.split(","):
+        workload, _, count = item.partition(":")
+        records = list(WORKLOADS[workload](data))[: int(count or 1)]
+        for i, record in enumerate(records):
+            rid, prompt, response = tokenize_record(record, tokenizer, i)
+            if response:
+                out.append((workload, rid, prompt, response))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", default=DEFAULT_RECORDS,
+                    help="workload:count,... replayed in order; the first record of each workload warms up (untimed)")
+    ap.add_argument("--data", default=str(SHARED_DIR / "data"), help="shared data folder")
+    ap.add_argument("--tokenizer", default=str(SHARED_DIR / "data/tokenizers/llama2/tokenizer.model"))
+    ap.add_argument("--max-steps", type=int, default=120, help="steps per record at most")
+    ap.add_argument("--paths", default="reference,fast", help="which sets of paths to time")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the engine's default on this machine: 1-2)")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "overhead.json"))
+    args = ap.parse_args(argv)
+    if not os.path.isdir(args.data):
+        print(f"skipped: shared data not found at {args.data}")
+        return 0
+    torch.set_num_threads(args.threads)
+    meta = run_metadata(threads_set_by_benchmark=True)
+    tokenizer = load_tokenizer(args.tokenizer)
+    records = load_records(args.records, args.data, tokenizer)
+    factories = {"reference": reference_paths, "fast": fast_paths}
+    modes = [Mode.make(factories[name]()) for name in args.paths.split(",")]
+    kv = KVBuffer(max(len(p) + len(r) for _, _, p, r in records) + 2 + MAX_NODES)
+    walk = WalkLogits()
+    cost = CostModel(COST_SIZES, COST_SECONDS)
+    seen: set = set()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for workload, rid, prompt, response in records:
+            timed = workload in seen
+            seen.add(workload)
+            for mode in modes:  # record by record in turn: load on this shared machine hits both alike
+                gc.collect()
+                run_record(mode, rid, prompt, response, kv, walk, cost, timed, args.max_steps)
+    seconds = time.perf_counter() - start
+    summaries = [summarize(mode) for mode in modes]
+    identical = len({mode.digest.hexdigest() for mode in modes}) == 1
+    for s in summaries:
+        print(f"{s['paths']}: {s['steps']} timed steps, mean {s['mean_nodes']:.1f} draft nodes, "
+              f"{s['steps_at_64']} steps with >= {FULL_TREE} (mean {s['mean_nodes_at_64'] or 0:.1f}); "
+              f"nodes histogram {s['node_histogram']}; chooser would keep {s['mean_chosen']:.1f} on average")
+    print(f"\nµs per step, steps with >= {FULL_TREE} draft nodes:")
+    print(table(summaries, "phases_us_at_64"))
+    print("\nµs per step, all timed steps:")
+    print(table(summaries, "phases_us"))
+    print(f"\ntrees and accepted nodes identical across paths: {identical}  ({seconds:.0f} s)")
+    config = {**vars(args), "max_nodes": MAX_NODES, "max_depth": MAX_DEPTH, "full_tree": FULL_TREE,
+              "kv_cache": f"{LAYERS} layers x [1, {KV_HEADS}, ctx+1+n, {HEAD_DIM}] {DTYPE}",
+              "logits": f"[1+n, {VOCAB}] {DTYPE}", "cost_model": {"sizes": COST_SIZES, "seconds": COST_SECONDS}}
+    path = write_result(args.out, "overhead", config, summaries, meta=meta, threads_set_by_benchmark=True,
+                        identical_across_paths=identical, seconds=seconds)
+    print(f"wrote {path}")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
