@@ -48,9 +48,11 @@ import torch  # noqa: E402
 from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes  # noqa: E402
 from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
-from lookupdec.model import commit_accepted, load_tokenizer, new_cache, tree_inputs  # noqa: E402
+from lookupdec.model import (commit_accepted, load_tokenizer, new_cache, tree_inputs,  # noqa: E402
+                             tree_inputs_reference)
 from lookupdec.proposers import build_proposers  # noqa: E402
-from lookupdec.sampling import SamplingParams, accept  # noqa: E402
+from lookupdec.proposers.suffix import SuffixProposer  # noqa: E402
+from lookupdec.sampling import SamplingParams, accept, accept_reference  # noqa: E402
 from lookupdec.simulate import accepted_path, tokenize_record  # noqa: E402
 from lookupdec.tree import TokenTree  # noqa: E402
 from lookupdec.workloads import WORKLOADS  # noqa: E402
@@ -75,16 +77,20 @@ class Paths:
     """The code one set of paths runs per phase."""
 
     name: str
+    drafting: str  # SuffixProposer(drafting=...)
     merge: Callable  # (root, drafts, max_nodes=, max_depth=, calibration=) -> TokenTree
-    prepare: Callable = lambda proposers: None  # puts the proposers on this set of paths
+    prune: Callable  # (tree, n) -> TokenTree
+    inputs: Callable  # model.tree_inputs(tree, n_cached, device=, dtype=, windows=, tree_mode=)
+    accept: Callable  # sampling.accept(tree, logits, params)
 
 
 def reference_paths() -> Paths:
-    return Paths("reference", TokenTree.from_drafts)
+    return Paths("reference", "reference", TokenTree.from_drafts_reference, TokenTree.prune_reference,
+                 tree_inputs_reference, accept_reference)
 
 
 def fast_paths() -> Paths:
-    return Paths("fast", TokenTree.from_drafts)
+    return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, tree_inputs, accept)
 
 
 @dataclass
@@ -102,7 +108,9 @@ class Mode:
     @classmethod
     def make(cls, paths: Paths) -> "Mode":
         proposers = build_proposers(EngineConfig())
-        paths.prepare(proposers)
+        for proposer in proposers:
+            if isinstance(proposer, SuffixProposer):
+                proposer.drafting = paths.drafting
         return cls(paths, Mixture(proposers), AcceptanceCalibrator())
 
 
@@ -168,14 +176,14 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
                                calibration=calibrator.calibration())
             t2 = clock()
             chosen = choose_num_nodes(tree.expected_in_prune_order(), cost, 0.0, MAX_NODES)
-            tree.prune(chosen)
+            paths.prune(tree, chosen)
             t3 = clock()
-            tree_inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)
+            paths.inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)
             t4 = clock()
             logits = walk.set_walk(tree, rest)  # what the forward would return (untimed)
             cache = kv.after_forward(n_cached + len(tree))
             t5 = clock()
-            result = accept(tree, logits, greedy)
+            result = paths.accept(tree, logits, greedy)
             new_tokens = ([tree.token_ids[i] for i in result.accepted] + [result.next_token])[: len(rest)]
             accepted = result.accepted[: len(new_tokens)]
             t6 = clock()

@@ -1,7 +1,15 @@
 """The tree format and its two types: a proposer's ``Draft`` and the step's ``TokenTree``.
 
-The bottom of the package: it imports nothing of lookupdec, and everything that handles trees
-(proposers, acceptance, the model, the step) imports it.
+The bottom of the package: it imports nothing of lookupdec but the compiled core
+(``lookupdec.automaton._core``, same layer), and everything that handles trees (proposers,
+acceptance, the model, the step) imports it.
+
+Fast paths and references. ``TokenTree.from_drafts`` merges in the compiled core
+(``csrc/tree.cpp``) when it is built and falls back to ``from_drafts_reference``, the pure-Python
+definition, otherwise; trees it builds carry their depth and prune order, so ``prune``,
+``expected_in_prune_order`` and ``children`` cost no per-node Python work beyond list copies, and
+``ancestor_mask`` is compiled too. ``tests/test_tree_core.py`` checks every fast path against its
+reference on random drafts (token ids, parents, cells exactly; scores are bit-identical too).
 
 One format (ARCHITECTURE.md, "The tree format"): ``token_ids[i]`` and ``parents[i]`` for every node, and parents
 come before children (``parents[i] < i``). In a ``Draft``, ``parents[i] == -1`` marks a child of
@@ -21,10 +29,17 @@ Worked example::
 from __future__ import annotations
 
 import bisect
+from array import array
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Sequence
 
 import numpy as np
+
+try:
+    from lookupdec.automaton import _core
+except ImportError:  # not built: the references run (lookupdec.automaton warns once when used)
+    _core = None
 
 MATCH_BUCKETS = (0, 1, 2, 3, 5, 9, 17, 33)  # match lengths are calibrated in these buckets
 
@@ -60,9 +75,36 @@ class Draft:
             if not -1 <= p < i:
                 raise ValueError(f"Draft from {self.source!r}: parents[{i}]={p} must be in [-1, {i})")
 
+    @classmethod
+    def _trusted(cls, token_ids: tuple, parents: tuple, scores: tuple, source: str, match_length: int = 0,
+                 packed: tuple | None = None, best: tuple | None = None) -> "Draft":
+        """A draft whose parents are valid by construction (no per-node check); ``packed``: its
+        arrays as bytes (``packed()``), ``best``: its ``best_chain()``, when the maker has them."""
+        draft = cls.__new__(cls)
+        draft.__dict__.update(token_ids=token_ids, parents=parents, scores=scores, source=source,
+                              match_length=match_length, samples=None)
+        if packed is not None:
+            draft.__dict__["_packed"] = packed
+        if best is not None:
+            draft.__dict__["_best"] = best
+        return draft
+
+    def packed(self) -> tuple[bytes, bytes, bytes]:
+        """``token_ids`` (int32), ``parents`` (int32) and ``scores`` (float64) as bytes, for the
+        compiled merge (made once per draft)."""
+        packed = self.__dict__.get("_packed")
+        if packed is None:
+            packed = (array("i", self.token_ids).tobytes(), array("i", self.parents).tobytes(),
+                      array("d", self.scores).tobytes())
+            self.__dict__["_packed"] = packed
+        return packed
+
     def best_chain(self) -> tuple[list[int], list[float]]:
         """The path that follows the best-scored child from the root: (tokens, conditional
         probabilities score[i] / score[parent])."""
+        best = self.__dict__.get("_best")
+        if best is not None:  # the compiled suffix drafts compute it with the draft
+            return list(best[0]), list(best[1])
         if self.parents == tuple(range(-1, len(self.parents) - 1)):  # already a chain
             prev = (1.0,) + self.scores[:-1]
             return list(self.token_ids), [s / p if p > 0 else 0.0 for s, p in zip(self.scores, prev)]
@@ -81,12 +123,18 @@ class Draft:
     def chain(cls, token_ids: Sequence[int], scores: Sequence[float], source: str, match_length: int = 0) -> "Draft":
         """A single path: node i is the child of node i-1."""
         n = len(token_ids)
-        return cls(tuple(token_ids), tuple(range(-1, n - 1)), tuple(scores), source, match_length)
+        if len(scores) != n:
+            raise ValueError(f"Draft from {source!r}: token_ids, parents, scores lengths differ")
+        return cls._trusted(tuple(token_ids), tuple(range(-1, n - 1)), tuple(scores), source, match_length)
 
 
 DEPTH_BUCKETS = (1, 2, 3, 5, 9, 17)  # node depths are calibrated in these buckets
 SIBLING_RANKS = 3  # sibling rank (by score within a draft) is calibrated as 0, 1, 2 or more
 CELLS_PER_ROW = len(DEPTH_BUCKETS) * SIBLING_RANKS
+if _core is not None and (tuple(getattr(_core, "DEPTH_BUCKETS", ())) != DEPTH_BUCKETS
+                          or getattr(_core, "SIBLING_RANKS", None) != SIBLING_RANKS):
+    raise ImportError("lookupdec.automaton._core was built from other sources (calibration buckets differ, or no "
+                      "tree merge): rebuild it with `pip install -e .`")
 
 
 def depth_bucket(depth: int) -> int:
@@ -149,6 +197,13 @@ class Calibration:
                 fallback[key] = factor
         return cls(rows, np.array(table).reshape(-1, CELLS_PER_ROW), fallback)
 
+    def packed_table(self) -> bytes:
+        """``table`` as float64 bytes, for the compiled merge (made once)."""
+        packed = getattr(self, "_packed_table", None)
+        if packed is None:
+            packed = self._packed_table = np.ascontiguousarray(self.table, dtype=np.float64).tobytes()
+        return packed
+
     def row(self, draft: Draft) -> int:
         """``draft``'s row, -1 if none (``fallback`` then)."""
         return self.rows.get((draft.source, match_bucket(draft.match_length)), -1)
@@ -206,15 +261,37 @@ class TokenTree:
         if len(self.parents) != n or self.parents[0] != -1:
             raise ValueError("TokenTree: parents must match token_ids and parents[0] must be -1")
         self.depth = [0] * n
-        self.children: list[dict[int, int]] = [{} for _ in range(n)]  # token -> child node
+        self._children: list[dict[int, int]] | None = [{} for _ in range(n)]
+        self._order: list[int] | None = None  # draft nodes in prune order, if known
+        self._parents_first = False  # True: every node's parent comes before it in _order
         for i in range(1, n):
             p = self.parents[i]
             if not 0 <= p < i:
                 raise ValueError(f"TokenTree: parents[{i}]={p} must be in [0, {i})")
-            if self.token_ids[i] in self.children[p]:
+            if self.token_ids[i] in self._children[p]:
                 raise ValueError(f"TokenTree: node {p} has two children with token {self.token_ids[i]}")
-            self.children[p][self.token_ids[i]] = i
+            self._children[p][self.token_ids[i]] = i
             self.depth[i] = self.depth[p] + 1
+
+    @classmethod
+    def _trusted(cls, *, depth: list[int], order: list[int] | None, parents_first: bool, **fields) -> "TokenTree":
+        """A tree whose lists are valid by construction (the compiled merge, a fast prune): no
+        per-node check; ``children`` is built on first use."""
+        tree = cls.__new__(cls)
+        tree.__dict__.update(fields)
+        tree.depth, tree._children, tree._order, tree._parents_first = depth, None, order, parents_first
+        return tree
+
+    @property
+    def children(self) -> list[dict[int, int]]:
+        """Per node: token -> child node."""
+        if self._children is None:
+            children: list[dict[int, int]] = [{} for _ in self.token_ids]
+            for i, (p, token) in enumerate(zip(self.parents, self.token_ids)):
+                if i:
+                    children[p][token] = i
+            self._children = children
+        return self._children
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -222,7 +299,7 @@ class TokenTree:
     @property
     def is_chain(self) -> bool:
         """One path (the root alone included): its mask is the ordinary causal one."""
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+        return self.depth[-1] == len(self.depth) - 1  # parents[i] < i: only a chain is that deep
 
     @property
     def num_draft_nodes(self) -> int:
@@ -230,6 +307,48 @@ class TokenTree:
 
     @classmethod
     def from_drafts(
+        cls, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
+        calibration: Calibration | dict | None = None,
+    ) -> "TokenTree":
+        """``from_drafts_reference``'s tree, computed by the compiled core when it is built (one
+        call: ``csrc/tree.cpp``). Draft-model ``samples`` are mapped to the kept nodes here."""
+        if _core is None or max_nodes < 0 or max_depth < 0:  # (negative budgets: the reference's behaviour)
+            return cls.from_drafts_reference(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
+                                             calibration=calibration)
+        if isinstance(calibration, dict):
+            calibration = Calibration.from_factors(calibration)
+        packed = [d.packed() for d in drafts]
+        if calibration is None:
+            rows, fallback, table = [-1] * len(drafts), [1.0] * len(drafts), b""
+        else:
+            rows = [calibration.row(d) for d in drafts]
+            fallback = [calibration.fallback.get(d.source, 1.0) if r < 0 else 1.0 for d, r in zip(drafts, rows)]
+            table = calibration.packed_table()
+        offsets = array("q", accumulate((len(d.token_ids) for d in drafts), initial=0)).tobytes()
+        (token_ids, parents, scores, sources, point_mass, expected, cells, conds, depth, order, parents_first,
+         node_of) = _core.merge_drafts(
+            root_token, b"".join([p[0] for p in packed]), b"".join([p[1] for p in packed]),
+            b"".join([p[2] for p in packed]), offsets, array("i", rows).tobytes(), array("d", fallback).tobytes(),
+            bytes([d.samples is None for d in drafts]), table, max_nodes, max_depth)
+        names = [d.source for d in drafts] + [""]  # the root's source, -1, is ""
+        samples = {}
+        if any(d.samples for d in drafts):
+            node_of = np.frombuffer(node_of, np.int32)
+            starts = array("q", offsets)
+            for draft, start in zip(drafts, starts):
+                for at, (q, drawn) in (draft.samples or {}).items():
+                    node = 0 if at < 0 else int(node_of[start + at])
+                    if node >= 0:
+                        samples[node] = (q, tuple(drawn))
+        return cls._trusted(
+            token_ids=_ints(token_ids), parents=_ints(parents), scores=_floats(scores),
+            sources=[names[i] for i in _ints(sources)], samples=samples,
+            point_mass=np.frombuffer(point_mass, np.bool_).tolist(), expected=_floats(expected),
+            cells=_ints(cells), conds=_floats(conds), depth=_ints(depth), order=_ints(order),
+            parents_first=parents_first)
+
+    @classmethod
+    def from_drafts_reference(
         cls, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
         calibration: Calibration | dict | None = None,
     ) -> "TokenTree":
@@ -316,14 +435,41 @@ class TokenTree:
         return TokenTree._subtree(keep, self.token_ids, self.parents, self.scores, self.sources, self.point_mass,
                                   self.samples, self.expected, self.cells, self.conds)
 
+    def prune_order(self) -> list[int]:
+        """The draft nodes in the order ``prune`` takes them: score descending, then index."""
+        if self._order is None:
+            self._order = sorted(range(1, len(self.token_ids)), key=lambda i: (-self.scores[i], i))
+        return self._order
+
     def expected_in_prune_order(self) -> list[float]:
         """``expected`` of the draft nodes in the order ``prune`` takes them (best score first):
         ``prune(n)`` keeps the first ``n``, which the budget chooser sums."""
-        order = sorted(range(1, len(self.token_ids)), key=lambda i: (-self.scores[i], i))
-        return [self.expected[i] for i in order]
+        expected = self.expected
+        return [expected[i] for i in self.prune_order()]
 
     def prune(self, max_nodes: int) -> "TokenTree":
         """The root and the ``max_nodes`` best nodes (ancestors kept), as a new tree."""
+        if len(self.token_ids) - 1 <= max_nodes:
+            return self
+        if max_nodes < 0 or not self._parents_first:
+            return self.prune_reference(max_nodes)
+        # every node's parent comes before it in prune order: select_top_nodes takes a prefix
+        taken = self._order[:max(max_nodes, 0)]
+        keep = [0, *sorted(taken)]
+        remap = [-1] * len(self.token_ids)
+        for new, old in enumerate(keep):
+            remap[old] = new
+        parents, depth = self.parents, self.depth
+        samples = {remap[node]: value for node, value in self.samples.items() if remap[node] >= 0}
+        return TokenTree._trusted(
+            token_ids=[self.token_ids[i] for i in keep], parents=[-1] + [remap[parents[i]] for i in keep[1:]],
+            scores=[self.scores[i] for i in keep], sources=[self.sources[i] for i in keep], samples=samples,
+            point_mass=[self.point_mass[i] for i in keep], expected=[self.expected[i] for i in keep],
+            cells=[self.cells[i] for i in keep], conds=[self.conds[i] for i in keep],
+            depth=[depth[i] for i in keep], order=[remap[i] for i in taken], parents_first=True)
+
+    def prune_reference(self, max_nodes: int) -> "TokenTree":
+        """``prune`` by its definition: ``select_top_nodes``, then the subtree."""
         keep = select_top_nodes(self.parents, self.scores, max_nodes)
         if len(keep) == len(self.token_ids):
             return self
@@ -331,6 +477,14 @@ class TokenTree:
 
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""
+        if _core is None:
+            return self.ancestor_mask_reference()
+        n = len(self.token_ids)
+        mask = _core.ancestor_mask(array("i", self.parents).tobytes())
+        return np.frombuffer(mask, np.bool_).reshape(n, n)
+
+    def ancestor_mask_reference(self) -> np.ndarray:
+        """``ancestor_mask`` row by row: a node's row is its parent's plus itself."""
         n = len(self.token_ids)
         mask = np.zeros((n, n), dtype=bool)
         for i in range(n):
@@ -357,6 +511,14 @@ class TokenTree:
         leaf = max(range(n), key=lambda i: (gain[i], -i))
         keep = [0] + self.path_to(leaf)
         return self._keep(keep)
+
+
+def _ints(values: bytes) -> list[int]:
+    return np.frombuffer(values, np.int32).tolist()
+
+
+def _floats(values: bytes) -> list[float]:
+    return np.frombuffer(values, np.float64).tolist()
 
 
 def coherent_scores(parents: Sequence[int], scores: Sequence[float]) -> list[float]:

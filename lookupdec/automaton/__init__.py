@@ -240,6 +240,21 @@ class SuffixAutomaton:
         return _tree_arrays(self._core.propose_tree(window, max_nodes, max_depth, min_match,
                                                     min_count))
 
+    def suffix_drafts(self, context: Sequence[int] | np.ndarray, *, max_nodes: int, min_match: int, levels: int,
+                      shorter_divisor: int, separator: int, empty_confidence: float, match_prior: float,
+                      certain_step: float) -> list[tuple]:
+        """The suffix proposer's drafts in one call (compiled core only: see
+        ``lookupdec.proposers.suffix.automaton_drafts``, which documents the arguments): per
+        draft, ``(token_ids, parents, scores, match_length, chain, chain_cond, chain_certain)``,
+        arrays as bytes (int32, int32, float64, -, int32, float64, bool)."""
+        if self.backend != "compiled":
+            raise NotImplementedError("suffix_drafts needs the compiled core (the reference: automaton_drafts_reference)")
+        _check_budget(max_nodes, max_nodes)
+        if shorter_divisor < 1:
+            raise ValueError(f"shorter_divisor must be >= 1, got {shorter_divisor}")
+        return self._core.suffix_drafts(_int32_tokens(context), max_nodes, min_match, levels, shorter_divisor,
+                                        separator, empty_confidence, match_prior, certain_step)
+
     # ------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from lookupdec.model.cache import commit_accepted, crop_cache, new_cache
@@ -15,6 +16,7 @@ log = logging.getLogger("lookupdec")
 # Tolerance of the start-up probe comparing tree logits with one-path logits, relative to the
 # spread of the logits: loose enough for bf16 noise, far below what a wrong mask produces.
 PROBE_REL_TOL = 0.02
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}  # CPU masks via numpy
 
 
 
@@ -119,20 +121,43 @@ def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict 
     the tree mask then, on its fastest path) or without ``tree_mode``, else the additive 4D
     mask [1, 1, 1+n, n_cached+1+n] (0 where node i sees slot j: the prefix, itself, its
     ancestors; the dtype's minimum elsewhere), a dict per layer type with sliding ``windows``
-    (``_sliding_windows``)."""
+    (``_sliding_windows``). A handful of tensor operations, none per node (the ancestor mask
+    comes from the compiled core); ``tree_inputs_reference`` is the same by definition."""
+    ids = torch.from_numpy(np.array([tree.token_ids], dtype=np.int64)).to(device)  # torch.tensor(list): 5x slower
+    positions = torch.from_numpy(np.array([tree.depth], dtype=np.int64) + n_cached).to(device)
+    if not tree_mode or tree.is_chain:
+        return ids, positions, None
+    if windows:
+        return ids, positions, tree_mask_reference(tree, n_cached, positions[0], device=device, dtype=dtype,
+                                                   windows=windows)
+    n = len(tree)
+    hidden = ~tree.ancestor_mask()  # [1+n, 1+n] True: node j is not node i nor an ancestor
+    if torch.device(device).type == "cpu" and dtype in _NUMPY_DTYPES:
+        mask = np.zeros((1, 1, n, n_cached + n), dtype=_NUMPY_DTYPES[dtype])
+        np.copyto(mask[0, 0, :, n_cached:], torch.finfo(dtype).min, where=hidden)
+        return ids, positions, torch.from_numpy(mask)
+    mask = torch.zeros((1, 1, n, n_cached + n), dtype=dtype, device=device)
+    mask[0, 0, :, n_cached:].masked_fill_(torch.from_numpy(hidden).to(device), torch.finfo(dtype).min)
+    return ids, positions, mask
+
+
+def tree_inputs_reference(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict | None = None,
+                          tree_mode: bool = True):
+    """``tree_inputs`` by definition: the boolean mask over every slot, then made additive."""
     ids = torch.tensor([tree.token_ids], device=device)
     depth = torch.tensor(tree.depth, device=device)
     positions = (n_cached + depth)[None]
     mask = None
     if tree_mode and not tree.is_chain:
-        mask = tree_mask(tree, n_cached, positions[0], device=device, dtype=dtype, windows=windows)
+        mask = tree_mask_reference(tree, n_cached, positions[0], device=device, dtype=dtype, windows=windows)
     return ids, positions, mask
 
 
-def tree_mask(tree: TokenTree, n_cached: int, positions: torch.Tensor, *, device, dtype, windows: dict | None = None):
+def tree_mask_reference(tree: TokenTree, n_cached: int, positions: torch.Tensor, *, device, dtype,
+                        windows: dict | None = None):
     """Additive 4D mask(s) [1, 1, 1+n, n_cached+1+n]; a dict per layer type where needed."""
     allowed = torch.ones((len(tree), n_cached + len(tree)), dtype=torch.bool, device=device)
-    allowed[:, n_cached:] = torch.from_numpy(tree.ancestor_mask()).to(device)
+    allowed[:, n_cached:] = torch.from_numpy(tree.ancestor_mask_reference()).to(device)
     if not windows:
         return _additive(allowed, dtype)
     key_pos = torch.cat([torch.arange(n_cached, device=device), positions])

@@ -75,8 +75,13 @@ class CertainStepEstimate:
 class SuffixProposer:
     name = "suffix"
 
-    def __init__(self, config: SuffixConfig | None = None) -> None:
+    def __init__(self, config: SuffixConfig | None = None, *, drafting: str = "auto") -> None:
+        """``drafting``: "auto" (``automaton_drafts``: compiled where the automata are) or
+        "reference" (``automaton_drafts_reference``, the pure-Python definition; same drafts)."""
+        if drafting not in ("auto", "reference"):
+            raise ValueError(f"drafting must be 'auto' or 'reference', got {drafting!r}")
         self.config = config or SuffixConfig()
+        self.drafting = drafting
         self._requests = RequestRegistry("SuffixProposer")
         self._outputs: deque[np.ndarray] = deque()  # earlier outputs in the global cache, oldest first
         self._global_tokens = 0
@@ -112,8 +117,8 @@ class SuffixProposer:
     # -- drafting -------------------------------------------------------------------------------
     def _drafts(self, request: _Request, automaton: SuffixAutomaton, ctx: np.ndarray, max_nodes: int,
                 min_match: int, source: str) -> list[Draft]:
-        return automaton_drafts(automaton, ctx, max_nodes, min_match, source, self.certain_step[source],
-                                request.pending)
+        drafts = automaton_drafts if self.drafting == "auto" else automaton_drafts_reference
+        return drafts(automaton, ctx, max_nodes, min_match, source, self.certain_step[source], request.pending)
 
     # -- the global cache -----------------------------------------------------------------------
     def add_to_global(self, output: Sequence[int]) -> None:
@@ -166,6 +171,30 @@ class SuffixProposer:
 
 def automaton_drafts(automaton: SuffixAutomaton, ctx: np.ndarray, max_nodes: int, min_match: int, source: str,
                      certain_step: CertainStepEstimate, pending: dict) -> list[Draft]:
+    """``automaton_drafts_reference``'s drafts, made by the compiled core in one call
+    (``csrc/suffix_drafts.cpp``) when the automaton is compiled; each draft comes with its
+    arrays and its best chain, so the merge and the calibrator do not recompute them."""
+    if automaton.backend != "compiled":
+        return automaton_drafts_reference(automaton, ctx, max_nodes, min_match, source, certain_step, pending)
+    levels = automaton.suffix_drafts(ctx, max_nodes=max_nodes, min_match=min_match, levels=MATCH_LEVELS,
+                                     shorter_divisor=SHORTER_MATCH_NODES_DIVISOR, separator=SEPARATOR,
+                                     empty_confidence=EMPTY_MATCH_CONFIDENCE, match_prior=MATCH_PRIOR,
+                                     certain_step=certain_step.value)
+    out = []
+    for tokens, parents, scores, length, chain, chain_cond, chain_certain in levels:
+        chain = np.frombuffer(chain, np.int32).tolist()
+        best = (chain, np.frombuffer(chain_cond, np.float64).tolist())
+        out.append(Draft._trusted(tuple(np.frombuffer(tokens, np.int32).tolist()),
+                                  tuple(np.frombuffer(parents, np.int32).tolist()),
+                                  tuple(np.frombuffer(scores, np.float64).tolist()), source, length,
+                                  packed=(tokens, parents, scores), best=best))
+        if source not in pending:
+            pending[source] = (chain, np.frombuffer(chain_certain, np.bool_).tolist())
+    return out
+
+
+def automaton_drafts_reference(automaton: SuffixAutomaton, ctx: np.ndarray, max_nodes: int, min_match: int,
+                               source: str, certain_step: CertainStepEstimate, pending: dict) -> list[Draft]:
     """Drafts from the longest match of ``ctx`` in ``automaton`` and up to ``MATCH_LEVELS - 1``
     shorter ones (suffix links: fewer context tokens, more occurrences, more varied
     continuations). The longest match's best chain goes into ``pending[source]`` with its

@@ -1,0 +1,286 @@
+// The step's tree merge; see tree.hpp. Comments name the lines of lookupdec/tree.py's
+// reference (from_drafts_reference, coherent_scores, select_top_nodes) each part mirrors.
+#include "tree.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace lookupdec {
+
+namespace {
+
+constexpr uint64_t kFibonacci = 0x9E3779B97F4A7C15ull;
+
+// Python's min(a, b) and max(a, b): the first argument unless the second is strictly
+// smaller (larger). Spelled out so that NaN and -0.0 come out as in the reference.
+inline double py_min(double a, double b) { return b < a ? b : a; }
+inline double py_max(double a, double b) { return b > a ? b : a; }
+
+int32_t depth_bucket(int32_t depth) {  // bisect_right(DEPTH_BUCKETS, depth) - 1
+  int32_t b = 0;
+  while (b + 1 < kNumDepthBuckets && kDepthBuckets[b + 1] <= depth) ++b;
+  return b;
+}
+
+// (parent node, token) -> node: open addressing, linear probing, sized once per merge.
+class TrieIndex {
+ public:
+  explicit TrieIndex(size_t expected) {
+    size_t capacity = 16;
+    while (capacity < 2 * expected + 2) capacity *= 2;
+    keys_.assign(capacity, kEmpty);
+    nodes_.resize(capacity);
+    mask_ = capacity - 1;
+  }
+  // The slot of `key`: its node if present (found = true), else where to insert it.
+  size_t find(uint64_t key, bool* found) const {
+    size_t i = static_cast<size_t>((key * kFibonacci) >> 32) & mask_;
+    while (keys_[i] != kEmpty && keys_[i] != key) i = (i + 1) & mask_;
+    *found = keys_[i] == key;
+    return i;
+  }
+  int32_t node(size_t slot) const { return nodes_[slot]; }
+  void insert(size_t slot, uint64_t key, int32_t node) {
+    keys_[slot] = key;
+    nodes_[slot] = node;
+  }
+
+ private:
+  static constexpr uint64_t kEmpty = ~uint64_t{0};
+  std::vector<uint64_t> keys_;
+  std::vector<int32_t> nodes_;
+  size_t mask_;
+};
+
+struct Trie {  // the full trie before pruning (from_drafts_reference's lists)
+  std::vector<int32_t> token_ids, parents, sources, cells, depth;
+  std::vector<double> scores, conds;
+  std::vector<uint8_t> point_mass;
+  std::vector<int32_t> local_node;  // [total] draft node -> trie node, -1 if cut
+
+  int32_t add(int32_t token, int32_t parent, double score, int32_t source, uint8_t pm, int32_t cell,
+              double cond, int32_t d) {
+    token_ids.push_back(token);
+    parents.push_back(parent);
+    scores.push_back(score);
+    sources.push_back(source);
+    point_mass.push_back(pm);
+    cells.push_back(cell);
+    conds.push_back(cond);
+    depth.push_back(d);
+    return static_cast<int32_t>(token_ids.size()) - 1;
+  }
+};
+
+void check_draft(const MergeInput& in, int64_t d) {
+  int64_t begin = in.offsets[d], end = in.offsets[d + 1];
+  if (begin < 0 || end < begin) throw std::invalid_argument("merge_drafts: offsets must not decrease");
+  for (int64_t i = begin; i < end; ++i) {
+    int32_t p = in.parents[i];
+    if (p < -1 || p >= i - begin)
+      throw std::invalid_argument("merge_drafts: draft " + std::to_string(d) + " parents[" +
+                                  std::to_string(i - begin) + "]=" + std::to_string(p) +
+                                  " must be in [-1, " + std::to_string(i - begin) + ")");
+  }
+}
+
+// Each node's factor and flat cell (Calibration.node_factors).
+void node_factors(const MergeInput& in, int64_t d, std::vector<double>* factors, std::vector<int32_t>* cells,
+                  std::vector<int32_t>* depth, std::vector<int32_t>* rank) {
+  int64_t begin = in.offsets[d], n = in.offsets[d + 1] - begin;
+  int32_t row = in.rows[d];
+  factors->assign(n, in.fallback[d]);
+  cells->assign(n, -1);
+  if (row < 0) return;
+  const int32_t* parents = in.parents + begin;
+  depth->resize(n);
+  for (int64_t i = 0; i < n; ++i) (*depth)[i] = parents[i] < 0 ? 1 : (*depth)[parents[i]] + 1;
+  sibling_ranks(parents, in.scores + begin, n, rank);
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t cell = static_cast<int64_t>(row) * kCellsPerRow + depth_bucket((*depth)[i]) * kSiblingRanks +
+                   std::min((*rank)[i], kSiblingRanks - 1);
+    if (cell >= in.table_size) throw std::out_of_range("merge_drafts: calibration row outside the table");
+    (*cells)[i] = static_cast<int32_t>(cell);
+    (*factors)[i] = in.table[cell];
+  }
+}
+
+// The trie merge (from_drafts_reference's loop over drafts).
+Trie build_trie(const MergeInput& in) {
+  int64_t total = in.offsets[in.num_drafts];
+  Trie trie;
+  trie.local_node.assign(total, -1);
+  trie.add(in.root_token, -1, 1.0, -1, 1, -1, 1.0, 0);
+  TrieIndex index(static_cast<size_t>(total));
+  std::vector<double> factors;
+  std::vector<int32_t> cells, depth, rank;
+  for (int64_t d = 0; d < in.num_drafts; ++d) {
+    check_draft(in, d);
+    node_factors(in, d, &factors, &cells, &depth, &rank);
+    int64_t begin = in.offsets[d], n = in.offsets[d + 1] - begin;
+    const double* raw = in.scores + begin;
+    int32_t* local = trie.local_node.data() + begin;
+    uint8_t pm = in.point_mass[d];
+    for (int64_t i = 0; i < n; ++i) {
+      int32_t par = in.parents[begin + i];
+      int32_t parent = par < 0 ? 0 : local[par];
+      if (parent < 0) continue;  // an ancestor was cut by max_depth
+      int32_t token = in.tokens[begin + i];
+      uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
+      bool found;
+      size_t slot = index.find(key, &found);
+      double raw_parent = par < 0 ? 1.0 : raw[par];
+      double cond = raw_parent > 0 ? raw[i] / raw_parent : 0.0;
+      double score = trie.scores[parent] * py_min(1.0, factors[i] * cond);
+      if (!found) {
+        if (trie.depth[parent] >= in.max_depth) continue;
+        int32_t node = trie.add(token, parent, score, static_cast<int32_t>(d), pm, cells[i], cond,
+                                trie.depth[parent] + 1);
+        index.insert(slot, key, node);
+        local[i] = node;
+      } else {
+        int32_t node = index.node(slot);
+        trie.point_mass[node] = trie.point_mass[node] || pm;
+        if (score > trie.scores[node]) {
+          trie.scores[node] = score;
+          trie.sources[node] = static_cast<int32_t>(d);
+          trie.cells[node] = cells[i];
+          trie.conds[node] = cond;
+        }
+        local[i] = node;
+      }
+    }
+  }
+  return trie;
+}
+
+// coherent_scores: children keep their conditional probability in order of confidence until
+// the mass left runs out.
+std::vector<double> coherent_scores(const std::vector<int32_t>& parents, const std::vector<double>& scores) {
+  size_t n = parents.size();
+  std::vector<int32_t> first(n + 1, 0), kids(n > 0 ? n - 1 : 0);
+  for (size_t i = 1; i < n; ++i) ++first[parents[i] + 1];
+  for (size_t i = 1; i <= n; ++i) first[i] += first[i - 1];
+  std::vector<int32_t> fill(first.begin(), first.end() - 1);
+  for (size_t i = 1; i < n; ++i) kids[fill[parents[i]]++] = static_cast<int32_t>(i);  // index order
+  std::vector<double> out(scores), cond(n);
+  for (size_t node = 0; node < n; ++node) {
+    int32_t* begin = kids.data() + first[node];
+    int32_t* end = kids.data() + first[node + 1];
+    if (begin == end) continue;
+    double old_parent = scores[node];
+    for (int32_t* k = begin; k != end; ++k) cond[*k] = old_parent > 0 ? scores[*k] / old_parent : 0.0;
+    std::sort(begin, end, [&](int32_t a, int32_t b) { return cond[a] > cond[b] || (cond[a] == cond[b] && a < b); });
+    double left = 1.0;
+    for (int32_t* k = begin; k != end; ++k) {
+      double c = py_min(cond[*k], py_max(left, 0.0));
+      left -= c;
+      out[*k] = out[node] * c;
+    }
+  }
+  return out;
+}
+
+// Nodes 1..n-1 by score descending, then index (select_top_nodes' sort key).
+std::vector<int32_t> prune_order(const std::vector<double>& scores) {
+  std::vector<int32_t> order;
+  order.reserve(scores.size());
+  for (size_t i = 1; i < scores.size(); ++i) order.push_back(static_cast<int32_t>(i));
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+  });
+  return order;
+}
+
+}  // namespace
+
+void sibling_ranks(const int32_t* parents, const double* scores, int64_t n, std::vector<int32_t>* rank) {
+  rank->assign(n, 0);
+  bool chain = true;
+  for (int64_t i = 0; i < n && chain; ++i) chain = parents[i] == i - 1;
+  if (chain) return;
+  // children of each parent (index order), parent -1 shifted to 0
+  std::vector<int32_t> first(n + 2, 0), kids(n);
+  for (int64_t i = 0; i < n; ++i) ++first[parents[i] + 2];
+  for (int64_t i = 2; i <= n + 1; ++i) first[i] += first[i - 1];
+  std::vector<int32_t> fill(first.begin(), first.end() - 1);
+  for (int64_t i = 0; i < n; ++i) kids[fill[parents[i] + 1]++] = static_cast<int32_t>(i);
+  for (int64_t p = 0; p <= n; ++p) {
+    int32_t* begin = kids.data() + first[p];
+    int32_t* end = kids.data() + first[p + 1];
+    if (end - begin < 2) continue;
+    std::sort(begin, end, [&](int32_t a, int32_t b) {
+      return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+    });
+    for (int32_t* k = begin; k != end; ++k) (*rank)[*k] = static_cast<int32_t>(k - begin);
+  }
+}
+
+MergedTree merge_drafts(const MergeInput& in) {
+  if (in.max_nodes < 0 || in.max_depth < 0) throw std::invalid_argument("merge_drafts: negative budget");
+  Trie trie = build_trie(in);
+  int32_t n = static_cast<int32_t>(trie.token_ids.size());
+  std::vector<double> expected = coherent_scores(trie.parents, trie.scores);
+  std::vector<int32_t> order = prune_order(trie.scores);
+  // select_top_nodes: in order, a node whose parent is the root or chosen, until max_nodes
+  std::vector<uint8_t> chosen(n, 0);
+  chosen[0] = 1;
+  std::vector<int32_t> chosen_order;
+  if (n - 1 <= in.max_nodes) {
+    std::fill(chosen.begin(), chosen.end(), 1);
+    chosen_order = order;
+  } else {
+    for (int32_t i : order) {
+      if (static_cast<int32_t>(chosen_order.size()) == in.max_nodes) break;
+      if (trie.parents[i] == 0 || chosen[trie.parents[i]]) {
+        chosen[i] = 1;
+        chosen_order.push_back(i);
+      }
+    }
+  }
+  std::vector<int32_t> remap(n, -1);
+  MergedTree out;
+  for (int32_t i = 0; i < n; ++i) {
+    if (!chosen[i]) continue;
+    remap[i] = static_cast<int32_t>(out.token_ids.size());
+    out.token_ids.push_back(trie.token_ids[i]);
+    out.parents.push_back(i == 0 ? -1 : remap[trie.parents[i]]);
+    out.sources.push_back(trie.sources[i]);
+    out.cells.push_back(trie.cells[i]);
+    out.depth.push_back(trie.depth[i]);
+    out.scores.push_back(trie.scores[i]);
+    out.expected.push_back(expected[i]);
+    out.conds.push_back(trie.conds[i]);
+    out.point_mass.push_back(trie.point_mass[i]);
+  }
+  // the kept nodes in prune order: chosen_order restricted to them (all of it), renumbered
+  std::vector<int32_t> position(out.token_ids.size(), -1);
+  out.order.reserve(chosen_order.size());
+  for (int32_t i : chosen_order) {
+    int32_t node = remap[i];
+    int32_t parent = out.parents[node];
+    if (parent > 0 && position[parent] < 0) out.parents_first = false;
+    position[node] = static_cast<int32_t>(out.order.size());
+    out.order.push_back(node);
+  }
+  out.node_of.resize(trie.local_node.size());
+  for (size_t i = 0; i < trie.local_node.size(); ++i)
+    out.node_of[i] = trie.local_node[i] < 0 ? -1 : remap[trie.local_node[i]];
+  return out;
+}
+
+void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask) {
+  std::memset(mask, 0, static_cast<size_t>(n * n));
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t p = parents[i];
+    if (p >= 0) {
+      if (p >= i) throw std::invalid_argument("ancestor_mask: parents[i] must be < i");
+      std::memcpy(mask + i * n, mask + static_cast<int64_t>(p) * n, static_cast<size_t>(p) + 1);
+    }
+    mask[i * n + i] = 1;
+  }
+}
+
+}  // namespace lookupdec

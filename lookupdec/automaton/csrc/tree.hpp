@@ -1,0 +1,53 @@
+// The step's tree merge, compiled: what lookupdec.tree.TokenTree.from_drafts_reference computes
+// (per-draft calibration cells, conditional probabilities, the trie merge with the best score
+// winning, the max_depth cut, coherent scores, the max_nodes best nodes with their ancestors),
+// in one call. Every floating-point operation is the reference's, in the reference's order,
+// so scores are bit-identical (this file is compiled with -ffp-contract=off).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace lookupdec {
+
+// Calibration cells: as lookupdec.tree's DEPTH_BUCKETS and SIBLING_RANKS (checked at import).
+constexpr int32_t kDepthBuckets[] = {1, 2, 3, 5, 9, 17};
+constexpr int32_t kNumDepthBuckets = 6;
+constexpr int32_t kSiblingRanks = 3;
+constexpr int32_t kCellsPerRow = kNumDepthBuckets * kSiblingRanks;
+
+struct MergeInput {
+  int32_t root_token;
+  const int32_t* tokens;   // [total] every draft's token ids, draft after draft
+  const int32_t* parents;  // [total] parent within its draft, -1 = child of the root
+  const double* scores;    // [total] the proposers' scores
+  const int64_t* offsets;  // [num_drafts + 1] where each draft starts
+  int64_t num_drafts;
+  const int32_t* rows;       // [num_drafts] calibration row, -1 = none (fallback then)
+  const double* fallback;    // [num_drafts] factor of every node of a draft without a row
+  const uint8_t* point_mass; // [num_drafts] 1 = a lookup draft (no draft-model samples)
+  const double* table;       // [table_size] calibration factors, row * kCellsPerRow + cell
+  int64_t table_size;
+  int32_t max_nodes;
+  int32_t max_depth;
+};
+
+struct MergedTree {  // the kept tree, node 0 = the root, parents before children
+  std::vector<int32_t> token_ids, parents, sources, cells, depth;
+  std::vector<double> scores, expected, conds;
+  std::vector<uint8_t> point_mass;
+  std::vector<int32_t> order;     // draft nodes in prune order: score desc, then index
+  bool parents_first = true;      // every node's parent precedes it in `order` (prune = a prefix)
+  std::vector<int32_t> node_of;   // [total] each draft node's node in the kept tree, -1 if none
+};
+
+MergedTree merge_drafts(const MergeInput& in);
+
+// Sibling rank of each node within one draft: 0 = the best-scored child of its parent, ties
+// to the earlier node (lookupdec.tree.draft_features).
+void sibling_ranks(const int32_t* parents, const double* scores, int64_t n, std::vector<int32_t>* rank);
+
+// mask[i * n + j] = 1 when node j is node i or one of its ancestors (parents[i] < i).
+void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask);
+
+}  // namespace lookupdec
