@@ -12,8 +12,9 @@ the verify forward, in µs per step:
     inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]
     accept   ``sampling.accept`` (greedy) on logits [1+n, 49152] (SmolLM2's vocabulary) whose
              argmax follows the recorded response along the tree: the walk the target makes
-    commit   ``model.commit_accepted`` on a transformers ``DynamicCache`` of SmolLM2-135M's
-             shape (30 layers of [1, 3, ctx+1+n, 64] float32 keys and values)
+    commit   ``model.commit_accepted`` on a KV cache of SmolLM2-135M's shape (30 layers of
+             [1, 3, ctx+1+n, 64] float32 keys and values): the engine's ``SlotCache`` (fast) or
+             transformers' ``DynamicCache`` (reference)
     observe  ``Mixture.observe`` (every proposer sees the new tokens)
     learn    ``AcceptanceCalibrator.learn``
 
@@ -45,12 +46,14 @@ from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_re
 
 import torch  # noqa: E402
 
-from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes  # noqa: E402
+from lookupdec.budget import (AcceptanceCalibrator, CostModel, choose_num_nodes,  # noqa: E402
+                              choose_num_nodes_reference)
 from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
 from lookupdec.model import (commit_accepted, load_tokenizer, new_cache, tree_inputs,  # noqa: E402
                              tree_inputs_reference)
 from lookupdec.proposers import build_proposers  # noqa: E402
+from lookupdec.proposers.ngram import NgramProposer  # noqa: E402
 from lookupdec.proposers.suffix import SuffixProposer  # noqa: E402
 from lookupdec.sampling import SamplingParams, accept, accept_reference  # noqa: E402
 from lookupdec.simulate import accepted_path, tokenize_record  # noqa: E402
@@ -77,20 +80,23 @@ class Paths:
     """The code one set of paths runs per phase."""
 
     name: str
-    drafting: str  # SuffixProposer(drafting=...)
+    drafting: str  # SuffixProposer(drafting=...), NgramProposer(backend=...)
     merge: Callable  # (root, drafts, max_nodes=, max_depth=, calibration=) -> TokenTree
     prune: Callable  # (tree, n) -> TokenTree
     inputs: Callable  # model.tree_inputs(tree, n_cached, device=, dtype=, windows=, tree_mode=)
     accept: Callable  # sampling.accept(tree, logits, params)
+    choose: Callable  # budget.choose_num_nodes(expected, cost, overhead_s, max_nodes)
+    slot_cache: bool  # the engine's SlotCache, else a DynamicCache
 
 
 def reference_paths() -> Paths:
     return Paths("reference", "reference", TokenTree.from_drafts_reference, TokenTree.prune_reference,
-                 tree_inputs_reference, accept_reference)
+                 tree_inputs_reference, accept_reference, choose_num_nodes_reference, slot_cache=False)
 
 
 def fast_paths() -> Paths:
-    return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, tree_inputs, accept)
+    return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, tree_inputs, accept, choose_num_nodes,
+                 slot_cache=True)
 
 
 @dataclass
@@ -111,12 +117,15 @@ class Mode:
         for proposer in proposers:
             if isinstance(proposer, SuffixProposer):
                 proposer.drafting = paths.drafting
+            elif isinstance(proposer, NgramProposer) and paths.drafting == "reference":
+                proposer.backend = "reference"
         return cls(paths, Mixture(proposers), AcceptanceCalibrator())
 
 
 class KVBuffer:
-    """One preallocated buffer behind the DynamicCache's layers: before each step's commit the
-    layers are views of [0, ctx+1+n) slots, as after a verify forward (no copy per step)."""
+    """The reference: a transformers ``DynamicCache`` (``new_cache()``), whose layers are, before
+    each step's commit, views of [0, ctx+1+n) slots of one preallocated buffer, as after a verify
+    forward (a real forward concatenates the whole cache per layer: too slow to replay here)."""
 
     def __init__(self, capacity: int) -> None:
         self.buffer = torch.zeros(LAYERS, 2, 1, KV_HEADS, capacity, HEAD_DIM, dtype=DTYPE)
@@ -125,10 +134,34 @@ class KVBuffer:
             one = torch.zeros(1, KV_HEADS, 1, HEAD_DIM, dtype=DTYPE)
             self.cache.update(one, one, layer)
 
+    def start(self, prefix: int) -> None:
+        pass
+
     def after_forward(self, slots: int):
         for i, layer in enumerate(self.cache.layers):
             layer.keys = self.buffer[i, 0, :, :, :slots]
             layer.values = self.buffer[i, 1, :, :, :slots]
+        return self.cache
+
+
+class SlotKV:
+    """The engine's cache (``new_cache(num_layers)``, a ``SlotCache``): filled per step by the
+    ``update`` calls a verify forward makes (untimed)."""
+
+    def __init__(self) -> None:
+        self.cache = None
+        self._new = torch.zeros(1, KV_HEADS, 1 + MAX_NODES, HEAD_DIM, dtype=DTYPE)
+
+    def start(self, prefix: int) -> None:
+        self.cache = new_cache(LAYERS)
+        prompt = torch.zeros(1, KV_HEADS, prefix, HEAD_DIM, dtype=DTYPE)
+        for layer in range(LAYERS):
+            self.cache.update(prompt, prompt, layer)
+
+    def after_forward(self, slots: int):
+        new = self._new[:, :, : slots - self.cache.get_seq_length()]
+        for layer in range(LAYERS):
+            self.cache.update(new, new, layer)
         return self.cache
 
 
@@ -163,6 +196,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
     mixture, calibrator, paths, greedy = mode.mixture, mode.calibrator, mode.paths, SamplingParams()
     context = list(prompt)
     mixture.start(rid, context)
+    kv.start(len(context) - 1)
     clock = time.perf_counter_ns
     steps = 0
     try:
@@ -175,7 +209,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
                                calibration=calibrator.calibration())
             t2 = clock()
-            chosen = choose_num_nodes(tree.expected_in_prune_order(), cost, 0.0, MAX_NODES)
+            chosen = paths.choose(tree.expected_in_prune_order(), cost, 0.0, MAX_NODES)
             paths.prune(tree, chosen)
             t3 = clock()
             paths.inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)
@@ -283,6 +317,7 @@ def main(argv=None) -> int:
     factories = {"reference": reference_paths, "fast": fast_paths}
     modes = [Mode.make(factories[name]()) for name in args.paths.split(",")]
     kv = KVBuffer(max(len(p) + len(r) for _, _, p, r in records) + 2 + MAX_NODES)
+    slot_kv = SlotKV()
     walk = WalkLogits()
     cost = CostModel(COST_SIZES, COST_SECONDS)
     seen: set = set()
@@ -293,7 +328,8 @@ def main(argv=None) -> int:
             seen.add(workload)
             for mode in modes:  # record by record in turn: load on this shared machine hits both alike
                 gc.collect()
-                run_record(mode, rid, prompt, response, kv, walk, cost, timed, args.max_steps)
+                run_record(mode, rid, prompt, response, slot_kv if mode.paths.slot_cache else kv, walk, cost,
+                           timed, args.max_steps)
     seconds = time.perf_counter() - start
     summaries = [summarize(mode) for mode in modes]
     identical = len({mode.digest.hexdigest() for mode in modes}) == 1

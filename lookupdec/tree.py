@@ -76,18 +76,32 @@ class Draft:
                 raise ValueError(f"Draft from {self.source!r}: parents[{i}]={p} must be in [-1, {i})")
 
     @classmethod
-    def _trusted(cls, token_ids: tuple, parents: tuple, scores: tuple, source: str, match_length: int = 0,
-                 packed: tuple | None = None, best: tuple | None = None) -> "Draft":
-        """A draft whose parents are valid by construction (no per-node check); ``packed``: its
-        arrays as bytes (``packed()``), ``best``: its ``best_chain()``, when the maker has them."""
+    def _trusted(cls, token_ids: tuple | None, parents: tuple | None, scores: tuple | None, source: str,
+                 match_length: int = 0, packed: tuple | None = None, best: tuple | None = None) -> "Draft":
+        """A draft whose parents are valid by construction (no per-node check). ``packed``: its
+        arrays as bytes (``packed()``); given alone (the three tuples None), the tuples are made
+        from it on first use. ``best``: its ``best_chain()``, when the maker has it."""
         draft = cls.__new__(cls)
-        draft.__dict__.update(token_ids=token_ids, parents=parents, scores=scores, source=source,
-                              match_length=match_length, samples=None)
+        fields = draft.__dict__
+        fields.update(source=source, match_length=match_length, samples=None)
+        if token_ids is not None:
+            fields.update(token_ids=token_ids, parents=parents, scores=scores)
         if packed is not None:
-            draft.__dict__["_packed"] = packed
+            fields["_packed"] = packed
         if best is not None:
-            draft.__dict__["_best"] = best
+            fields["_best"] = best
         return draft
+
+    def __getattr__(self, name: str):
+        """``token_ids``, ``parents`` and ``scores`` of a draft made from packed arrays, on first use."""
+        packed = self.__dict__.get("_packed")
+        if name not in ("token_ids", "parents", "scores") or packed is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        tokens, parents, scores = packed
+        self.__dict__.update(token_ids=tuple(np.frombuffer(tokens, np.int32).tolist()),
+                             parents=tuple(np.frombuffer(parents, np.int32).tolist()),
+                             scores=tuple(np.frombuffer(scores, np.float64).tolist()))
+        return self.__dict__[name]
 
     def packed(self) -> tuple[bytes, bytes, bytes]:
         """``token_ids`` (int32), ``parents`` (int32) and ``scores`` (float64) as bytes, for the
@@ -324,7 +338,7 @@ class TokenTree:
             rows = [calibration.row(d) for d in drafts]
             fallback = [calibration.fallback.get(d.source, 1.0) if r < 0 else 1.0 for d, r in zip(drafts, rows)]
             table = calibration.packed_table()
-        offsets = array("q", accumulate((len(d.token_ids) for d in drafts), initial=0)).tobytes()
+        offsets = array("q", accumulate((len(p[0]) // 4 for p in packed), initial=0)).tobytes()
         (token_ids, parents, scores, sources, point_mass, expected, cells, conds, depth, order, parents_first,
          node_of) = _core.merge_drafts(
             root_token, b"".join([p[0] for p in packed]), b"".join([p[1] for p in packed]),

@@ -1,12 +1,16 @@
 """The per-step fast paths outside the tree merge (``test_tree_core.py`` has that one) against
 their references, on many random inputs:
 
+- the n-gram proposer's compiled index and drafts vs its pure-Python reference;
 - the suffix proposer's compiled drafts (``automaton_drafts``) vs ``automaton_drafts_reference``:
   the same drafts (tokens, parents, bit-identical scores, match lengths), best chains and
   certain-step bookkeeping, over random streams with separators, request and global automata;
 - greedy ``accept`` (argmax of the visited rows) vs ``accept_reference`` (every row's argmax),
   ties and NaN included;
-- ``model.tree_inputs`` vs ``tree_inputs_reference`` (ids, positions, additive 4D masks).
+- ``budget.choose_num_nodes`` vs ``choose_num_nodes_reference`` (ties, NaN, flat costs);
+- ``model.tree_inputs`` vs ``tree_inputs_reference`` (ids, positions, additive 4D masks);
+- the engine's ``SlotCache`` vs transformers' ``DynamicCache`` through random forwards and
+  KV commits (the model-level check is ``test_model_kv.py``).
 """
 from __future__ import annotations
 
@@ -17,8 +21,10 @@ import pytest
 import torch
 
 from lookupdec.automaton import compiled_available
-from lookupdec.config import SuffixConfig
-from lookupdec.model import tree_inputs, tree_inputs_reference
+from lookupdec.budget import CostModel, choose_num_nodes, choose_num_nodes_reference
+from lookupdec.config import NgramConfig, SuffixConfig
+from lookupdec.model import commit_accepted, crop_cache, new_cache, tree_inputs, tree_inputs_reference
+from lookupdec.proposers.ngram import NgramProposer
 from lookupdec.proposers.suffix import SEPARATOR, SuffixProposer
 from lookupdec.sampling import SamplingParams, accept, accept_reference
 from lookupdec.tree import TokenTree
@@ -36,6 +42,31 @@ def random_stream(rng: random.Random, length: int, vocab: int) -> list[int]:
         else:
             out.append(SEPARATOR if rng.random() < 0.03 else rng.randrange(vocab))
     return out[:length]
+
+
+@needs_core
+@pytest.mark.parametrize("seed", range(60))
+def test_compiled_ngram_drafts_equal_the_reference(seed):
+    rng = random.Random(seed)
+    min_ngram = rng.randint(1, 3)
+    config = NgramConfig(min_ngram=min_ngram, max_ngram=rng.randint(min_ngram, 6),
+                         max_draft_tokens=rng.choice((1, 3, 10, 48, 60)), max_branches=rng.randint(1, 5))
+    fast, ref = NgramProposer(config), NgramProposer(config, backend="reference")
+    assert fast.backend == "compiled"
+    vocab = rng.choice((2, 4, 20))
+    context = random_stream(rng, rng.randint(1, 200), vocab)
+    context = [t if t != SEPARATOR else 0 for t in context]
+    for p in (fast, ref):
+        p.start("r", context)
+    for _ in range(rng.randint(1, 20)):
+        max_nodes = rng.choice((0, 1, 2, 5, 17, 64, 100))
+        assert comparable(fast.propose("r", context, max_nodes)) == comparable(ref.propose("r", context, max_nodes))
+        new = [t if t != SEPARATOR else 1 for t in random_stream(rng, rng.randint(1, 8), vocab)]
+        for p in (fast, ref):
+            p.observe("r", new)
+        context += new
+    with pytest.raises(ValueError, match="observe"):
+        fast.propose("r", context[:-1], 8)
 
 
 def comparable(drafts):
@@ -139,3 +170,52 @@ def test_tree_inputs_equal_the_reference(seed):
         assert got[2].keys() == want[2].keys() and all(torch.equal(got[2][k], want[2][k]) for k in want[2])
     else:
         assert got[2].dtype == want[2].dtype and got[2].shape == want[2].shape and torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_slot_cache_commit_equals_the_dynamic_cache(seed):
+    """The engine's SlotCache (one buffer, in-place appends, one gather for every layer) holds
+    the same K/V as transformers' DynamicCache after random forwards and commits."""
+    rng = random.Random(seed)
+    layers, heads, dim = rng.randint(1, 4), rng.randint(1, 3), rng.choice((2, 8))
+    fast, ref = new_cache(layers), new_cache()
+    n_cached = 0
+    for step in range(rng.randint(1, 12)):
+        width = rng.randint(1, 300) if step == 0 else rng.randint(1, 40)  # a prefill, then trees
+        for layer in range(layers):
+            k, v = torch.randn(1, heads, width, dim), torch.randn(1, heads, width, dim)
+            got, want = fast.update(k, v, layer), ref.update(k, v, layer)
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+        if step:  # a tree of `width` nodes at n_cached: accept a random increasing set of them
+            accepted = sorted(rng.sample(range(1, width), rng.randint(0, width - 1)))
+            if rng.random() < 0.5:
+                accepted = list(range(1, 1 + len(accepted)))  # already in place
+            n_cached = commit_accepted(fast, n_cached, accepted)
+            assert commit_accepted(ref, n_cached - 1 - len(accepted), accepted) == n_cached
+        else:
+            n_cached = width - 1  # everything but a root
+            for cache in (fast, ref):
+                crop_cache(cache, n_cached)
+        assert fast.get_seq_length() == ref.get_seq_length() == n_cached
+        for a, b in zip(fast.layers, ref.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_choose_num_nodes_equals_the_reference(seed):
+    rng = random.Random(seed)
+    count = rng.randint(0, 80)
+    values = sorted((rng.choice((0.0, 0.5, 1.0)) if rng.random() < 0.3 else rng.random() for _ in range(count)),
+                    reverse=True)
+    if values and rng.random() < 0.1:
+        values[rng.randrange(len(values))] = float("nan")
+    if rng.random() < 0.2:
+        cost = CostModel.flat()
+    else:
+        sizes = sorted(rng.sample(range(1, 300), rng.randint(1, 8)))
+        cost = CostModel(sizes, sorted(rng.choice((1.0, 2.0)) if rng.random() < 0.3 else rng.uniform(0.5, 5)
+                                       for _ in sizes))
+    overhead = rng.choice((0.0, 1e-4, 0.5))
+    for max_nodes in (rng.randint(-3, count + 3), 0, count, 64):
+        assert choose_num_nodes(values, cost, overhead, max_nodes) == \
+            choose_num_nodes_reference(values, cost, overhead, max_nodes)

@@ -31,6 +31,8 @@ class TargetModel:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = _max_context(self.config)
         self._windows = _sliding_windows(self.config)
+        # a SlotCache (model/cache.py) where the layer count is known: KV commit in one operation
+        self._num_layers = getattr(self.config.get_text_config(decoder=True), "num_hidden_layers", None)
         self.cache = None
         self.n_cached = 0
         if verify == "auto":
@@ -42,7 +44,7 @@ class TargetModel:
 
     # -- cache lifecycle ------------------------------------------------------------------------
     def reset(self) -> None:
-        self.cache = new_cache()
+        self.cache = new_cache(self._num_layers)
         self.n_cached = 0
 
     @torch.inference_mode()

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lookupdec.automaton import SuffixAutomaton
+from lookupdec.automaton import SuffixAutomaton, _int32_tokens
 from lookupdec.config import SuffixConfig
 from lookupdec.proposers.base import Draft, RequestRegistry
 from lookupdec.tokens import SEPARATOR
@@ -94,7 +94,7 @@ class SuffixProposer:
 
     def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
         request: _Request = self._requests.get(request_id)
-        request.automaton.extend(np.asarray(new_ids, dtype=np.int64))
+        request.automaton.extend(new_ids)
         request.output.extend(new_ids)
         settle_pending(request.pending, self.certain_step, new_ids)
 
@@ -107,7 +107,7 @@ class SuffixProposer:
         request: _Request = self._requests.get(request_id)
         if max_nodes <= 0:
             return []
-        ctx = np.asarray(context[-self.config.max_match :], dtype=np.int64)
+        ctx = _int32_tokens(context[-self.config.max_match :])  # once for both automata
         drafts = self._drafts(request, request.automaton, ctx, max_nodes, self.config.min_match, "suffix")
         if self._global_tokens:
             drafts += self._drafts(request, self.global_automaton, ctx, max_nodes, self.config.global_min_match,
@@ -184,10 +184,7 @@ def automaton_drafts(automaton: SuffixAutomaton, ctx: np.ndarray, max_nodes: int
     for tokens, parents, scores, length, chain, chain_cond, chain_certain in levels:
         chain = np.frombuffer(chain, np.int32).tolist()
         best = (chain, np.frombuffer(chain_cond, np.float64).tolist())
-        out.append(Draft._trusted(tuple(np.frombuffer(tokens, np.int32).tolist()),
-                                  tuple(np.frombuffer(parents, np.int32).tolist()),
-                                  tuple(np.frombuffer(scores, np.float64).tolist()), source, length,
-                                  packed=(tokens, parents, scores), best=best))
+        out.append(Draft._trusted(None, None, None, source, length, packed=(tokens, parents, scores), best=best))
         if source not in pending:
             pending[source] = (chain, np.frombuffer(chain_certain, np.bool_).tolist())
     return out

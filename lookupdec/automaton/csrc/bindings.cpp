@@ -1,7 +1,7 @@
 // nanobind module lookupdec.automaton._core: the compiled Automaton, called by the Python
 // wrapper in lookupdec/automaton/__init__.py (which converts and validates its arguments), the
-// suffix proposer's drafts (lookupdec/proposers/suffix.py) and the step's tree merge and
-// ancestor mask (lookupdec/tree.py).
+// suffix proposer's drafts (lookupdec/proposers/suffix.py), the n-gram proposer's index
+// (lookupdec/proposers/ngram.py) and the step's tree merge and ancestor mask (lookupdec/tree.py).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "automaton.hpp"
+#include "ngram.hpp"
 #include "suffix_drafts.hpp"
 #include "tree.hpp"
 
@@ -126,6 +127,17 @@ nb::list suffix_drafts(Automaton& automaton, TokensIn context, int32_t max_nodes
   return out;
 }
 
+// One tuple per draft: (token_ids, parents, scores, match_length, chain_cond), arrays as bytes.
+nb::list ngram_propose(const lookupdec::NgramIndex& index, int32_t max_draft_tokens, int32_t max_branches,
+                       int32_t max_nodes, double branch_decay, double continue_prob) {
+  nb::list out;
+  for (const lookupdec::NgramDraft& d : index.propose(max_draft_tokens, max_branches, max_nodes, branch_decay,
+                                                      continue_prob))
+    out.append(nb::make_tuple(to_bytes(d.token_ids), to_bytes(d.parents), to_bytes(d.scores), d.match_length,
+                              to_bytes(d.chain_cond)));
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -136,6 +148,11 @@ NB_MODULE(_core, m) {
   m.attr("SIBLING_RANKS") = lookupdec::kSiblingRanks;
   m.attr("DEPTH_BUCKETS") = nb::make_tuple(1, 2, 3, 5, 9, 17);
   m.def("merge_drafts", &merge_drafts);
+  nb::class_<lookupdec::NgramIndex>(m, "NgramIndex")
+      .def(nb::init<int32_t, int32_t>())
+      .def("extend", [](lookupdec::NgramIndex& index, TokensIn t) { index.extend(t.data(), t.shape(0)); })
+      .def("size", &lookupdec::NgramIndex::size)
+      .def("propose", &ngram_propose);
   m.def("ancestor_mask", &ancestor_mask);
   nb::class_<Automaton>(m, "Automaton")
       .def(nb::init<>())
