@@ -106,7 +106,8 @@ class Mode:
     paths: Paths
     mixture: Mixture
     calibrator: AcceptanceCalibrator
-    times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # phase -> [ns per step]
+    times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # phase -> [ns per step], wall clock
+    cpu_times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # ... this thread's CPU time
     nodes: list = field(default_factory=list)  # draft nodes verified per step
     chosen: list = field(default_factory=list)  # nodes the chooser would keep
     digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)  # trees and accepted nodes
@@ -190,6 +191,12 @@ class WalkLogits:
         self._saved.clear()
 
 
+def _now() -> tuple[int, int]:
+    """(wall clock, this thread's CPU time) in ns: on a shared machine the second leaves out the
+    time other processes held the core (cache sharing still counts)."""
+    return time.perf_counter_ns(), time.thread_time_ns()
+
+
 def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv: KVBuffer, walk: WalkLogits,
                cost: CostModel, timed: bool, max_steps: int) -> None:
     """One record through ``mode``'s paths, step by step as ``StepCore.run`` orders them."""
@@ -197,36 +204,35 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
     context = list(prompt)
     mixture.start(rid, context)
     kv.start(len(context) - 1)
-    clock = time.perf_counter_ns
     steps = 0
     try:
         while len(context) - len(prompt) < len(response) and steps < max_steps:
             rest = response[len(context) - len(prompt):]
             n_cached = len(context) - 1
-            t0 = clock()
+            marks = [_now()]
             drafts = mixture.propose(rid, context, MAX_NODES)
-            t1 = clock()
+            marks.append(_now())
             tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
                                calibration=calibrator.calibration())
-            t2 = clock()
+            marks.append(_now())
             chosen = paths.choose(tree.expected_in_prune_order(), cost, 0.0, MAX_NODES)
             paths.prune(tree, chosen)
-            t3 = clock()
+            marks.append(_now())
             paths.inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)
-            t4 = clock()
+            marks.append(_now())
             logits = walk.set_walk(tree, rest)  # what the forward would return (untimed)
             cache = kv.after_forward(n_cached + len(tree))
-            t5 = clock()
+            marks.append(_now())
             result = paths.accept(tree, logits, greedy)
             new_tokens = ([tree.token_ids[i] for i in result.accepted] + [result.next_token])[: len(rest)]
             accepted = result.accepted[: len(new_tokens)]
-            t6 = clock()
+            marks.append(_now())
             commit_accepted(cache, n_cached, accepted)
-            t7 = clock()
+            marks.append(_now())
             mixture.observe(rid, new_tokens)
-            t8 = clock()
+            marks.append(_now())
             calibrator.learn(drafts, new_tokens, tree, accepted)
-            t9 = clock()
+            marks.append(_now())
             walk.restore()
             if new_tokens != rest[: len(new_tokens)]:
                 raise AssertionError(f"{rid}: greedy acceptance left the recorded response")
@@ -234,9 +240,10 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             steps += 1
             mode.digest.update(repr((tree.token_ids, tree.parents, accepted, chosen)).encode())
             if timed:
-                for phase, (a, b) in zip(PHASES, [(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t5, t6), (t6, t7),
-                                                  (t7, t8), (t8, t9)]):
-                    mode.times[phase].append(b - a)
+                spans = [(0, 1), (1, 2), (2, 3), (3, 4), (5, 6), (6, 7), (7, 8), (8, 9)]  # 4 -> 5: untimed
+                for phase, (a, b) in zip(PHASES, spans):
+                    mode.times[phase].append(marks[b][0] - marks[a][0])
+                    mode.cpu_times[phase].append(marks[b][1] - marks[a][1])
                 mode.nodes.append(tree.num_draft_nodes)
                 mode.chosen.append(chosen)
     finally:
@@ -250,20 +257,21 @@ def summarize(mode: Mode) -> dict:
            "steps_at_64": int(full.sum()), "mean_nodes_at_64": float(nodes[full].mean()) if full.any() else None,
            "node_histogram": {f"{lo}-{hi}" if lo != hi else str(lo): int(((nodes >= lo) & (nodes <= hi)).sum())
                               for lo, hi in NODE_BINS},
-           "mean_chosen": float(np.mean(mode.chosen)), "phases_us": {}, "phases_us_at_64": {}}
-    total_all, total_full = np.zeros(len(nodes)), np.zeros(int(full.sum()))
+           "mean_chosen": float(np.mean(mode.chosen))}
+    for clock, times in (("wall", mode.times), ("cpu", mode.cpu_times)):
+        out[f"{clock}_us"] = _phases(times, np.ones(len(nodes), bool))
+        out[f"{clock}_us_at_64"] = _phases(times, full) if full.any() else {}
+    return out
+
+
+def _phases(times: dict, rows: np.ndarray) -> dict:
+    """Mean and median µs per phase over the steps in ``rows``, and of their total."""
+    out, total = {}, np.zeros(int(rows.sum()))
     for phase in PHASES:
-        us = np.array(mode.times[phase]) / 1e3
-        total_all += us
-        total_full += us[full]
-        out["phases_us"][phase] = {"mean": float(us.mean()), "median": float(np.median(us))}
-        if full.any():
-            out["phases_us_at_64"][phase] = {"mean": float(us[full].mean()), "median": float(np.median(us[full]))}
-    out["phases_us"]["total"] = {"mean": float(total_all.mean()), "median": float(np.median(total_all)),
-                                 "p90": float(np.percentile(total_all, 90))}
-    if full.any():
-        out["phases_us_at_64"]["total"] = {"mean": float(total_full.mean()), "median": float(np.median(total_full)),
-                                           "p90": float(np.percentile(total_full, 90))}
+        us = np.array(times[phase])[rows] / 1e3
+        total += us
+        out[phase] = {"mean": float(us.mean()), "median": float(np.median(us))}
+    out["total"] = {"mean": float(total.mean()), "median": float(np.median(total)), "p90": float(np.percentile(total, 90))}
     return out
 
 
@@ -337,10 +345,11 @@ def main(argv=None) -> int:
         print(f"{s['paths']}: {s['steps']} timed steps, mean {s['mean_nodes']:.1f} draft nodes, "
               f"{s['steps_at_64']} steps with >= {FULL_TREE} (mean {s['mean_nodes_at_64'] or 0:.1f}); "
               f"nodes histogram {s['node_histogram']}; chooser would keep {s['mean_chosen']:.1f} on average")
-    print(f"\nµs per step, steps with >= {FULL_TREE} draft nodes:")
-    print(table(summaries, "phases_us_at_64"))
-    print("\nµs per step, all timed steps:")
-    print(table(summaries, "phases_us"))
+    for clock, what in (("wall", "wall clock"), ("cpu", "this thread's CPU time")):
+        print(f"\nµs per step ({what}), steps with >= {FULL_TREE} draft nodes:")
+        print(table(summaries, f"{clock}_us_at_64"))
+    print("\nµs per step (wall clock), all timed steps:")
+    print(table(summaries, "wall_us"))
     print(f"\ntrees and accepted nodes identical across paths: {identical}  ({seconds:.0f} s)")
     config = {**vars(args), "max_nodes": MAX_NODES, "max_depth": MAX_DEPTH, "full_tree": FULL_TREE,
               "kv_cache": f"{LAYERS} layers x [1, {KV_HEADS}, ctx+1+n, {HEAD_DIM}] {DTYPE}",

@@ -105,13 +105,13 @@ class CostModel:
         t0, t1 = self.seconds[i - 1], self.seconds[i]
         return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
 
-    def table(self, count: int) -> np.ndarray:
+    def table(self, count: int) -> list[float]:
         """``[t(1), ..., t(count)]``, each value ``self(n)``'s (cached: the chooser's per-step lookup)."""
         table = getattr(self, "_table", None)
         if table is None or len(table) < count:
             size = max(count, 2 * len(table) if table is not None else 0)
-            table = self._table = np.array([self(n) for n in range(1, size + 1)], dtype=np.float64)
-        return table[:count]
+            table = self._table = [self(n) for n in range(1, size + 1)]
+        return table
 
     def to_dict(self) -> dict:
         return {"sizes": self.sizes, "seconds": self.seconds}
@@ -333,22 +333,22 @@ class DraftBudget:
 def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int) -> int:
     """The ``n`` (0..max_nodes) maximising (1 + sum of the first n values) / (t(1 + n) + overhead);
     the values are the nodes' probabilities of acceptance in the order pruning keeps them
-    (``TokenTree.expected_in_prune_order``). ``choose_num_nodes_reference``'s choice, in a few
-    array operations (the same sums in the same order, the first best on ties).
+    (``TokenTree.expected_in_prune_order``). ``choose_num_nodes_reference``'s loop with ``t(n)``
+    read from a table cached on the cost model (its interpolation was most of the time).
 
     >>> cost = CostModel([1, 2, 4], [1.0, 1.1, 1.3])
     >>> choose_num_nodes([0.9, 0.8, 0.01], cost, 0.0, 3)   # the third node is not worth 0.1
     2
     """
+    best_n, best_rate, expected = 0, 1.0 / (cost(1) + overhead_s), 1.0
     scores = sorted_scores[:max_nodes]
-    first_rate = 1.0 / (cost(1) + overhead_s)
-    if not len(scores):
-        return 0
-    expected = np.cumsum(np.concatenate(([1.0], np.asarray(scores, dtype=np.float64))))[1:]
-    rates = expected / (cost.table(len(scores) + 1)[1:] + overhead_s)
-    rates[np.isnan(rates)] = -np.inf  # never "better" (the reference's comparisons are False)
-    best = int(np.argmax(rates))
-    return best + 1 if rates[best] > first_rate else 0
+    seconds = cost.table(len(scores) + 1)  # seconds[n] = t(1 + n)
+    for n, score in enumerate(scores, start=1):
+        expected += score
+        rate = expected / (seconds[n] + overhead_s)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return best_n
 
 
 def choose_num_nodes_reference(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float,

@@ -296,9 +296,28 @@ class TokenTree:
         tree.depth, tree._children, tree._order, tree._parents_first = depth, None, order, parents_first
         return tree
 
+    @classmethod
+    def _from_core(cls, core, samples: dict) -> "TokenTree":
+        """A tree held by the compiled core (``_core.Tree``): its lists are read on first use
+        (``__getattr__``); pruning and verify inputs work on the core's arrays."""
+        tree = cls.__new__(cls)
+        tree.__dict__.update(samples=samples, _core=core, _children=None, _order=None,
+                             _parents_first=core.parents_first)
+        return tree
+
+    def __getattr__(self, name: str):
+        """A list of a core-held tree (``_from_core``), made on first use."""
+        core = self.__dict__.get("_core")
+        if core is None or name not in _CORE_LISTS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = self.__dict__[name] = getattr(core, name)()
+        return value
+
     @property
     def children(self) -> list[dict[int, int]]:
         """Per node: token -> child node."""
+        if self._children is None and self.__dict__.get("_core") is not None:
+            self._children = self._core.children()
         if self._children is None:
             children: list[dict[int, int]] = [{} for _ in self.token_ids]
             for i, (p, token) in enumerate(zip(self.parents, self.token_ids)):
@@ -308,7 +327,8 @@ class TokenTree:
         return self._children
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        core = self.__dict__.get("_core")
+        return len(core) if core is not None else len(self.token_ids)
 
     @property
     def is_chain(self) -> bool:
@@ -317,7 +337,7 @@ class TokenTree:
 
     @property
     def num_draft_nodes(self) -> int:
-        return len(self.token_ids) - 1
+        return len(self) - 1
 
     @classmethod
     def from_drafts(
@@ -338,28 +358,18 @@ class TokenTree:
             rows = [calibration.row(d) for d in drafts]
             fallback = [calibration.fallback.get(d.source, 1.0) if r < 0 else 1.0 for d, r in zip(drafts, rows)]
             table = calibration.packed_table()
-        offsets = array("q", accumulate((len(p[0]) // 4 for p in packed), initial=0)).tobytes()
-        (token_ids, parents, scores, sources, point_mass, expected, cells, conds, depth, order, parents_first,
-         node_of) = _core.merge_drafts(
-            root_token, b"".join([p[0] for p in packed]), b"".join([p[1] for p in packed]),
-            b"".join([p[2] for p in packed]), offsets, array("i", rows).tobytes(), array("d", fallback).tobytes(),
-            bytes([d.samples is None for d in drafts]), table, max_nodes, max_depth)
-        names = [d.source for d in drafts] + [""]  # the root's source, -1, is ""
+        core, node_of = _core.merge_drafts(root_token, packed, rows, fallback, bytes([d.samples is None for d in drafts]),
+                                           table, [d.source for d in drafts] + [""], max_nodes, max_depth)
         samples = {}
         if any(d.samples for d in drafts):
             node_of = np.frombuffer(node_of, np.int32)
-            starts = array("q", offsets)
+            starts = accumulate((len(p[0]) // 4 for p in packed), initial=0)
             for draft, start in zip(drafts, starts):
                 for at, (q, drawn) in (draft.samples or {}).items():
                     node = 0 if at < 0 else int(node_of[start + at])
                     if node >= 0:
                         samples[node] = (q, tuple(drawn))
-        return cls._trusted(
-            token_ids=_ints(token_ids), parents=_ints(parents), scores=_floats(scores),
-            sources=[names[i] for i in _ints(sources)], samples=samples,
-            point_mass=np.frombuffer(point_mass, np.bool_).tolist(), expected=_floats(expected),
-            cells=_ints(cells), conds=_floats(conds), depth=_ints(depth), order=_ints(order),
-            parents_first=parents_first)
+        return cls._from_core(core, samples)
 
     @classmethod
     def from_drafts_reference(
@@ -452,12 +462,17 @@ class TokenTree:
     def prune_order(self) -> list[int]:
         """The draft nodes in the order ``prune`` takes them: score descending, then index."""
         if self._order is None:
-            self._order = sorted(range(1, len(self.token_ids)), key=lambda i: (-self.scores[i], i))
+            core = self.__dict__.get("_core")
+            self._order = (core.order() if core is not None else
+                           sorted(range(1, len(self.token_ids)), key=lambda i: (-self.scores[i], i)))
         return self._order
 
     def expected_in_prune_order(self) -> list[float]:
         """``expected`` of the draft nodes in the order ``prune`` takes them (best score first):
         ``prune(n)`` keeps the first ``n``, which the budget chooser sums."""
+        core = self.__dict__.get("_core")
+        if core is not None:
+            return core.expected_in_prune_order()
         expected = self.expected
         return [expected[i] for i in self.prune_order()]
 
@@ -467,6 +482,14 @@ class TokenTree:
             return self
         if max_nodes < 0 or not self._parents_first:
             return self.prune_reference(max_nodes)
+        core = self.__dict__.get("_core")
+        if core is not None:  # the core's arrays: no Python lists
+            samples = self.samples
+            if samples:
+                keep = [0, *sorted(self.prune_order()[:max_nodes])]
+                remap = {old: new for new, old in enumerate(keep)}
+                samples = {remap[node]: value for node, value in samples.items() if node in remap}
+            return TokenTree._from_core(core.prune(max_nodes), samples)
         # every node's parent comes before it in prune order: select_top_nodes takes a prefix
         taken = self._order[:max(max_nodes, 0)]
         keep = [0, *sorted(taken)]
@@ -488,6 +511,17 @@ class TokenTree:
         if len(keep) == len(self.token_ids):
             return self
         return self._keep(keep)
+
+    def verify_inputs(self, n_cached: int, fill: bytes):
+        """The compiled core's ``(input ids, positions, additive mask)`` for ``model.tree_inputs``
+        as bytearrays (int64 [1+n], int64 [1+n], [1+n, n_cached+1+n] elements of ``fill``'s
+        size; the mask None for a chain), or None without the core."""
+        core = self.__dict__.get("_core")
+        if core is not None:
+            return core.inputs(n_cached, fill)
+        if _core is None:
+            return None
+        return _core.tree_inputs(self.token_ids, self.parents, n_cached, fill)
 
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""
@@ -527,12 +561,9 @@ class TokenTree:
         return self._keep(keep)
 
 
-def _ints(values: bytes) -> list[int]:
-    return np.frombuffer(values, np.int32).tolist()
-
-
-def _floats(values: bytes) -> list[float]:
-    return np.frombuffer(values, np.float64).tolist()
+# the lists a core-held tree (TokenTree._from_core) makes on first use
+_CORE_LISTS = frozenset(("token_ids", "parents", "scores", "sources", "point_mass", "expected", "cells", "conds",
+                         "depth"))
 
 
 def coherent_scores(parents: Sequence[int], scores: Sequence[float]) -> list[float]:

@@ -102,6 +102,23 @@ def test_prune_matches_the_reference(seed):
             assert_same_tree(pruned.prune(m), ref.prune_reference(n).prune_reference(m))
 
 
+@pytest.mark.parametrize("seed", range(100))
+def test_verify_inputs_of_merged_and_pruned_trees_equal_the_reference(seed):
+    import torch
+
+    from lookupdec.model import tree_inputs, tree_inputs_reference
+
+    rng, drafts, calibration, max_depth = random_case(seed)
+    tree = TokenTree.from_drafts(3, drafts, max_nodes=rng.randint(0, 40), max_depth=max_depth, calibration=calibration)
+    for t in (tree, tree.prune(rng.randint(0, len(tree)))):
+        n_cached = rng.choice((0, 5, 200))
+        dtype = rng.choice((torch.float32, torch.bfloat16))
+        got = tree_inputs(t, n_cached, device="cpu", dtype=dtype)
+        want = tree_inputs_reference(t, n_cached, device="cpu", dtype=dtype)
+        for g, w in zip(got, want):
+            assert (g is None and w is None) or (g.dtype == w.dtype and torch.equal(g, w))
+
+
 def test_hand_made_trees_take_the_reference_paths():
     tree = TokenTree(token_ids=[9, 1, 2, 3], parents=[-1, 0, 0, 1], scores=[1.0, 0.4, 0.4, 0.4])
     assert tree.prune_order() == [1, 2, 3]  # ties: the earlier node

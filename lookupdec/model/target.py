@@ -16,7 +16,7 @@ log = logging.getLogger("lookupdec")
 # Tolerance of the start-up probe comparing tree logits with one-path logits, relative to the
 # spread of the logits: loose enough for bf16 noise, far below what a wrong mask produces.
 PROBE_REL_TOL = 0.02
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}  # CPU masks via numpy
+_MASK_FILL: dict = {}  # dtype -> the bytes of its minimum (the additive mask's "hidden")
 
 
 
@@ -123,9 +123,21 @@ def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict 
     the tree mask then, on its fastest path) or without ``tree_mode``, else the additive 4D
     mask [1, 1, 1+n, n_cached+1+n] (0 where node i sees slot j: the prefix, itself, its
     ancestors; the dtype's minimum elsewhere), a dict per layer type with sliding ``windows``
-    (``_sliding_windows``). A handful of tensor operations, none per node (the ancestor mask
-    comes from the compiled core); ``tree_inputs_reference`` is the same by definition."""
-    ids = torch.from_numpy(np.array([tree.token_ids], dtype=np.int64)).to(device)  # torch.tensor(list): 5x slower
+    (``_sliding_windows``). On the CPU without windows, one call into the compiled core writes
+    all three (``csrc/tree.cpp``); elsewhere a handful of tensor operations, none per node.
+    ``tree_inputs_reference`` is the same by definition."""
+    fill = _MASK_FILL.get(dtype)
+    if fill is None:
+        fill = _MASK_FILL[dtype] = torch.tensor([torch.finfo(dtype).min], dtype=dtype).view(torch.uint8).numpy().tobytes()
+    made = tree.verify_inputs(n_cached, fill) if not windows and torch.device(device).type == "cpu" else None
+    if made is not None:
+        ids, positions, mask = made
+        n = len(tree)
+        ids, positions = torch.frombuffer(ids, dtype=torch.int64)[None], torch.frombuffer(positions, dtype=torch.int64)[None]
+        if mask is None or not tree_mode:
+            return ids, positions, None
+        return ids, positions, torch.frombuffer(mask, dtype=dtype).view(1, 1, n, n_cached + n)
+    ids = torch.from_numpy(np.array([tree.token_ids], dtype=np.int64)).to(device)
     positions = torch.from_numpy(np.array([tree.depth], dtype=np.int64) + n_cached).to(device)
     if not tree_mode or tree.is_chain:
         return ids, positions, None
@@ -133,13 +145,9 @@ def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict 
         return ids, positions, tree_mask_reference(tree, n_cached, positions[0], device=device, dtype=dtype,
                                                    windows=windows)
     n = len(tree)
-    hidden = ~tree.ancestor_mask()  # [1+n, 1+n] True: node j is not node i nor an ancestor
-    if torch.device(device).type == "cpu" and dtype in _NUMPY_DTYPES:
-        mask = np.zeros((1, 1, n, n_cached + n), dtype=_NUMPY_DTYPES[dtype])
-        np.copyto(mask[0, 0, :, n_cached:], torch.finfo(dtype).min, where=hidden)
-        return ids, positions, torch.from_numpy(mask)
     mask = torch.zeros((1, 1, n, n_cached + n), dtype=dtype, device=device)
-    mask[0, 0, :, n_cached:].masked_fill_(torch.from_numpy(hidden).to(device), torch.finfo(dtype).min)
+    hidden = torch.from_numpy(~tree.ancestor_mask()).to(device)  # [1+n, 1+n] True: not an ancestor
+    mask[0, 0, :, n_cached:].masked_fill_(hidden, torch.finfo(dtype).min)
     return ids, positions, mask
 
 

@@ -83,8 +83,8 @@ class NgramProposer:
         if not isinstance(state, _NgramIndex):
             config = self.config
             return [Draft._trusted(None, None, None, self.name, match_len, packed=(tokens, parents, scores),
-                                   best=(np.frombuffer(tokens, np.int32).tolist(), np.frombuffer(cond, np.float64).tolist()))
-                    for tokens, parents, scores, match_len, cond in state.propose(
+                                   best=(chain, cond))
+                    for tokens, parents, scores, match_len, chain, cond in state.propose(
                         config.max_draft_tokens, config.max_branches, max_nodes, BRANCH_DECAY, CONTINUE_PROB)]
         length = min(self.config.max_draft_tokens, max_nodes)
         found, seen = [], set()  # (first score, continuation start)
@@ -114,7 +114,11 @@ class NgramProposer:
 
     def _extend(self, state, new_ids: Sequence[int]) -> None:
         if not isinstance(state, _NgramIndex):
-            state.extend(_int32_tokens(new_ids))  # ValueError outside int32
+            try:
+                state.extend(new_ids if type(new_ids) is list else _int32_tokens(new_ids).tolist())
+            except TypeError:
+                _int32_tokens(new_ids)  # raises the ValueError naming ids outside int32
+                raise
             return
         tokens, ends = state.tokens, state.ends
         lo, hi = self.config.min_ngram, self.config.max_ngram

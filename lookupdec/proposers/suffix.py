@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lookupdec.automaton import SuffixAutomaton, _int32_tokens
+from lookupdec.automaton import SuffixAutomaton
 from lookupdec.config import SuffixConfig
 from lookupdec.proposers.base import Draft, RequestRegistry
 from lookupdec.tokens import SEPARATOR
@@ -107,7 +107,7 @@ class SuffixProposer:
         request: _Request = self._requests.get(request_id)
         if max_nodes <= 0:
             return []
-        ctx = _int32_tokens(context[-self.config.max_match :])  # once for both automata
+        ctx = list(context[-self.config.max_match :])
         drafts = self._drafts(request, request.automaton, ctx, max_nodes, self.config.min_match, "suffix")
         if self._global_tokens:
             drafts += self._drafts(request, self.global_automaton, ctx, max_nodes, self.config.global_min_match,
@@ -115,7 +115,7 @@ class SuffixProposer:
         return drafts
 
     # -- drafting -------------------------------------------------------------------------------
-    def _drafts(self, request: _Request, automaton: SuffixAutomaton, ctx: np.ndarray, max_nodes: int,
+    def _drafts(self, request: _Request, automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: int,
                 min_match: int, source: str) -> list[Draft]:
         drafts = automaton_drafts if self.drafting == "auto" else automaton_drafts_reference
         return drafts(automaton, ctx, max_nodes, min_match, source, self.certain_step[source], request.pending)
@@ -169,7 +169,7 @@ class SuffixProposer:
         self.global_automaton = SuffixAutomaton(stream)
 
 
-def automaton_drafts(automaton: SuffixAutomaton, ctx: np.ndarray, max_nodes: int, min_match: int, source: str,
+def automaton_drafts(automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: int, min_match: int, source: str,
                      certain_step: CertainStepEstimate, pending: dict) -> list[Draft]:
     """``automaton_drafts_reference``'s drafts, made by the compiled core in one call
     (``csrc/suffix_drafts.cpp``) when the automaton is compiled; each draft comes with its
@@ -182,15 +182,14 @@ def automaton_drafts(automaton: SuffixAutomaton, ctx: np.ndarray, max_nodes: int
                                      certain_step=certain_step.value)
     out = []
     for tokens, parents, scores, length, chain, chain_cond, chain_certain in levels:
-        chain = np.frombuffer(chain, np.int32).tolist()
-        best = (chain, np.frombuffer(chain_cond, np.float64).tolist())
-        out.append(Draft._trusted(None, None, None, source, length, packed=(tokens, parents, scores), best=best))
+        out.append(Draft._trusted(None, None, None, source, length, packed=(tokens, parents, scores),
+                                  best=(chain, chain_cond)))
         if source not in pending:
-            pending[source] = (chain, np.frombuffer(chain_certain, np.bool_).tolist())
+            pending[source] = (chain, chain_certain)
     return out
 
 
-def automaton_drafts_reference(automaton: SuffixAutomaton, ctx: np.ndarray, max_nodes: int, min_match: int,
+def automaton_drafts_reference(automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: int, min_match: int,
                                source: str, certain_step: CertainStepEstimate, pending: dict) -> list[Draft]:
     """Drafts from the longest match of ``ctx`` in ``automaton`` and up to ``MATCH_LEVELS - 1``
     shorter ones (suffix links: fewer context tokens, more occurrences, more varied

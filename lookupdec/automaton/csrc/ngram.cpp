@@ -107,6 +107,9 @@ std::vector<NgramDraft> NgramIndex::propose(int32_t max_draft_tokens, int32_t ma
     }
     if (static_cast<int32_t>(found.size()) == max_branches) break;
   }
+  // continue_prob ** d, each from pow as Python's float power computes it
+  std::vector<double> decay(static_cast<size_t>(std::max(length, 0)));
+  for (int32_t d = 0; d < length; ++d) decay[d] = std::pow(continue_prob, static_cast<double>(d));
   // lengths_within_budget: the max_nodes best (score, branch) pairs, branch descending on ties
   size_t branches = found.size();
   std::vector<int32_t> lengths(branches, length);
@@ -114,7 +117,7 @@ std::vector<NgramDraft> NgramIndex::propose(int32_t max_draft_tokens, int32_t ma
     std::vector<std::pair<double, int32_t>> scored;
     for (size_t r = 0; r < branches; ++r)
       for (int32_t d = 0; d < length; ++d)
-        scored.emplace_back(found[r].first * std::pow(continue_prob, static_cast<double>(d)), static_cast<int32_t>(r));
+        scored.emplace_back(found[r].first * decay[d], static_cast<int32_t>(r));
     std::partial_sort(scored.begin(), scored.begin() + max_nodes, scored.end(),
                       [](const auto& a, const auto& b) { return a > b; });
     std::fill(lengths.begin(), lengths.end(), 0);
@@ -126,7 +129,7 @@ std::vector<NgramDraft> NgramIndex::propose(int32_t max_draft_tokens, int32_t ma
     draft.match_length = found[r].match_len;
     double previous = 1.0;
     for (int32_t d = 0; d < lengths[r]; ++d) {
-      double score = found[r].first * std::pow(continue_prob, static_cast<double>(d));
+      double score = found[r].first * decay[d];
       draft.token_ids.push_back(continuation_token(found[r].end, d));
       draft.parents.push_back(d - 1);
       draft.scores.push_back(score);

@@ -60,6 +60,13 @@ struct Trie {  // the full trie before pruning (from_drafts_reference's lists)
   std::vector<uint8_t> point_mass;
   std::vector<int32_t> local_node;  // [total] draft node -> trie node, -1 if cut
 
+  void reserve(size_t n) {
+    for (auto* v : {&token_ids, &parents, &sources, &cells, &depth}) v->reserve(n);
+    scores.reserve(n);
+    conds.reserve(n);
+    point_mass.reserve(n);
+  }
+
   int32_t add(int32_t token, int32_t parent, double score, int32_t source, uint8_t pm, int32_t cell,
               double cond, int32_t d) {
     token_ids.push_back(token);
@@ -111,6 +118,7 @@ void node_factors(const MergeInput& in, int64_t d, std::vector<double>* factors,
 Trie build_trie(const MergeInput& in) {
   int64_t total = in.offsets[in.num_drafts];
   Trie trie;
+  trie.reserve(static_cast<size_t>(total) + 1);
   trie.local_node.assign(total, -1);
   trie.add(in.root_token, -1, 1.0, -1, 1, -1, 1.0, 0);
   TrieIndex index(static_cast<size_t>(total));
@@ -183,15 +191,27 @@ std::vector<double> coherent_scores(const std::vector<int32_t>& parents, const s
   return out;
 }
 
-// Nodes 1..n-1 by score descending, then index (select_top_nodes' sort key).
-std::vector<int32_t> prune_order(const std::vector<double>& scores) {
+// Nodes 1..n-1 by score descending, then index (select_top_nodes' sort key): the first `count`
+// of them in order (the rest unordered).
+std::vector<int32_t> prune_order(const std::vector<double>& scores, size_t count) {
   std::vector<int32_t> order;
   order.reserve(scores.size());
   for (size_t i = 1; i < scores.size(); ++i) order.push_back(static_cast<int32_t>(i));
-  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
-  });
+  auto before = [&](int32_t a, int32_t b) { return scores[a] > scores[b] || (scores[a] == scores[b] && a < b); };
+  if (count < order.size()) {
+    std::partial_sort(order.begin(), order.begin() + count, order.end(), before);
+  } else {
+    std::sort(order.begin(), order.end(), before);
+  }
   return order;
+}
+
+// Whether no node scores above its parent: then a parent always precedes its children in prune
+// order (ties go to the lower index), and select_top_nodes takes a prefix of that order.
+bool scores_never_rise(const std::vector<int32_t>& parents, const std::vector<double>& scores) {
+  for (size_t i = 1; i < parents.size(); ++i)
+    if (!(scores[i] <= scores[parents[i]])) return false;
+  return true;
 }
 
 }  // namespace
@@ -222,8 +242,11 @@ MergedTree merge_drafts(const MergeInput& in) {
   if (in.max_nodes < 0 || in.max_depth < 0) throw std::invalid_argument("merge_drafts: negative budget");
   Trie trie = build_trie(in);
   int32_t n = static_cast<int32_t>(trie.token_ids.size());
+  const size_t order_all = static_cast<size_t>(n);
   std::vector<double> expected = coherent_scores(trie.parents, trie.scores);
-  std::vector<int32_t> order = prune_order(trie.scores);
+  // select_top_nodes never skips a node when scores never rise: its first max_nodes suffice
+  bool prefix = n - 1 > in.max_nodes && scores_never_rise(trie.parents, trie.scores);
+  std::vector<int32_t> order = prune_order(trie.scores, prefix ? static_cast<size_t>(in.max_nodes) : order_all);
   // select_top_nodes: in order, a node whose parent is the root or chosen, until max_nodes
   std::vector<uint8_t> chosen(n, 0);
   chosen[0] = 1;
@@ -231,6 +254,9 @@ MergedTree merge_drafts(const MergeInput& in) {
   if (n - 1 <= in.max_nodes) {
     std::fill(chosen.begin(), chosen.end(), 1);
     chosen_order = order;
+  } else if (prefix) {
+    chosen_order.assign(order.begin(), order.begin() + in.max_nodes);
+    for (int32_t i : chosen_order) chosen[i] = 1;
   } else {
     for (int32_t i : order) {
       if (static_cast<int32_t>(chosen_order.size()) == in.max_nodes) break;
@@ -271,6 +297,32 @@ MergedTree merge_drafts(const MergeInput& in) {
   return out;
 }
 
+MergedTree prune_prefix(const MergedTree& tree, int32_t max_nodes) {
+  if (!tree.parents_first || max_nodes < 0) throw std::invalid_argument("prune_prefix: needs parents first in order");
+  size_t n = tree.token_ids.size();
+  size_t take = std::min(static_cast<size_t>(max_nodes), tree.order.size());
+  std::vector<int32_t> keep(tree.order.begin(), tree.order.begin() + take);
+  std::sort(keep.begin(), keep.end());
+  keep.insert(keep.begin(), 0);
+  std::vector<int32_t> remap(n, -1);
+  MergedTree out;
+  for (size_t k = 0; k < keep.size(); ++k) {
+    int32_t i = keep[k];
+    remap[i] = static_cast<int32_t>(k);
+    out.token_ids.push_back(tree.token_ids[i]);
+    out.parents.push_back(i == 0 ? -1 : remap[tree.parents[i]]);
+    out.sources.push_back(tree.sources[i]);
+    out.cells.push_back(tree.cells[i]);
+    out.depth.push_back(tree.depth[i]);
+    out.scores.push_back(tree.scores[i]);
+    out.expected.push_back(tree.expected[i]);
+    out.conds.push_back(tree.conds[i]);
+    out.point_mass.push_back(tree.point_mass[i]);
+  }
+  for (size_t k = 0; k < take; ++k) out.order.push_back(remap[tree.order[k]]);
+  return out;
+}
+
 void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask) {
   std::memset(mask, 0, static_cast<size_t>(n * n));
   for (int64_t i = 0; i < n; ++i) {
@@ -280,6 +332,49 @@ void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask) {
       std::memcpy(mask + i * n, mask + static_cast<int64_t>(p) * n, static_cast<size_t>(p) + 1);
     }
     mask[i * n + i] = 1;
+  }
+}
+
+namespace {
+
+template <class T>
+void fill_mask(const uint8_t* seen, int64_t n, int64_t n_cached, T fill, T* mask) {
+  int64_t width = n_cached + n;
+  for (int64_t i = 0; i < n; ++i) {
+    T* row = mask + i * width;
+    std::fill(row, row + n_cached, T{0});
+    const uint8_t* visible = seen + i * n;
+    for (int64_t j = 0; j < n; ++j) row[n_cached + j] = visible[j] ? T{0} : fill;
+  }
+}
+
+}  // namespace
+
+void additive_tree_mask(const int32_t* parents, int64_t n, int64_t n_cached, size_t elem_size, const uint8_t* fill,
+                        uint8_t* mask) {
+  std::vector<uint8_t> seen(static_cast<size_t>(n * n));
+  ancestor_mask(parents, n, seen.data());
+  switch (elem_size) {  // the element as an unsigned integer of its size: zero bits are 0.0
+    case 2: {
+      uint16_t value;
+      std::memcpy(&value, fill, 2);
+      fill_mask(seen.data(), n, n_cached, value, reinterpret_cast<uint16_t*>(mask));
+      return;
+    }
+    case 4: {
+      uint32_t value;
+      std::memcpy(&value, fill, 4);
+      fill_mask(seen.data(), n, n_cached, value, reinterpret_cast<uint32_t*>(mask));
+      return;
+    }
+    case 8: {
+      uint64_t value;
+      std::memcpy(&value, fill, 8);
+      fill_mask(seen.data(), n, n_cached, value, reinterpret_cast<uint64_t*>(mask));
+      return;
+    }
+    default:
+      throw std::invalid_argument("additive_tree_mask: elements of 2, 4 or 8 bytes");
   }
 }
 

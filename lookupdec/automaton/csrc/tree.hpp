@@ -5,6 +5,7 @@
 // so scores are bit-identical (this file is compiled with -ffp-contract=off).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -43,11 +44,21 @@ struct MergedTree {  // the kept tree, node 0 = the root, parents before childre
 
 MergedTree merge_drafts(const MergeInput& in);
 
+// TokenTree.prune for a tree whose parents come first in prune order: the root and the first
+// max_nodes nodes of `order` (max_nodes >= 0), renumbered in tree order (node_of left empty).
+MergedTree prune_prefix(const MergedTree& tree, int32_t max_nodes);
+
 // Sibling rank of each node within one draft: 0 = the best-scored child of its parent, ties
 // to the earlier node (lookupdec.tree.draft_features).
 void sibling_ranks(const int32_t* parents, const double* scores, int64_t n, std::vector<int32_t>* rank);
 
 // mask[i * n + j] = 1 when node j is node i or one of its ancestors (parents[i] < i).
 void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask);
+
+// The additive attention mask of a verify forward, [n, n_cached + n] elements of `elem_size`
+// bytes, row-major: zero bytes where node i sees slot j (every cached slot, itself, its
+// ancestors), `fill` (the dtype's minimum, elem_size bytes) elsewhere.
+void additive_tree_mask(const int32_t* parents, int64_t n, int64_t n_cached, size_t elem_size, const uint8_t* fill,
+                        uint8_t* mask);
 
 }  // namespace lookupdec
