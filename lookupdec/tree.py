@@ -523,6 +523,17 @@ class TokenTree:
             return None
         return _core.tree_inputs(self.token_ids, self.parents, n_cached, fill)
 
+    def greedy_walk(self, logits: np.ndarray):
+        """The compiled core's greedy acceptance walk over float32 ``logits`` [>= 1+n, vocab]
+        (rows contiguous): ``(accepted nodes, next token, bonus)`` as ``sampling.accept``
+        defines them, or None without the core."""
+        core = self.__dict__.get("_core")
+        if core is not None:
+            return core.greedy_walk(logits)
+        if _core is None:
+            return None
+        return _core.greedy_walk(logits, self.token_ids, self.parents)
+
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""
         if _core is None:

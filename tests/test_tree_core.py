@@ -119,6 +119,24 @@ def test_verify_inputs_of_merged_and_pruned_trees_equal_the_reference(seed):
             assert (g is None and w is None) or (g.dtype == w.dtype and torch.equal(g, w))
 
 
+@pytest.mark.parametrize("seed", range(100))
+def test_greedy_walk_of_merged_trees_equals_the_reference(seed):
+    import torch
+
+    from lookupdec.sampling import SamplingParams, accept, accept_reference
+
+    rng, drafts, calibration, max_depth = random_case(seed)
+    tree = TokenTree.from_drafts(3, drafts, max_nodes=rng.randint(0, 40), max_depth=max_depth, calibration=calibration)
+    logits = torch.randint(0, 4, (len(tree) + rng.randint(0, 2), 60)).float()  # ties; spare rows allowed
+    node = 0
+    while tree.children[node] and rng.random() < 0.85:
+        token, child = rng.choice(sorted(tree.children[node].items()))
+        logits[node, token] = 9.0
+        node = child
+    got, want = accept(tree, logits, SamplingParams()), accept_reference(tree, logits[: len(tree)], SamplingParams())
+    assert (got.accepted, got.next_token, got.bonus) == (want.accepted, want.next_token, want.bonus)
+
+
 def test_hand_made_trees_take_the_reference_paths():
     tree = TokenTree(token_ids=[9, 1, 2, 3], parents=[-1, 0, 0, 1], scores=[1.0, 0.4, 0.4, 0.4])
     assert tree.prune_order() == [1, 2, 3]  # ties: the earlier node

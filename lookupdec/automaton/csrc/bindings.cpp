@@ -248,6 +248,24 @@ nb::tuple tree_inputs(const std::vector<Token>& token_ids, const std::vector<int
   return nb::make_tuple(ids, positions, mask);
 }
 
+using LogitsIn = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>;
+
+// (accepted nodes, next token, bonus): lookupdec.sampling.accept's greedy walk.
+nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents) {
+  size_t n = token_ids.size();
+  if (n == 0 || parents.size() != n || parents[0] != -1) throw std::invalid_argument("greedy_walk: bad tree");
+  for (size_t i = 1; i < n; ++i)
+    if (parents[i] < 0 || static_cast<size_t>(parents[i]) >= i)
+      throw std::invalid_argument("greedy_walk: parents[i] must be in [0, i)");
+  if (logits.shape(0) < n || logits.shape(1) < 1 || logits.stride(1) != 1)
+    throw std::invalid_argument("greedy_walk: logits need a row per node and contiguous rows");
+  int64_t next_token = 0;
+  bool bonus = false;
+  std::vector<int32_t> accepted = lookupdec::greedy_walk(logits.data(), logits.stride(0), logits.shape(1), token_ids,
+                                                         parents, &next_token, &bonus);
+  return nb::make_tuple(int_list(accepted), next_token, bonus);
+}
+
 // One tuple per draft: (token_ids, parents, scores, match_length, chain, chain_cond): the arrays
 // as bytes (Draft.packed()), the best chain (Draft.best_chain()) as lists.
 nb::list ngram_propose(const lookupdec::NgramIndex& index, int32_t max_draft_tokens, int32_t max_branches,
@@ -279,6 +297,7 @@ NB_MODULE(_core, m) {
       .def("propose", &ngram_propose);
   m.def("ancestor_mask", &ancestor_mask);
   m.def("tree_inputs", &tree_inputs<int64_t>);
+  m.def("greedy_walk", &greedy_walk);
   nb::class_<CoreTree>(m, "Tree")
       .def("__len__", [](const CoreTree& t) { return t.tree.token_ids.size(); })
       .def("token_ids", [](const CoreTree& t) { return int_list(t.tree.token_ids); })
@@ -299,6 +318,9 @@ NB_MODULE(_core, m) {
       })
       .def("inputs", [](const CoreTree& t, int64_t n_cached, nb::bytes fill) {
         return tree_inputs(t.tree.token_ids, t.tree.parents, n_cached, fill);
+      })
+      .def("greedy_walk", [](const CoreTree& t, LogitsIn logits) {
+        return greedy_walk(logits, t.tree.token_ids, t.tree.parents);
       });
   nb::class_<Automaton>(m, "Automaton")
       .def(nb::init<>())

@@ -4,8 +4,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define LOOKUPDEC_X86 1
+#endif
 
 namespace lookupdec {
 
@@ -375,6 +381,98 @@ void additive_tree_mask(const int32_t* parents, int64_t n, int64_t n_cached, siz
     }
     default:
       throw std::invalid_argument("additive_tree_mask: elements of 2, 4 or 8 bytes");
+  }
+}
+
+namespace {
+
+int64_t first_nan(const float* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j)
+    if (x[j] != x[j]) return j;
+  return -1;
+}
+
+int64_t argmax_scalar(const float* x, int64_t n) {
+  int64_t nan = first_nan(x, n);
+  if (nan >= 0) return nan;
+  int64_t best = 0;
+  for (int64_t j = 1; j < n; ++j)
+    if (x[j] > x[best]) best = j;
+  return best;
+}
+
+#ifdef LOOKUPDEC_X86
+// Two passes: the maximum and whether a NaN occurs (4 x 8 lanes), then its first index.
+__attribute__((target("avx2"))) int64_t argmax_avx2(const float* x, int64_t n) {
+  __m256 m0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0, m2 = m0, m3 = m0;
+  __m256 unordered = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
+    m0 = _mm256_max_ps(a, m0);  // a NaN in a leaves m0: NaNs are found by `unordered`
+    m1 = _mm256_max_ps(b, m1);
+    m2 = _mm256_max_ps(c, m2);
+    m3 = _mm256_max_ps(d, m3);
+    unordered = _mm256_or_ps(unordered, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q),
+                                                     _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+  float best = lanes[0];
+  for (int k = 1; k < 8; ++k) best = lanes[k] > best ? lanes[k] : best;
+  bool nan = _mm256_movemask_ps(unordered) != 0;
+  for (; i < n; ++i) {
+    best = x[i] > best ? x[i] : best;
+    nan = nan || x[i] != x[i];
+  }
+  if (nan) return first_nan(x, n);
+  __m256 target = _mm256_set1_ps(best);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ));
+    if (mask) return j + __builtin_ctz(static_cast<unsigned>(mask));
+  }
+  for (; j < n; ++j)
+    if (x[j] == best) return j;
+  return 0;  // every entry -inf: the first
+}
+#endif
+
+}  // namespace
+
+int64_t row_argmax(const float* x, int64_t n) {
+  if (n <= 0) throw std::invalid_argument("row_argmax: empty row");
+#ifdef LOOKUPDEC_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return argmax_avx2(x, n);
+#endif
+  return argmax_scalar(x, n);
+}
+
+std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
+                                 const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
+                                 int64_t* next_token, bool* bonus) {
+  size_t n = token_ids.size();
+  std::vector<int32_t> first(n + 1, 0), kids(n > 0 ? n - 1 : 0);  // children of each node
+  for (size_t i = 1; i < n; ++i) ++first[parents[i] + 1];
+  for (size_t i = 1; i <= n; ++i) first[i] += first[i - 1];
+  std::vector<int32_t> fill(first.begin(), first.end() - 1);
+  for (size_t i = 1; i < n; ++i) kids[fill[parents[i]]++] = static_cast<int32_t>(i);
+  std::vector<int32_t> accepted;
+  int32_t node = 0;
+  for (;;) {
+    int64_t token = row_argmax(logits + node * row_stride, vocab);
+    int32_t child = -1;
+    for (int32_t k = first[node]; k < first[node + 1]; ++k)
+      if (token_ids[kids[k]] == token) child = kids[k];
+    if (child < 0) {
+      *next_token = token;
+      *bonus = first[node] == first[node + 1];
+      return accepted;
+    }
+    accepted.push_back(child);
+    node = child;
   }
 }
 

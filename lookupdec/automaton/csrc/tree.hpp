@@ -61,4 +61,17 @@ void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask);
 void additive_tree_mask(const int32_t* parents, int64_t n, int64_t n_cached, size_t elem_size, const uint8_t* fill,
                         uint8_t* mask);
 
+// The index of the largest of x[0:n], numpy's and torch's argmax: the first NaN if there is one,
+// else the first maximum (AVX2 where the CPU has it).
+int64_t row_argmax(const float* x, int64_t n);
+
+// Greedy acceptance (lookupdec.sampling.accept, greedy without logits processing): from the
+// root, follow the child whose token is the argmax of the node's row of `logits` ([rows,
+// vocab], rows >= nodes, row r at logits + r * row_stride); stop at the first node without
+// such a child. Returns the accepted nodes; *next_token is that node's argmax, *bonus whether
+// it has no children at all.
+std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
+                                 const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
+                                 int64_t* next_token, bool* bonus);
+
 }  // namespace lookupdec
