@@ -46,8 +46,7 @@ from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_re
 
 import torch  # noqa: E402
 
-from lookupdec.budget import (AcceptanceCalibrator, CostModel, choose_num_nodes,  # noqa: E402
-                              choose_num_nodes_reference)
+from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes  # noqa: E402
 from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
 from lookupdec.model import (commit_accepted, load_tokenizer, new_cache, tree_inputs,  # noqa: E402
@@ -57,7 +56,8 @@ from lookupdec.proposers.ngram import NgramProposer  # noqa: E402
 from lookupdec.proposers.suffix import SuffixProposer  # noqa: E402
 from lookupdec.sampling import SamplingParams, accept, accept_reference  # noqa: E402
 from lookupdec.simulate import accepted_path, tokenize_record  # noqa: E402
-from lookupdec.tree import TokenTree  # noqa: E402
+from lookupdec import budget  # noqa: E402
+from lookupdec.tree import TokenTree, observe_draft, observe_draft_reference  # noqa: E402
 from lookupdec.workloads import WORKLOADS  # noqa: E402
 
 PHASES = ("propose", "merge", "choose", "inputs", "accept", "commit", "observe", "learn")
@@ -85,18 +85,19 @@ class Paths:
     prune: Callable  # (tree, n) -> TokenTree
     inputs: Callable  # model.tree_inputs(tree, n_cached, device=, dtype=, windows=, tree_mode=)
     accept: Callable  # sampling.accept(tree, logits, params)
-    choose: Callable  # budget.choose_num_nodes(expected, cost, overhead_s, max_nodes)
     slot_cache: bool  # the engine's SlotCache, else a DynamicCache
+    observe_draft: Callable  # the calibrator's per-draft count (tree.observe_draft or its reference)
 
 
 def reference_paths() -> Paths:
     return Paths("reference", "reference", TokenTree.from_drafts_reference, TokenTree.prune_reference,
-                 tree_inputs_reference, accept_reference, choose_num_nodes_reference, slot_cache=False)
+                 tree_inputs_reference, accept_reference, slot_cache=False,
+                 observe_draft=observe_draft_reference)
 
 
 def fast_paths() -> Paths:
-    return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, tree_inputs, accept, choose_num_nodes,
-                 slot_cache=True)
+    return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, tree_inputs, accept, slot_cache=True,
+                 observe_draft=observe_draft)
 
 
 @dataclass
@@ -201,6 +202,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
                cost: CostModel, timed: bool, max_steps: int) -> None:
     """One record through ``mode``'s paths, step by step as ``StepCore.run`` orders them."""
     mixture, calibrator, paths, greedy = mode.mixture, mode.calibrator, mode.paths, SamplingParams()
+    budget.observe_draft = paths.observe_draft  # AcceptanceCalibrator.learn's kernel (module-level name)
     context = list(prompt)
     mixture.start(rid, context)
     kv.start(len(context) - 1)
@@ -215,7 +217,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
                                calibration=calibrator.calibration())
             marks.append(_now())
-            chosen = paths.choose(tree.expected_in_prune_order(), cost, 0.0, MAX_NODES)
+            chosen = choose_num_nodes(tree.expected_in_prune_order(), cost, 0.0, MAX_NODES)
             paths.prune(tree, chosen)
             marks.append(_now())
             paths.inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)

@@ -1,11 +1,13 @@
 """End to end on a real model: SmolLM2-135M-Instruct (float32, CPU) against ``transformers``.
 
-Three methods decode the same prompts, greedy, side by side, in an order rotated per prompt:
+The methods decode the same prompts, greedy, side by side, in an order rotated per prompt:
 
 * ``greedy``    -- ``model.generate(do_sample=False)``
 * ``pld``       -- ``model.generate(do_sample=False, prompt_lookup_num_tokens=10)``
 * ``lookupdec`` -- ``Engine(model, tokenizer, EngineConfig()).generate(...)``, the default
   configuration, one engine per thread setting kept across prompts as a server keeps it
+* ``fixedN``    -- the same with ``EngineConfig(budget="fixed", max_nodes=N)`` (``--fixed``, at
+  ``--fixed-threads``): how far the default's per-step choice is from the best fixed budget
 
 Workloads, every prompt in the model's chat template: the six Spec-Bench categories (first turn
 of multi-turn chat, translation, CNN/DM summarization, QA, GSM8K math, RAG), real code edits
@@ -13,16 +15,18 @@ of multi-turn chat, translation, CNN/DM summarization, QA, GSM8K math, RAG), rea
 (loghub). Outputs must be identical to greedy's; mismatches are counted, never hidden. Also the
 verify cost curve t(n)/t(1) of the model at a 512-token context.
 
-    python bench/real_model.py                      # 5 prompts/workload, 160 tokens, 1 and 2 threads
+    python bench/real_model.py                      # 10 prompts/workload, 128 tokens, 1 and 2 threads
     python bench/real_model.py --prompts 2 --max-new-tokens 32 --threads 1   # a quick look
 
-Writes ``bench/results/real_model.json`` (``--out``). Timings on a shared machine are noisy:
+Writes ``bench/results/real_model.json`` and ``.png`` (``--out``). Timings on a shared machine are noisy:
 read the ratios (measured side by side), not absolute tokens/s across runs.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -32,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, SHARED_DIR, format_table, load_average, run_metadata, write_result  # noqa: E402
-from e2e import METHODS, ForwardMeter, first_divergence, run_method, run_once, summarize  # noqa: E402
+from e2e import first_divergence, run_method  # noqa: E402
 
 SPEC_BENCH = SHARED_DIR / "data" / "spec_bench" / "question.jsonl"
 CODE_EDITS = SHARED_DIR / "data" / "code_edits" / "thealgorithms_python.jsonl"
@@ -49,6 +53,7 @@ EDIT_INSTRUCTION = "Apply this change to the file and output the whole updated f
 WARMUP = "Say hello in three languages."
 COST_CONTEXT = 512
 COST_SIZES_MAX = 128
+COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -78,11 +83,16 @@ def build_workloads(engine, n: int, max_prompt: int) -> dict[str, list[list[int]
     workloads["code_edit"] = take(f"{EDIT_INSTRUCTION}\n\nChange: {e['message']}\n\n```diff\n{e['diff']}```\n\n"
                                   f"File {e['path']}:\n\n```python\n{e['before']}```" for e in edits)
 
-    def log_prompts():
+    def log_prompts():  # the first lines of each system's log, then the next lines, ...
+        logs = {}
         for system in LOG_SYSTEMS:
             with open(LOGHUB / f"{system}_2k.log", encoding="utf-8", errors="replace") as f:
-                lines = [line.rstrip("\n") for _, line in zip(range(LOG_LINES_PER_PROMPT), f)]
-            yield LOG_INSTRUCTION + "\n\n" + "\n".join(lines)
+                logs[system] = [line.rstrip("\n") for line in f]
+        for start in range(0, 2000, LOG_LINES_PER_PROMPT * 25):
+            for system in LOG_SYSTEMS:
+                lines = logs[system][start : start + LOG_LINES_PER_PROMPT]
+                if len(lines) == LOG_LINES_PER_PROMPT:
+                    yield LOG_INSTRUCTION + "\n\n" + "\n".join(lines)
 
     workloads["log_to_json"] = take(log_prompts())
     empty = [name for name, prompts in workloads.items() if not prompts]
@@ -108,91 +118,146 @@ def cost_curve(engine) -> dict:
     """Verify cost t(n) of an n-token chain after a COST_CONTEXT-token prefix (fastest of rounds)."""
     from lookupdec.budget import CostModel
 
+    for n in COST_SIZES:
+        engine.target.prepare(n)  # kernel choices first (model/head.py), outside the timing
     timer = engine.target.chain_forward_timer(COST_CONTEXT)
     try:
-        cost = CostModel.measure(timer, max_tokens=COST_SIZES_MAX)
+        cost = CostModel.measure(timer, max_tokens=COST_SIZES_MAX, sizes=COST_SIZES)
     finally:
         engine.target.reset()
     return {"context": COST_CONTEXT, "sizes": cost.sizes, "seconds": cost.seconds,
             "relative": [round(t / cost.seconds[0], 3) for t in cost.seconds]}
 
 
-def bench_threads(threads: int, model, tokenizer, workloads, max_new: int) -> tuple[dict, list[dict]]:
+def ld_run(engine, prompt, max_new) -> tuple[list[int], dict]:
+    gc.collect()
+    start = time.perf_counter()
+    gen = engine.generate(prompt, max_new_tokens=max_new)
+    seconds = time.perf_counter() - start
+    s = gen.stats
+    return list(gen.token_ids), {
+        "seconds": seconds, "steps": s.steps, "mean_accepted": s.mean_accepted, "overhead_us": s.overhead_us,
+        "draft_us": s.draft_us, "forward_ms": s.forward_ms, "prefill_ms": s.prefill_ms,
+        "mean_tree_nodes": s.mean_tree_nodes, "predicted_accepted": s.predicted_accepted,
+        "realised_accepted": s.realised_accepted, "accepted_by_source": dict(s.accepted_by_source)}
+
+
+def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed: list[int]) -> tuple[dict, list[dict]]:
     from lookupdec import Engine, EngineConfig
 
     torch.set_num_threads(threads)
-    engine = Engine(model, tokenizer, EngineConfig())
-    info = {"threads": threads, "cost_curve": cost_curve(engine), "load_average_before": load_average()}
+    engines = {"lookupdec": Engine(model, tokenizer, EngineConfig())}
+    for n in fixed:
+        engines[f"fixed{n}"] = Engine(model, tokenizer, EngineConfig(budget="fixed", max_nodes=n))
+    methods = ["greedy", "pld", *engines]
+    info = {"threads": threads, "methods": methods, "cost_curve": cost_curve(engines["lookupdec"]),
+            "load_average_before": load_average()}
     print(f"\n== smollm2, {threads} torch thread(s); verify cost t(n)/t(1) at context {COST_CONTEXT}: "
           + ", ".join(f"{n}: {r}" for n, r in zip(info["cost_curve"]["sizes"], info["cost_curve"]["relative"])),
           flush=True)
-    # The verify cost curve of every context bucket the prompts fall in, measured (or read from
-    # the cost cache) before timing, as a server that has seen such prompts has it: the first
-    # request of each bucket otherwise pays ~2 s of measurement (reported apart, not hidden).
+    warm = engines["lookupdec"].chat_prompt(WARMUP)
     t = time.perf_counter()
-    for prompts in workloads.values():
-        for prompt in prompts:
-            engine.cost_model(len(prompt) + max_new // 2)
-    info["cost_warmup_s"] = round(time.perf_counter() - t, 2)
-    info["cost_origin"] = {str(k): v for k, v in sorted(engine.cost_origin.items())}
-    meter = ForwardMeter(model)
-    warm = engine.chat_prompt(WARMUP)
-    for method in METHODS:  # allocator, oneDNN, the engine's cost calibration
-        run_method(method, model, engine, warm, 16)
+    for method in methods:  # allocator, oneDNN, each engine's cost curve seed (a few forwards, then online)
+        if method in engines:
+            ld_run(engines[method], warm, 16)
+        else:
+            run_method(method, model, None, warm, 16)
+    info["warmup_s"] = round(time.perf_counter() - t, 2)
     runs = []
     for workload, prompts in workloads.items():
         for i, prompt in enumerate(prompts):
-            k = i % len(METHODS)
-            order = METHODS[k:] + METHODS[:k]
-            trio = [run_once(method, model, engine, meter, prompt, max_new) for method in order]
-            outs = {r["method"]: r.pop("_out") for r in trio}
-            for r in trio:
-                r.update(model=f"smollm2/{threads}t", workload=workload, prompt=i, repeat=0, threads=threads,
+            k = i % len(methods)
+            order = methods[k:] + methods[:k]
+            group = []
+            for method in order:
+                if method in engines:
+                    out, rec = ld_run(engines[method], prompt, max_new)
+                else:
+                    out, rec = run_method(method, model, None, prompt, max_new)
+                group.append({"method": method, "prompt_tokens": len(prompt), "new_tokens": len(out),
+                              "load_1m": round(os.getloadavg()[0], 2), **rec, "_out": out})
+            outs = {r["method"]: r.pop("_out") for r in group}
+            for r in group:
+                r.update(model=f"smollm2/{threads}t", workload=workload, prompt=i, threads=threads,
                          identical_to_greedy=outs[r["method"]] == outs["greedy"],
                          first_divergence=first_divergence(outs[r["method"]], outs["greedy"]))
-            runs.extend(trio)
-            print(f"  {workload:13s} #{i:<2d} prompt {len(prompt):4d} tok  " + "  ".join(
-                f"{r['method']} {r['new_tokens'] / r['seconds']:6.1f} tok/s" for r in trio)
-                + f"  ld MAT {next(r for r in trio if r['method'] == 'lookupdec')['mean_accepted']:.2f}"
-                + ("" if all(r["identical_to_greedy"] for r in trio) else "  MISMATCH"), flush=True)
-    meter.remove()
+            runs.extend(group)
+            rate = {r["method"]: r["new_tokens"] / r["seconds"] for r in group}
+            ld = next(r for r in group if r["method"] == "lookupdec")
+            print(f"  {workload:13s} #{i:<2d} {len(prompt):4d} tok  greedy {rate['greedy']:5.1f} t/s  "
+                  + "  ".join(f"{m} {rate[m] / rate['greedy']:.2f}" for m in methods[1:])
+                  + f"  MAT {ld['mean_accepted']:.2f} nodes {ld['mean_tree_nodes']:.1f} "
+                  f"pred/real {ld['predicted_accepted']:.2f}/{ld['realised_accepted']:.2f}"
+                  + ("" if all(r["identical_to_greedy"] for r in group) else "  MISMATCH"), flush=True)
     info["load_average_after"] = load_average()
     return info, runs
 
 
-def worst_prompts(runs: list[dict]) -> list[dict]:
-    """Per thread setting and workload, the prompt where lookupdec / greedy is lowest."""
-    rate = {(r["model"], r["workload"], r["prompt"], r["method"]): r["new_tokens"] / r["seconds"] for r in runs}
-    out = []
+def summarize_runs(runs: list[dict]) -> list[dict]:
+    """Per thread setting x workload: each method's total tokens/s over greedy's, the worst
+    prompt, lookupdec's step figures, the best fixed budget."""
+    rows = []
     for model, workload in dict.fromkeys((r["model"], r["workload"]) for r in runs):
-        ratios = {p: rate[model, workload, p, "lookupdec"] / rate[model, workload, p, "greedy"]
-                  for (m, w, p, meth) in rate if (m, w, meth) == (model, workload, "greedy")}
-        p = min(ratios, key=ratios.get)
-        out.append({"model": model, "workload": workload, "prompt": p, "lookupdec/greedy": round(ratios[p], 3),
-                    "lookupdec/pld": round(rate[model, workload, p, "lookupdec"] / rate[model, workload, p, "pld"], 3)})
-    return out
+        group = [r for r in runs if (r["model"], r["workload"]) == (model, workload)]
+        methods = list(dict.fromkeys(r["method"] for r in group))
+        total = {m: sum(r["new_tokens"] for r in group if r["method"] == m)
+                 / sum(r["seconds"] for r in group if r["method"] == m) for m in methods}
+        per_prompt = {}
+        for m in methods:
+            per_prompt[m] = [r["new_tokens"] / r["seconds"] for r in group if r["method"] == m]
+        ratios = [a / b for a, b in zip(per_prompt["lookupdec"], per_prompt["greedy"])]
+        ld = [r for r in group if r["method"] == "lookupdec"]
+        steps = sum(r["steps"] for r in ld)
+        row = {"model": model, "workload": workload, "prompts": len(ld),
+               "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in ld),
+               "greedy_tok_s": total["greedy"], "lookupdec/greedy": total["lookupdec"] / total["greedy"],
+               "lookupdec/pld": total["lookupdec"] / total["pld"], "pld/greedy": total["pld"] / total["greedy"],
+               "worst ld/greedy": min(ratios), "worst_prompt": ratios.index(min(ratios)),
+               "prompts_below_0.97": sum(x < 0.97 for x in ratios),
+               "lookupdec_mean_accepted": sum(r["new_tokens"] for r in ld) / steps,
+               "lookupdec_tree_nodes": sum(r["mean_tree_nodes"] * r["steps"] for r in ld) / steps,
+               "lookupdec_predicted": sum(r["predicted_accepted"] * r["steps"] for r in ld) / steps,
+               "lookupdec_realised": sum(r["realised_accepted"] * r["steps"] for r in ld) / steps,
+               "lookupdec_overhead_us": sum(r["overhead_us"] * r["steps"] for r in ld) / steps,
+               "lookupdec_forward_ms": sum(r["forward_ms"] * r["steps"] for r in ld) / steps,
+               "identical": f"{sum(r['identical_to_greedy'] for r in group)}/{len(group)}"}
+        fixed = [m for m in methods if m.startswith("fixed")]
+        for m in fixed:
+            row[f"{m}/greedy"] = total[m] / total["greedy"]
+        if fixed:
+            best = max(fixed, key=lambda m: total[m])
+            row["best_fixed"] = best
+            row["lookupdec/best_fixed"] = total["lookupdec"] / total[best]
+        rows.append(row)
+    return rows
 
 
 TABLE = [("model", "run", ""), ("workload", "workload", ""), ("prompts", "n", "d"),
          ("mean_prompt_tokens", "prompt", ".0f"), ("greedy_tok_s", "greedy t/s", ".1f"),
-         ("pld_tok_s", "pld t/s", ".1f"), ("lookupdec_tok_s", "ld t/s", ".1f"),
          ("lookupdec/greedy", "ld/greedy", ".2f"), ("lookupdec/pld", "ld/pld", ".2f"),
          ("pld/greedy", "pld/greedy", ".2f"), ("worst ld/greedy", "worst", ".2f"),
-         ("lookupdec_mean_accepted", "ld MAT", ".2f"), ("lookupdec_tree_nodes", "ld nodes", ".1f"),
+         ("lookupdec/best_fixed", "ld/best fixed", ".2f"), ("best_fixed", "best fixed", ""),
+         ("lookupdec_mean_accepted", "MAT", ".2f"), ("lookupdec_tree_nodes", "nodes", ".1f"),
+         ("lookupdec_predicted", "pred acc", ".2f"), ("lookupdec_realised", "real acc", ".2f"),
          ("lookupdec_overhead_us", "ovh us", ".0f"), ("lookupdec_forward_ms", "fwd ms", ".1f"),
-         ("greedy_decode_forward_ms", "greedy fwd ms", ".1f"), ("identical", "identical", "")]
+         ("identical", "identical", "")]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="model (folder, .gguf or alias; smollm2)")
-    p.add_argument("--prompts", type=int, default=5, metavar="N", help="prompts per workload (5)")
-    p.add_argument("--max-new-tokens", type=int, default=160, metavar="N", help="tokens per prompt (160)")
+    p.add_argument("--prompts", type=int, default=10, metavar="N", help="prompts per workload (10)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens per prompt (128)")
     p.add_argument("--max-prompt-tokens", type=int, default=1536, metavar="N",
                    help="skip longer prompts (1536)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread settings (1 2)")
+    p.add_argument("--fixed", type=int, nargs="*", default=[4, 16], metavar="N",
+                   help="also fixed budgets of N nodes (budget='fixed'), for the default's distance to the best (4 16)")
+    p.add_argument("--fixed-threads", type=int, nargs="*", default=[1], metavar="T",
+                   help="thread settings that run the fixed budgets (1)")
     p.add_argument("--workloads", nargs="+", default=None, help="only these workloads")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "real_model.json", help="result JSON")
+    p.add_argument("--prompt-offset", type=int, default=0, metavar="K", help="skip the first K prompts of each workload")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "real_model.json", help="result JSON (and .png)")
     args = p.parse_args(argv)
 
     from lookupdec import Engine
@@ -201,7 +266,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     loader = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
     model, tokenizer = loader.target.model, loader.tokenizer
-    workloads = build_workloads(loader, args.prompts, args.max_prompt_tokens)
+    workloads = build_workloads(loader, args.prompts + args.prompt_offset, args.max_prompt_tokens)
+    workloads = {k: v[args.prompt_offset:] for k, v in workloads.items()}
     if args.workloads:
         unknown = set(args.workloads) - set(workloads)
         if unknown:
@@ -210,7 +276,8 @@ def main(argv=None) -> int:
     load_s = time.perf_counter() - t0
     infos, runs = [], []
     for threads in args.threads:
-        info, r = bench_threads(threads, model, tokenizer, workloads, args.max_new_tokens)
+        fixed = args.fixed if threads in args.fixed_threads else []
+        info, r = bench_threads(threads, model, tokenizer, workloads, args.max_new_tokens, fixed)
         infos.append(info)
         runs.extend(r)
         report(args, argv, meta, workloads, load_s, infos, runs)  # after each setting: a cut run keeps its part
@@ -218,32 +285,65 @@ def main(argv=None) -> int:
 
 
 def report(args, argv, meta, workloads, load_s, infos, runs) -> None:
-    rows = summarize(runs)
-    worst = {(w["model"], w["workload"]): w for w in worst_prompts(runs)}
-    for row in rows:
-        row["worst ld/greedy"] = worst[row["model"], row["workload"]]["lookupdec/greedy"]
+    rows = summarize_runs(runs)
     print()
     print(format_table(rows, TABLE))
     totals = {}
     for model in dict.fromkeys(r["model"] for r in runs):
-        g = {m: [r for r in runs if r["model"] == model and r["method"] == m] for m in METHODS}
-        rate = {m: sum(r["new_tokens"] for r in g[m]) / sum(r["seconds"] for r in g[m]) for m in METHODS}
+        mine = [r for r in runs if r["model"] == model]
+        rate = {m: sum(r["new_tokens"] for r in mine if r["method"] == m) / sum(r["seconds"] for r in mine
+                                                                             if r["method"] == m)
+                for m in ("greedy", "pld", "lookupdec")}
         totals[model] = {"lookupdec/greedy": round(rate["lookupdec"] / rate["greedy"], 3),
                          "lookupdec/pld": round(rate["lookupdec"] / rate["pld"], 3),
                          "pld/greedy": round(rate["pld"] / rate["greedy"], 3),
-                         "mismatches": sum(not r["identical_to_greedy"] for r in runs if r["model"] == model)}
+                         "mismatches": sum(not r["identical_to_greedy"] for r in mine)}
         print(f"{model}: all workloads, lookupdec/greedy {totals[model]['lookupdec/greedy']:.2f}, "
               f"lookupdec/pld {totals[model]['lookupdec/pld']:.2f}, mismatches {totals[model]['mismatches']}")
     config = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-              "model": args.model, "prompts_per_workload": args.prompts, "max_new_tokens": args.max_new_tokens,
-              "max_prompt_tokens": args.max_prompt_tokens, "threads": args.threads, "load_s": round(load_s, 1),
-              "workload_sizes": {k: len(v) for k, v in workloads.items()},
+              "model": args.model, "prompts_per_workload": args.prompts, "prompt_offset": args.prompt_offset,
+              "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
+              "threads": args.threads, "fixed": args.fixed, "fixed_threads": args.fixed_threads,
+              "load_s": round(load_s, 1), "workload_sizes": {k: len(v) for k, v in workloads.items()},
               "mean_prompt_tokens": {k: round(statistics.fmean(map(len, v)), 1) for k, v in workloads.items() if v}}
-    write_result(args.out, "real_model", config, {"per_workload": rows, "totals": totals,
-                                                  "worst_prompts": list(worst.values()),
-                                                  "threads": infos, "runs": runs},
-                 meta=meta)
+    write_result(args.out, "real_model", config, {"per_workload": rows, "totals": totals, "threads": infos,
+                                                  "runs": runs}, meta=meta)
+    plot(rows, runs, Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}")
+
+
+def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
+    """Per workload and thread setting: lookupdec and prompt lookup over greedy (bars), and every
+    single prompt's lookupdec/greedy (dots)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        names = [r["workload"] for r in mine]
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], [r["lookupdec/greedy"] for r in mine], 0.4, label="lookupdec / greedy")
+        ax.bar([x + 0.2 for x in xs], [r["pld/greedy"] for r in mine], 0.4, label="prompt lookup / greedy")
+        for x, name in zip(xs, names):
+            group = [r for r in runs if r["model"] == model and r["workload"] == name]
+            rate = {(r["method"], r["prompt"]): r["new_tokens"] / r["seconds"] for r in group}
+            dots = [rate["lookupdec", p] / rate["greedy", p] for (m, p) in rate if m == "greedy"]
+            ax.scatter([x - 0.2] * len(dots), dots, s=8, color="black", zorder=3)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.axhline(0.97, color="red", lw=0.6, ls="--")
+        ax.set_xticks(list(xs), names, rotation=30, ha="right")
+        ax.set_ylabel("tokens/s over transformers greedy")
+        ax.set_title(f"SmolLM2-135M, {model.split('/')[1]} (dots: single prompts)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

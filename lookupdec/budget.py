@@ -2,15 +2,16 @@
 
 Two parts, both cheap enough for the hot path:
 
-- ``CostModel``: the time of one verify forward for ``n`` tree tokens, ``t(n)``, measured once
-  per engine on the machine in use (a few forwards at start-up, bounded by
-  ``CALIBRATION_SECONDS``) and interpolated linearly between measured sizes.
+- ``CostModel``: the time of one verify forward for ``n`` tree tokens, ``t(n)``, learnt online
+  from the engine's own timed forwards, per context-length bucket, seeded from the cost cache
+  or a few forwards (``SEED_SIZES``, one each) the first time an engine meets a bucket.
 - ``AcceptanceCalibrator``: per proposer, how far its scores (estimated acceptance
   probabilities) are from what happens. After every step it checks the step's best draft chain
   against the tokens actually committed — whether that chain was verified or not — so a source
-  whose drafts were dropped keeps being measured at no cost ("shadow" checking). The factor
-  multiplies each node's conditional probability (score / parent score), so a failing source's
-  deep nodes fade fastest.
+  whose drafts were dropped keeps being measured at no cost ("shadow" checking); and every
+  verified node whose parent was reached is counted in its (source, match bucket, depth, sibling
+  rank) cell. The factor multiplies each node's conditional probability (score / parent
+  score), so a failing source's deep nodes fade fastest.
 
 ``choose_num_nodes`` then takes the ``n`` best nodes maximising expected new tokens per second,
 ``(1 + sum of the n best calibrated scores) / (t(1 + n) + overhead)``: the expected number of
@@ -31,17 +32,19 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from lookupdec.tree import CELLS_PER_ROW, Calibration, Draft, TokenTree, match_bucket
+from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, Calibration, Draft, TokenTree, match_bucket, observe_draft
 
 
 log = logging.getLogger("lookupdec")
 
-CALIBRATION_SECONDS = 2.0  # start-up budget for measuring t(n) (once per model, device, dtype: cached)
-MAX_MEASURED_TOKENS = 256  # t(n) is measured for n = 1, 2, 4 ... 256 tree tokens
-COST_CACHE_VERSION = 1
+CALIBRATION_SECONDS = 2.0  # cap on a full measurement (``CostModel.measure``, benchmarks)
+SEED_SIZES = (1, 4, 16, 64)  # an engine's first context bucket: one forward each, then learnt online
+MAX_MEASURED_TOKENS = 256  # t(n) is measured for n = 1, 2, 4 ... 256 tree tokens by ``measure``
+COST_CACHE_VERSION = 2
+MAX_CACHED_CURVES = 32  # the cost cache keeps the curves updated last
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
-PRIOR_WEIGHT = 4.0  # pseudo-observations behind the initial factor of 1.0 (they decay like
-#                    real ones, so a source that never matches fades to a factor near 0)
+COST_LEARNING_RATE = 0.1  # an observed forward moves its size's estimate this far (after the first few)
+COST_SPIKE = 2.0  # an observation above this many times the estimate counts as this many times
 HISTORY_DECAY = 0.95  # per-step decay of old observations (half-life about 14 steps)
 MAX_FACTOR = 1.5  # a source's scores are never trusted more than this
 DRAFT_BUDGET_HEADROOM = 2.0  # proposers are asked for this many times the nodes lately kept
@@ -50,33 +53,45 @@ DRAFT_BUDGET_DECAY = 0.9  # per-step decay of the running mean of kept nodes
 
 
 class CostModel:
-    """``t(n)``: seconds for one verify forward of ``n`` tokens (the root included)."""
+    """``t(n)``: seconds for one verify forward of ``n`` tokens (the root included), learnt.
 
-    def __init__(self, sizes: Sequence[int], seconds: Sequence[float]) -> None:
-        if not sizes or list(sizes) != sorted(sizes) or len(sizes) != len(seconds):
+    Seeded by a few timed forwards (``measure``) or from the cost cache, then refined by every
+    verify forward the engine times (``observe``): each size keeps a running estimate, spikes
+    (another process, a cold cache) clipped. Between observed sizes ``t`` is interpolated
+    linearly; and since a tree can always take more nodes, the cost of ``n`` tokens is the
+    cheapest of any size ``>= n`` (on one CPU thread SmolLM2 verifies 4 tokens faster than 2:
+    the matrix kernels for 2 and 3 rows are slow), which ``choose_num_nodes`` exploits.
+    """
+
+    def __init__(self, sizes: Sequence[int], seconds: Sequence[float], counts: Sequence[int] | None = None) -> None:
+        if not sizes or list(sizes) != sorted(set(sizes)) or len(sizes) != len(seconds):
             raise ValueError("CostModel: sizes must be increasing and match seconds")
-        self.sizes, self.seconds = list(sizes), list(seconds)
+        self.sizes, self.seconds = [int(n) for n in sizes], [float(t) for t in seconds]
+        self.counts = list(counts) if counts is not None else [1] * len(self.sizes)  # observations per size
+        self._dense: np.ndarray | None = None
 
     @classmethod
     def flat(cls) -> "CostModel":
         """Every size costs the same: verify as many nodes as allowed."""
         return cls([1], [1.0])
 
-    @classmethod
-    def measure(cls, forward: Callable[[int], None], max_tokens: int) -> "CostModel":
-        """Time ``forward(n)`` for n = 1, 2, 4, ... ``max_tokens``, in interleaved rounds.
+    def copy(self) -> "CostModel":
+        return CostModel(self.sizes, self.seconds, self.counts)
 
-        Noise (other processes, a cold cache) only ever adds time, so each size keeps its
-        fastest round, and a size measured slower than a larger one takes the larger one's
-        time: verifying more tokens cannot be cheaper. Rounds stop at ``CALIBRATION_REPEATS``
-        or when ``CALIBRATION_SECONDS`` are spent (sizes never reached are extrapolated).
-        """
-        sizes = [1]
-        while sizes[-1] < max_tokens:
-            sizes.append(min(2 * sizes[-1], max_tokens))
+    @classmethod
+    def measure(cls, forward: Callable[[int], None], max_tokens: int, sizes: Sequence[int] | None = None,
+                repeats: int = CALIBRATION_REPEATS) -> "CostModel":
+        """Time ``forward(n)`` for each of ``sizes`` (default n = 1, 2, 4, ... ``max_tokens``;
+        sizes above ``max_tokens`` are dropped) in ``repeats`` interleaved rounds, keeping each
+        size's fastest (noise only adds time). Stops once ``CALIBRATION_SECONDS`` are spent."""
+        if sizes is None:
+            sizes = [1]
+            while sizes[-1] < max_tokens:
+                sizes.append(min(2 * sizes[-1], max_tokens))
+        sizes = sorted({n for n in sizes if n <= max_tokens} | {1})
         best = [float("inf")] * len(sizes)
         start = time.perf_counter()
-        for _ in range(CALIBRATION_REPEATS):
+        for _ in range(repeats):
             for i, n in enumerate(sizes):
                 t = time.perf_counter()
                 forward(n)
@@ -86,35 +101,63 @@ class CostModel:
             if time.perf_counter() - start > CALIBRATION_SECONDS:
                 break
         measured = [(n, t) for n, t in zip(sizes, best) if t < float("inf")]
-        seconds = [t for _, t in measured]
-        for i in range(len(seconds) - 2, -1, -1):
-            seconds[i] = min(seconds[i], seconds[i + 1])
-        return cls([n for n, _ in measured], seconds)
+        return cls([n for n, _ in measured], [t for _, t in measured])
 
-    def __call__(self, n: int) -> float:
+    def observe(self, n: int, seconds: float) -> None:
+        """One timed verify forward of ``n`` tokens."""
         i = bisect.bisect_left(self.sizes, n)
-        if i < len(self.sizes) and self.sizes[i] == n:
-            return self.seconds[i]
+        if i == len(self.sizes) or self.sizes[i] != n:
+            # a new size: its first observation replaces the interpolation (spikes clipped by it)
+            self.sizes.insert(i, n)
+            self.seconds.insert(i, self._raw(n, skip=i))
+            self.counts.insert(i, 0)
+        old = self.seconds[i]
+        seconds = min(seconds, COST_SPIKE * old)
+        self.counts[i] += 1
+        rate = max(COST_LEARNING_RATE, 1.0 / self.counts[i])
+        self.seconds[i] = old + rate * (seconds - old)
+        self._dense = None
+
+    def _raw(self, n: int, skip: int = -1) -> float:
+        """Linear interpolation between measured sizes (extrapolated past the ends); ``skip``:
+        a position in ``sizes`` to ignore (a size just inserted)."""
+        pairs = [(m, t) for j, (m, t) in enumerate(zip(self.sizes, self.seconds)) if j != skip]
+        if len(pairs) == 1:
+            return pairs[0][1]
+        xs = [m for m, _ in pairs]
+        i = bisect.bisect_left(xs, n)
+        if i < len(xs) and xs[i] == n:
+            return pairs[i][1]
         if i == 0:
-            return self.seconds[0]
-        if i == len(self.sizes):  # extrapolate from the last two sizes (linear in n)
-            if len(self.sizes) == 1:
-                return self.seconds[0]
+            (n0, t0), (n1, t1) = pairs[0], pairs[1]
+            return max(t0 * 0.5, t0 + (t1 - t0) * (n - n0) / (n1 - n0))
+        if i == len(xs):
             i -= 1
-        n0, n1 = self.sizes[i - 1], self.sizes[i]
-        t0, t1 = self.seconds[i - 1], self.seconds[i]
+        (n0, t0), (n1, t1) = pairs[i - 1], pairs[i]
         return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
 
-    def table(self, count: int) -> list[float]:
-        """``[t(1), ..., t(count)]``, each value ``self(n)``'s (cached: the chooser's per-step lookup)."""
-        table = getattr(self, "_table", None)
-        if table is None or len(table) < count:
-            size = max(count, 2 * len(table) if table is not None else 0)
-            table = self._table = [self(n) for n in range(1, size + 1)]
-        return table
+    def dense(self, upto: int) -> np.ndarray:
+        """``out[k]`` = the effective cost of ``k`` tokens for k = 0 ... upto (``out[0] = out[1]``):
+        interpolated, and the cheapest of any size from ``k`` up to the largest of ``upto`` and
+        the largest observed size."""
+        if self._dense is None or len(self._dense) <= upto:
+            top = max(upto, self.sizes[-1])
+            ks = np.arange(1, top + 1, dtype=np.float64)
+            xs, ys = np.asarray(self.sizes, dtype=np.float64), np.asarray(self.seconds)
+            curve = np.interp(ks, xs, ys)
+            if len(xs) > 1 and top > xs[-1]:  # linear past the last size
+                slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+                tail = ks > xs[-1]
+                curve[tail] = ys[-1] + max(slope, 0.0) * (ks[tail] - xs[-1])
+            curve = np.minimum.accumulate(curve[::-1])[::-1]
+            self._dense = np.concatenate([curve[:1], curve])
+        return self._dense
+
+    def __call__(self, n: int) -> float:
+        return float(self.dense(n)[n])
 
     def to_dict(self) -> dict:
-        return {"sizes": self.sizes, "seconds": self.seconds}
+        return {"sizes": self.sizes, "seconds": self.seconds, "counts": self.counts}
 
 
 def cost_cache_path() -> str | None:
@@ -150,7 +193,7 @@ def load_cached_cost(key: str) -> CostModel | None:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
         entry = doc["curves"][key] if doc.get("version") == COST_CACHE_VERSION else None
-        return CostModel(entry["sizes"], entry["seconds"]) if entry else None
+        return CostModel(entry["sizes"], entry["seconds"], entry.get("counts")) if entry else None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.debug("cost cache %s unreadable (%r): measuring", path, exc)
         return None
@@ -168,7 +211,10 @@ def store_cached_cost(key: str, cost: CostModel) -> None:
                 old = json.load(f)
             if old.get("version") == COST_CACHE_VERSION:
                 doc = old
-        doc["curves"][key] = {**cost.to_dict(), "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        doc["curves"][key] = {**cost.to_dict(), "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if len(doc["curves"]) > MAX_CACHED_CURVES:  # bounded: drop the curves updated longest ago
+            kept = sorted(doc["curves"].items(), key=lambda kv: (kv[0] == key, kv[1].get("updated", "")))
+            doc["curves"] = dict(kept[-MAX_CACHED_CURVES:])
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -178,120 +224,95 @@ def store_cached_cost(key: str, cost: CostModel) -> None:
         log.warning("could not write the cost cache %s: %s", path, exc)
 
 
-BUCKET_PRIOR_WEIGHT = 2.0  # a bucket starts at its source's factor, worth this many observations
-CELL_PRIOR_WEIGHT = 2.0  # a (depth, rank) cell starts at its bucket's factor, worth this many
+SOURCE_PRIOR_WEIGHT = 1.0  # a source starts at factor 1, worth this many predicted tokens
+ROW_PRIOR_WEIGHT = 2.0  # a (source, match bucket) row starts at its source's factor, worth this many
+CELL_PRIOR_WEIGHT = 2.0  # a cell starts at its row's factor x its claimed probability, worth this many nodes
+MAX_PRIOR_PROB = 0.9  # ... but a cell never observed is not believed certain
 
 
 class AcceptanceCalibrator:
-    """Factors on the proposers' conditional acceptance probabilities, learnt from verified
-    steps, at two levels:
+    """Factors on the proposers' conditional acceptance probabilities, learnt from every step.
 
-    - coarse, per source and per (source, match-length bucket): after every step the best
-      chain of each source's first draft per bucket is checked against the committed tokens,
-      whether it was verified or not ("shadow" checking), so a source whose drafts were pruned
-      keeps being measured;
-    - fine, per (source, match bucket) row and (depth bucket, sibling rank) cell
-      (``tree.Calibration``): every verified node whose parent the target reached is one
-      observation of its conditional probability (accepted or not); a cell starts at its
-      bucket's coarse factor worth ``CELL_PRIOR_WEIGHT`` observations.
-
-    A factor is the decayed count of nodes accepted over the decayed sum of the probabilities
-    the proposer claimed for them, so a source, a depth or a second-ranked sibling that keeps
-    failing gets lower scores and fewer of the step's nodes; the budget chooser adds up the
-    calibrated probabilities as expected accepted tokens.
+    After a step, every node of every draft — verified or not ("shadow" checking, so a source
+    whose nodes were pruned keeps being measured) — whose parent path matches the committed
+    tokens was *reached*: one observation, accepted if its own token is the next committed one.
+    Observations are summed per (source, match-length bucket) row and (depth bucket, sibling
+    rank, claimed-probability bucket) cell (``tree.Calibration``): the decayed count accepted over the decayed sum of the
+    conditional probabilities the proposer claimed. A cell with few observations leans on its
+    row, a row on its source, a source on 1 (``*_PRIOR_WEIGHT``), so a source, a depth or a
+    second-ranked sibling that keeps failing gets lower scores and fewer of the step's nodes,
+    and the budget chooser adds up honest probabilities as expected accepted tokens.
     """
 
     def __init__(self) -> None:
-        self._predicted: dict = {}  # key -> decayed sum of predicted conditional probs
-        self._matched: dict = {}  # key -> decayed count of nodes that matched
-        self._rows: dict = {}  # (source, match bucket) -> row of the fine tables
-        self._cell_predicted = np.zeros((0, CELLS_PER_ROW))
-        self._cell_matched = np.zeros((0, CELLS_PER_ROW))
+        self._rows: dict = {}  # (source, match bucket) -> row of the tables
+        self._row_source: list[str] = []
+        self._reached = np.zeros((0, CELLS_PER_ROW))  # decayed counts of reached nodes
+        self._predicted = np.zeros((0, CELLS_PER_ROW))  # decayed sums of their claimed conditional probabilities
+        self._matched = np.zeros((0, CELLS_PER_ROW))  # decayed counts of accepted nodes
         self._calibration: Calibration | None = None  # cached until the next learn
 
-    def _ratio(self, key) -> float:
-        predicted, matched = self._predicted[key], self._matched[key]
-        return min(MAX_FACTOR, matched / predicted) if predicted > 0 else 1.0
+    def _row(self, draft: Draft) -> int:
+        key = (draft.source, match_bucket(draft.match_length))
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = len(self._row_source)
+            self._row_source.append(draft.source)
+            grow = np.zeros((1, CELLS_PER_ROW))
+            self._reached = np.vstack([self._reached, grow])
+            self._predicted = np.vstack([self._predicted, grow])
+            self._matched = np.vstack([self._matched, grow])
+        return row
+
+    def _levels(self) -> tuple[dict, np.ndarray]:
+        """Per source and per row: the factor on claimed probabilities, prior included."""
+        row_p, row_m = self._predicted.sum(1), self._matched.sum(1)
+        totals: dict[str, list[float]] = {}
+        for row, source in enumerate(self._row_source):
+            t = totals.setdefault(source, [0.0, 0.0])
+            t[0] += row_p[row]
+            t[1] += row_m[row]
+        by_source = {s: min(MAX_FACTOR, (m + SOURCE_PRIOR_WEIGHT) / (p + SOURCE_PRIOR_WEIGHT))
+                     for s, (p, m) in totals.items()}
+        prior = np.array([by_source[s] for s in self._row_source])
+        by_row = np.minimum(MAX_FACTOR, (row_m + ROW_PRIOR_WEIGHT * prior) / (row_p + ROW_PRIOR_WEIGHT))
+        return by_source, by_row
 
     def factors(self) -> dict:
-        """Every observed coarse key's factor: ``source`` and ``(source, bucket)`` keys."""
-        return {key: self._ratio(key) for key in self._predicted}
+        """Every source's and every ``(source, match bucket)`` row's factor."""
+        by_source, by_row = self._levels()
+        return {**by_source, **{key: float(by_row[row]) for key, row in self._rows.items()}}
 
     def factor(self, draft: Draft) -> float:
-        """The coarse factor of ``draft``: its (source, bucket) entry, else its source's, else 1."""
-        key = (draft.source, match_bucket(draft.match_length))
-        if key in self._predicted:
-            return self._ratio(key)
-        return self._ratio(draft.source) if draft.source in self._predicted else 1.0
+        """The factor of ``draft``'s row, else its source's, else 1."""
+        return self.calibration().row_factor(draft)
 
     def calibration(self) -> Calibration:
-        """The factors as ``TokenTree.from_drafts`` takes them (cached between steps)."""
+        """Each cell's acceptance probability, as ``TokenTree.from_drafts`` takes it (cached
+        between steps): accepted over reached, leaning on the row's factor times the cell's mean
+        claimed probability (``CELL_PRIOR_WEIGHT`` observations' worth, at most ``MAX_PRIOR_PROB``)."""
         if self._calibration is None:
-            rows = self._rows
-            prior = np.array([self._ratio(key) for key in rows]).reshape(-1, 1)
-            table = (self._cell_matched + CELL_PRIOR_WEIGHT * prior) / (self._cell_predicted + CELL_PRIOR_WEIGHT)
-            np.minimum(table, MAX_FACTOR, out=table)
-            fallback = {key: self._ratio(key) for key in self._predicted if not isinstance(key, tuple)}
-            self._calibration = Calibration(dict(rows), table, fallback)
+            by_source, by_row = self._levels()
+            claimed = np.where(self._reached > 0, self._predicted / np.maximum(self._reached, 1e-12), COND_MIDS)
+            prior = np.minimum(by_row[:, None] * claimed, MAX_PRIOR_PROB)
+            table = (self._matched + CELL_PRIOR_WEIGHT * prior) / (self._reached + CELL_PRIOR_WEIGHT)
+            self._calibration = Calibration(dict(self._rows), table, by_source, row_factors=by_row,
+                                            probabilities=True)
         return self._calibration
 
     def learn(self, drafts: Sequence[Draft], committed: Sequence[int], tree: TokenTree | None = None,
               accepted: Sequence[int] = ()) -> None:
-        """After a step: decay the history once; shadow-check the best chain of each source's
-        first draft per match bucket against the ``committed`` tokens (coarse); and, given the
-        verified ``tree`` and its ``accepted`` nodes, count every node whose parent was reached
-        in its cell (fine).
-
-        Priors are pseudo-observations that decay like real ones: a source starts at factor 1
-        worth ``PRIOR_WEIGHT``; a bucket starts at its source's factor worth
-        ``BUCKET_PRIOR_WEIGHT``. A source whose drafts never match fades towards 0."""
+        """After a step: decay the history once, then count every reached node of every draft
+        against the ``committed`` tokens (``tree`` and ``accepted``, the verified tree and its
+        accepted nodes, add nothing: every verified node came from a draft)."""
         self._calibration = None
-        for key in self._predicted:
-            self._predicted[key] *= HISTORY_DECAY
-            self._matched[key] *= HISTORY_DECAY
-        self._cell_predicted *= HISTORY_DECAY
-        self._cell_matched *= HISTORY_DECAY
-        checked: set = set()
-        sources_seen: set = set()
-        for draft in drafts:
-            key = (draft.source, match_bucket(draft.match_length))
-            if key in checked:
-                continue
-            checked.add(key)
-            chain, cond_probs = draft.best_chain()
-            predicted = matched = 0.0
-            for token, prob, actual in zip(chain, cond_probs, committed):
-                predicted += prob
-                if token != actual:
-                    break
-                matched += 1
-            if draft.source not in self._predicted:
-                self._predicted[draft.source] = self._matched[draft.source] = PRIOR_WEIGHT
-            if key not in self._predicted:
-                self._predicted[key] = BUCKET_PRIOR_WEIGHT
-                self._matched[key] = BUCKET_PRIOR_WEIGHT * self._ratio(draft.source)
-            if key not in self._rows:
-                self._rows[key] = len(self._rows)
-                self._cell_predicted = np.vstack([self._cell_predicted, np.zeros(CELLS_PER_ROW)])
-                self._cell_matched = np.vstack([self._cell_matched, np.zeros(CELLS_PER_ROW)])
-            targets = [key] if draft.source in sources_seen else [key, draft.source]
-            sources_seen.add(draft.source)
-            for k in targets:
-                self._predicted[k] += predicted
-                self._matched[k] += matched
-        if tree is not None and len(tree) > 1:
-            self._learn_cells(tree, accepted)
-
-    def _learn_cells(self, tree: TokenTree, accepted: Sequence[int]) -> None:
-        predicted, matched = self._cell_predicted.reshape(-1), self._cell_matched.reshape(-1)
-        accepted_set = set(accepted)
-        for parent in [0, *accepted]:
-            for node in tree.children[parent].values():
-                cell = tree.cells[node]
-                if 0 <= cell < len(predicted):
-                    predicted[cell] += tree.conds[node]
-                    if node in accepted_set:
-                        matched[cell] += 1.0
+        self._reached *= HISTORY_DECAY
+        self._predicted *= HISTORY_DECAY
+        self._matched *= HISTORY_DECAY
+        committed = list(committed)
+        for draft in drafts:  # tree.observe_draft: compiled (tree.observe_draft_reference: the loop)
+            row = self._row(draft)
+            observe_draft(draft, committed, self._reached[row], self._predicted[row], self._matched[row])
 
 
 class DraftBudget:
@@ -333,31 +354,18 @@ class DraftBudget:
 def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int) -> int:
     """The ``n`` (0..max_nodes) maximising (1 + sum of the first n values) / (t(1 + n) + overhead);
     the values are the nodes' probabilities of acceptance in the order pruning keeps them
-    (``TokenTree.expected_in_prune_order``). ``choose_num_nodes_reference``'s loop with ``t(n)``
-    read from a table cached on the cost model (its interpolation was most of the time).
+    (``TokenTree.expected_in_prune_order``). The first of equal rates wins (fewer nodes).
 
     >>> cost = CostModel([1, 2, 4], [1.0, 1.1, 1.3])
     >>> choose_num_nodes([0.9, 0.8, 0.01], cost, 0.0, 3)   # the third node is not worth 0.1
     2
     """
-    best_n, best_rate, expected = 0, 1.0 / (cost(1) + overhead_s), 1.0
-    scores = sorted_scores[:max_nodes]
-    seconds = cost.table(len(scores) + 1)  # seconds[n] = t(1 + n)
-    for n, score in enumerate(scores, start=1):
-        expected += score
-        rate = expected / (seconds[n] + overhead_s)
-        if rate > best_rate:
-            best_n, best_rate = n, rate
-    return best_n
-
-
-def choose_num_nodes_reference(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float,
-                               max_nodes: int) -> int:
-    """``choose_num_nodes`` by its definition: every prefix in turn."""
-    best_n, best_rate, expected = 0, 1.0 / (cost(1) + overhead_s), 1.0
-    for n, score in enumerate(sorted_scores[:max_nodes], start=1):
-        expected += score
-        rate = expected / (cost(1 + n) + overhead_s)
-        if rate > best_rate:
-            best_n, best_rate = n, rate
-    return best_n
+    values = np.asarray(sorted_scores[:max_nodes], dtype=np.float64)
+    if not len(values):
+        return 0
+    expected = np.empty(len(values) + 1)
+    expected[0] = 1.0
+    np.cumsum(values, out=expected[1:])
+    expected[1:] += 1.0
+    seconds = cost.dense(len(values) + 1)[1 : len(values) + 2] + overhead_s
+    return int(np.argmax(expected / seconds))

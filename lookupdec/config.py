@@ -80,6 +80,21 @@ class RetrievalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RecycleConfig:
+    """Token recycling: drafts from the target's own top tokens at earlier steps
+    (``lookupdec.proposers.recycle``)."""
+
+    successors: int = 4  # top tokens kept per (previous token, token) and per token
+    max_nodes: int = 32  # most nodes of its draft per step (the step's budget applies too)
+    max_depth: int = 8  # longest path of its draft
+    max_entries: int = 1_000_000  # (previous, token) pairs kept; past it the pair table starts over
+
+    def __post_init__(self) -> None:
+        for name in ("successors", "max_nodes", "max_depth", "max_entries"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DraftConfig:
     """Small draft model used where lookups are weak (``lookupdec.proposers.draft_model``)."""
 
@@ -105,19 +120,23 @@ class EngineConfig:
     budget: str = "auto"  # "auto": per step, the node count that maximises expected tokens/s
     #                       from measured verify cost; "fixed": always up to max_nodes
     max_depth: int = 48  # longest root-to-leaf path in the draft tree
-    proposers: tuple[str, ...] = ("ngram", "suffix")  # drafting sources, in priority order
+    proposers: tuple[str, ...] = ("ngram", "suffix", "recycle")  # drafting sources, in priority order
     ngram: NgramConfig = field(default_factory=NgramConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)  # used when "retrieval" is a proposer
+    recycle: RecycleConfig = field(default_factory=RecycleConfig)  # used when "recycle" is a proposer
     draft: DraftConfig = field(default_factory=DraftConfig)  # used when the engine has a draft model
     verify: str = "auto"  # "auto" (probe tree masks), "tree", or "chain" (one path per step)
+    fast_kernels: bool = True  # CPU: the output projection by the fastest product form per row
+    #                            count, grouped K/V heads not copied in attention (model/head.py);
+    #                            same logits up to float rounding (greedy identity is tested)
 
     def __post_init__(self) -> None:
         _require(self.max_nodes >= 0, "max_nodes", self.max_nodes, "must be >= 0")
         _require(self.max_depth >= 1, "max_depth", self.max_depth, "must be >= 1")
         _require(self.budget in ("auto", "fixed"), "budget", self.budget, "must be auto or fixed")
         _require(self.verify in ("auto", "tree", "chain"), "verify", self.verify, "must be auto, tree or chain")
-        known = {"ngram", "suffix", "retrieval"}
+        known = {"ngram", "suffix", "retrieval", "recycle"}
         for name in self.proposers:
             _require(name in known, "proposers", self.proposers, f"unknown proposer {name!r} (known: {sorted(known)})")
         _require("retrieval" not in self.proposers or self.retrieval.index is not None, "proposers",

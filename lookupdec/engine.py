@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from lookupdec import model as model_lib
@@ -36,6 +37,8 @@ class GenerationStats:
     nodes_by_source: dict = field(default_factory=dict)  # proposer -> draft nodes verified (its share of the budget)
     draft_model_steps: int = 0  # steps on which the draft model ran
     mean_tree_nodes: float = 0.0  # draft nodes verified per step (root not counted)
+    predicted_accepted: float = 0.0  # per step: draft tokens the calibrated tree promised ...
+    realised_accepted: float = 0.0  # ... and draft tokens accepted (mean_accepted - 1 unless cut)
     draft_us: float = 0.0  # per step: proposers' time
     overhead_us: float = 0.0  # per step: drafting + tree + acceptance + KV commit + observe
     forward_ms: float = 0.0  # per step: the verify forward
@@ -54,6 +57,25 @@ class Generation:
     stats: GenerationStats
 
 
+def top_tokens(logits: torch.Tensor, rows: Sequence[int], k: int) -> list[list[int]]:
+    """The ``k`` highest-scoring token ids of each of ``rows`` of ``logits`` [n, vocab], best
+    first. On CPU by repeated numpy argmax on a copy of each row (several times faster than
+    ``torch.topk`` there for small k); elsewhere one ``topk``."""
+    if logits.device.type != "cpu":
+        return logits[list(rows)].topk(k, dim=-1).indices.tolist()
+    out = []
+    array = logits.numpy()
+    for r in rows:
+        row = array[r].copy()
+        best = []
+        for _ in range(min(k, len(row))):
+            i = int(row.argmax())
+            best.append(i)
+            row[i] = -np.inf
+        out.append(best)
+    return out
+
+
 def _cancel_check(cancel):
     """``cancel`` (None, a ``threading.Event`` or a zero-argument callable) as a callable or None."""
     if cancel is None or callable(cancel):
@@ -63,7 +85,8 @@ def _cancel_check(cancel):
     raise bad("cancel", cancel, "expected a threading.Event or a zero-argument callable")
 
 
-MIN_CALIBRATION_CONTEXT = 64  # the cost curve is measured at the prompt's length rounded up to a power of 2
+MIN_CALIBRATION_CONTEXT = 64  # cost curves are kept per context length rounded up to a power of 2
+COST_STORE_SECONDS = 30.0  # a bucket's learnt curve is written to the cost cache at most this often
 
 
 class _Timer:
@@ -71,11 +94,14 @@ class _Timer:
 
     def __init__(self) -> None:
         self.draft = self.forward = self.total = 0.0
+        self.prepare = 0.0  # one-time kernel choices inside verify (model/head.py): neither forward nor overhead
         self.nodes = self.steps = 0
+        self.predicted = 0.0
+        self.accepted = 0
 
     def overhead_s(self) -> float:
         """Mean time per step outside the verify forward, so far (0 before the first step)."""
-        return (self.total - self.forward) / self.steps if self.steps else 0.0
+        return (self.total - self.forward - self.prepare) / self.steps if self.steps else 0.0
 
 
 class TextStream:
@@ -98,7 +124,7 @@ class Engine:
         sources, scripted ones in tests); the draft model, if any, still comes after them."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
-        self.target = model_lib.TargetModel(model, verify=self.config.verify)
+        self.target = model_lib.TargetModel(model, verify=self.config.verify, fast_head=self.config.fast_kernels)
         self.eos_token_ids = model_lib.tokenizer_info(tokenizer)["eos_token_ids"]
         self.calibrator = AcceptanceCalibrator()
         self.draft_budget = DraftBudget()  # budget="auto": nodes asked of the proposers
@@ -111,9 +137,11 @@ class Engine:
         self.mixture = Mixture(lookups, draft, self.config.draft, self.calibrator)
         self.step_core = StepCore(self.mixture, max_nodes=self.config.max_nodes, calibrator=self.calibrator,
                                   draft_budget=self.draft_budget, chain_only=not self.target.tree_mode)
-        self._costs: dict[int, CostModel] = {}  # context bucket -> t(n) (budget="auto"), measured or cached
-        self.cost_origin: dict[int, str] = {}  # context bucket -> "measured" | "cached"
+        self._costs: dict[int, CostModel] = {}  # context bucket -> t(n) (budget="auto"), learnt online
+        self.cost_origin: dict[int, str] = {}  # context bucket -> "measured" | "cached" | "bucket N" (seeded from)
+        self._cost_stored: dict[int, float] = {}  # context bucket -> when its curve was last written to the cache
         self._request_ids = itertools.count()
+        self._timed_sync = self.target.device.type == "cuda"  # forwards are timed to the device's end
 
     @classmethod
     def from_pretrained(cls, model_path=DEFAULT_MODEL, *, device=None, dtype=None, config: EngineConfig | None = None,
@@ -256,13 +284,15 @@ class Engine:
         rid, context, target = f"req-{next(self._request_ids)}", list(prompt_ids), self.target
         self.step_core.start(rid, context, params, seed)
         self.mixture.draft_steps = 0
+        bucket = None
         try:
-            cost = None
-            if self.config.budget == "auto":  # measured (if not cached) before the prefill: it uses the KV cache
-                cost = self.cost_model(len(context) + max_new_tokens // 2)
             t = time.perf_counter()
             target.prefill(context[:-1])
             stats.prefill_ms = (time.perf_counter() - t) * 1e3
+            cost = None
+            if self.config.budget == "auto":  # cached, seeded from another bucket, or a few forwards here
+                bucket = self._cost_bucket(len(context) + max_new_tokens // 2)
+                cost = self.cost_model(len(context) + max_new_tokens // 2, in_place=True)
             produced, seen = 0, set(context)  # seen: distinct ids so far (repetition penalty)
             while produced < max_new_tokens and self._room(context) > 0:
                 if cancelled is not None and cancelled():
@@ -270,8 +300,9 @@ class Engine:
                     return
                 t0 = time.perf_counter()
                 limit = min(max_new_tokens - produced, self._room(context))
+                prev = context[-2] if len(context) > 1 else -1  # the token before the root (token recycling)
                 step = self.step_core.run(
-                    rid, context, lambda tree: self._verdict(tree, params, generator, seen, limit, timer),
+                    rid, context, lambda tree: self._verdict(tree, params, generator, seen, limit, timer, cost, prev),
                     max_depth=min(self.config.max_depth, self._room(context)), cost=cost,
                     overhead_s=timer.overhead_s())
                 context.extend(step.new_tokens)
@@ -285,43 +316,87 @@ class Engine:
         finally:
             stats.draft_model_steps = self.mixture.draft_steps
             self.step_core.stop(rid)
+            if bucket is not None:
+                self._store_cost(bucket)
 
-    def _verdict(self, tree: TokenTree, params, generator, seen: set, limit: int, timer) -> Verdict:
-        """The target's verdict on ``tree``: one verify forward, exact acceptance, KV commit; the
-        new tokens cut to ``limit`` and after the first EOS."""
+    def _verdict(self, tree: TokenTree, params, generator, seen: set, limit: int, timer,
+                 cost: CostModel | None = None, prev: int = -1) -> Verdict:
+        """The target's verdict on ``tree``: one verify forward (timed into ``cost``), exact
+        acceptance, KV commit; the new tokens cut to ``limit`` and after the first EOS."""
         t = time.perf_counter()
         logits = self.target.verify(tree)  # [1 + n, vocab]
-        timer.forward += time.perf_counter() - t
+        if cost is not None and self._timed_sync:
+            self.target.sync()
+        seconds = time.perf_counter() - t - self.target.last_prepare_s
+        timer.forward += seconds
+        timer.prepare += self.target.last_prepare_s
+        if cost is not None:
+            cost.observe(len(tree), seconds)
         result = accept(tree, logits, params, generator=generator,
                         context_ids=self._seen_ids(seen) if params.uses_prefix else None)
+        if self.mixture.successor_sinks:
+            visited = [0, *result.accepted]
+            before = [prev] + [tree.token_ids[tree.parents[u]] for u in result.accepted]
+            tops = top_tokens(logits, visited, self.config.recycle.successors)
+            self.mixture.observe_successors([(b, tree.token_ids[u], top) for b, u, top in zip(before, visited, tops)])
         self.target.commit(tree, result.accepted)
         new = [tree.token_ids[i] for i in result.accepted] + [result.next_token]
         return Verdict(result.accepted, self._clip(new, limit))
 
-    def cost_model(self, context_tokens: int = MIN_CALIBRATION_CONTEXT) -> CostModel:
-        """t(n) for n = 1 ... 256 tree tokens at about this context length: from the cost cache
-        (per model architecture, device, dtype and context bucket), else measured now (<= 2 s)
-        and cached."""
-        from lookupdec.budget import MAX_MEASURED_TOKENS, cost_key, load_cached_cost, store_cached_cost
-
+    def _cost_bucket(self, context_tokens: int) -> int:
+        """The context-length bucket of a request (a power of 2, at least 64, at most half the
+        model's context)."""
         limit = self.target.max_context or 1 << 20
         bucket = MIN_CALIBRATION_CONTEXT
         while bucket < context_tokens and bucket * 2 <= limit // 2:
             bucket *= 2
-        bucket = min(bucket, max(1, limit // 2))
+        return min(bucket, max(1, limit // 2))
+
+    def cost_model(self, context_tokens: int = MIN_CALIBRATION_CONTEXT, *, in_place: bool = False) -> CostModel:
+        """t(n) at about this context length, learnt online from every verify forward (the
+        engine calls ``observe`` on it). A new context bucket starts from the cost cache (per
+        model architecture, device, dtype and bucket); else from the nearest bucket this engine
+        already knows; else from one forward of each of ``SEED_SIZES`` (about half a second on
+        SmolLM2 at one CPU thread): on the cache as it is when ``in_place`` (a request's
+        prefilled context), on a dummy prefix of the bucket's length otherwise."""
+        from lookupdec.budget import SEED_SIZES, cost_key, load_cached_cost
+
+        bucket = self._cost_bucket(context_tokens)
         if bucket not in self._costs:
+            limit = self.target.max_context or 1 << 20
             key = cost_key(self.target.config.to_dict(), self.target.device, self.target.dtype, bucket)
             cost = load_cached_cost(key)
-            self.cost_origin[bucket] = "cached" if cost else "measured"
-            if cost is None:
-                timer = self.target.chain_forward_timer(prefix_len=bucket)
+            if cost is not None:
+                self.cost_origin[bucket] = "cached"
+            elif self._costs:
+                near = min(self._costs, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
+                cost = self._costs[near].copy()
+                self.cost_origin[bucket] = f"bucket {near}"
+            else:
+                self.cost_origin[bucket] = "measured"
+                in_place = in_place and self.target.n_cached > 0
+                for n in SEED_SIZES:  # kernel choices made before the timing (model/head.py)
+                    self.target.prepare(n)
+                timer = self.target.chain_forward_timer(prefix_len=None if in_place else bucket)
                 try:
-                    cost = CostModel.measure(timer, max_tokens=min(MAX_MEASURED_TOKENS, limit - bucket))
+                    room = limit - (self.target.n_cached if in_place else bucket)
+                    cost = CostModel.measure(timer, max_tokens=min(max(SEED_SIZES), room), sizes=SEED_SIZES, repeats=1)
                 finally:
-                    self.target.reset()
-                store_cached_cost(key, cost)
+                    if not in_place:
+                        self.target.reset()
             self._costs[bucket] = cost
         return self._costs[bucket]
+
+    def _store_cost(self, bucket: int) -> None:
+        """Write a bucket's learnt curve to the cost cache (at most every ``COST_STORE_SECONDS``)."""
+        from lookupdec.budget import cost_key, store_cached_cost
+
+        now = time.monotonic()
+        if now - self._cost_stored.get(bucket, -1e9) < COST_STORE_SECONDS:
+            return
+        self._cost_stored[bucket] = now
+        key = cost_key(self.target.config.to_dict(), self.target.device, self.target.dtype, bucket)
+        store_cached_cost(key, self._costs[bucket])
 
     def _room(self, context) -> int:
         """How many more positions fit in the model's context (a large number if unbounded)."""
@@ -347,6 +422,8 @@ class Engine:
         timer.total += time.perf_counter() - t0
         timer.nodes += step.tree.num_draft_nodes
         timer.steps += 1
+        timer.predicted += step.predicted
+        timer.accepted += len(step.accepted)
 
     @staticmethod
     def _finish_stats(stats, timer, elapsed, n_tokens) -> None:
@@ -354,7 +431,9 @@ class Engine:
         if stats.steps:
             stats.mean_accepted = n_tokens / stats.steps
             stats.mean_tree_nodes = timer.nodes / stats.steps
+            stats.predicted_accepted = timer.predicted / stats.steps
+            stats.realised_accepted = timer.accepted / stats.steps
             stats.draft_us = timer.draft / stats.steps * 1e6
-            stats.overhead_us = (timer.total - timer.forward) / stats.steps * 1e6
+            stats.overhead_us = timer.overhead_s() * 1e6
             stats.forward_ms = timer.forward / stats.steps * 1e3
         stats.tokens_per_s = n_tokens / elapsed if elapsed > 0 else 0.0

@@ -26,6 +26,9 @@ class Mixture:
         self.config = config or DraftConfig()
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.draft_steps = 0  # steps on which the draft model ran (the engine resets it per request)
+        # sources that learn from the target's own top tokens (token recycling): the engine
+        # hands them ``observe_successors`` after each verify forward
+        self.successor_sinks = [p for p in self.lookups if getattr(p, "wants_successors", False)]
 
     @property
     def proposers(self) -> list:
@@ -60,6 +63,11 @@ class Mixture:
     def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
         for p in self.proposers:
             p.observe(request_id, new_ids)
+
+    def observe_successors(self, entries) -> None:
+        """``(previous token, token, target's top tokens after them)`` per visited tree node."""
+        for p in self.successor_sinks:
+            p.observe_successors(entries)
 
     def stop(self, request_id: str) -> None:
         for p in self.proposers:

@@ -34,6 +34,8 @@ class RecordResult:
     accepted_by_source: dict = field(default_factory=dict)
     nodes_per_step: list = field(default_factory=list)  # draft nodes verified at each step
     modeled_seconds: float = 0.0  # sum over steps of t(1 + nodes) when a cost model is given
+    predicted: float = 0.0  # summed over steps: accepted draft tokens the calibrated trees promised
+    accepted: int = 0  # summed over steps: draft tokens accepted
 
     @property
     def mat(self) -> float:
@@ -111,6 +113,8 @@ def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequ
             if cost is not None:
                 result.modeled_seconds += cost(1 + step.tree.num_draft_nodes)
             step.count_sources(result.accepted_by_source)
+            result.predicted += step.predicted
+            result.accepted += len(step.accepted)
             context.extend(step.new_tokens)
             result.steps += 1
             result.tree_nodes += step.tree.num_draft_nodes
@@ -181,6 +185,9 @@ def summarize(results: list[RecordResult], draft_seconds: list, **settings) -> d
         "steps": steps,
         "mat": tokens / steps if steps else 0.0,
         "mean_tree_nodes": sum(r.tree_nodes for r in results) / steps if steps else 0.0,
+        # calibration: accepted draft tokens per step the trees promised, and those accepted
+        "predicted_accepted": sum(r.predicted for r in results) / steps if steps else 0.0,
+        "realised_accepted": sum(r.accepted for r in results) / steps if steps else 0.0,
         "draft_us_p50": float(np.percentile(us, 50)),
         "draft_us_p99": float(np.percentile(us, 99)),
         "accepted_share_by_source": {s: n / accepted for s, n in by_source.items()} if accepted else {},

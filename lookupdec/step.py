@@ -30,6 +30,10 @@ from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget, choos
 from lookupdec.mixture import Mixture
 from lookupdec.tree import Draft, TokenTree
 
+SCALE_PRIOR = 2.0  # accepted draft tokens behind the initial correction of 1
+SCALE_DECAY = 0.95  # per verified tree
+SCALE_MIN, SCALE_MAX = 0.2, 1.5
+
 
 @dataclass
 class Verdict:
@@ -47,6 +51,13 @@ class StepResult:
     new_tokens: list[int]
     propose_s: float  # proposers' time
     tree_s: float  # merge + choose + prune
+    scale: float = 1.0  # the step's correction of the tree's expected gains (``StepCore.scale``)
+
+    @property
+    def predicted(self) -> float:
+        """Accepted draft tokens the tree promised the chooser (sum of the nodes' calibrated
+        probabilities of being reached, times ``scale``), to set against ``len(accepted)``."""
+        return sum(self.tree.expected[1:]) * self.scale
 
     def count_sources(self, accepted_by_source: dict, nodes_by_source: dict | None = None) -> None:
         """Add this step's accepted (and verified) draft nodes per source to the dicts."""
@@ -69,6 +80,8 @@ class StepCore:
         self.calibrator = calibrator  # None: scores as proposed, nothing learnt
         self.draft_budget = draft_budget or DraftBudget()  # nodes asked when a cost model chooses
         self.chain_only = chain_only  # verify only the best chain (a model without tree masks)
+        # decayed sums of the accepted draft tokens trees promised and those accepted (whole steps)
+        self._promised = self._accepted = SCALE_PRIOR
 
     def start(self, request_id: str, prompt_ids: Sequence[int], params=None, seed=None) -> None:
         self.mixture.start(request_id, prompt_ids, params, seed)
@@ -91,8 +104,23 @@ class StepCore:
         self.mixture.observe(request_id, judged.new_tokens)
         if self.calibrator is not None:
             self.calibrator.learn(drafts, judged.new_tokens, tree, judged.accepted)
+        scale = self.scale
+        if tree.num_draft_nodes:
+            self._promised = SCALE_DECAY * self._promised + sum(tree.expected[1:])
+            self._accepted = SCALE_DECAY * self._accepted + len(judged.accepted)
+        else:  # nothing verified, nothing learnt: drift back towards 1, or a low scale would stick
+            self._promised = SCALE_DECAY * self._promised + (1 - SCALE_DECAY) * SCALE_PRIOR
+            self._accepted = SCALE_DECAY * self._accepted + (1 - SCALE_DECAY) * SCALE_PRIOR
         return StepResult(tree, drafts, judged.accepted[: len(judged.new_tokens)], judged.new_tokens,
-                          propose_s=t1 - t0, tree_s=t2 - t1)
+                          propose_s=t1 - t0, tree_s=t2 - t1, scale=scale)
+
+    @property
+    def scale(self) -> float:
+        """What the chooser multiplies the tree's expected gains by: accepted over promised on
+        recent verified trees (decayed, in ``[SCALE_MIN, SCALE_MAX]``). The cells calibrate each
+        node alone; this corrects what they miss together (sources that disagree at a position
+        are each right less often than their own record says)."""
+        return min(SCALE_MAX, max(SCALE_MIN, self._accepted / self._promised))
 
     def build_tree(self, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
                    cost: CostModel | None, overhead_s: float) -> TokenTree:
@@ -103,6 +131,8 @@ class StepCore:
         if self.chain_only:
             tree = tree.best_chain()
         if cost is not None and tree.num_draft_nodes:
-            tree = tree.prune(choose_num_nodes(tree.expected_in_prune_order(), cost, overhead_s, max_nodes))
+            scale = self.scale
+            gains = [e * scale for e in tree.expected_in_prune_order()]
+            tree = tree.prune(choose_num_nodes(gains, cost, overhead_s, max_nodes))
             self.draft_budget.observe(tree.num_draft_nodes)
         return tree

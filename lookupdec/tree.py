@@ -144,9 +144,13 @@ class Draft:
 
 DEPTH_BUCKETS = (1, 2, 3, 5, 9, 17)  # node depths are calibrated in these buckets
 SIBLING_RANKS = 3  # sibling rank (by score within a draft) is calibrated as 0, 1, 2 or more
-CELLS_PER_ROW = len(DEPTH_BUCKETS) * SIBLING_RANKS
+COND_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.95)  # and the proposer's own conditional probability
+CELLS_PER_ROW = len(DEPTH_BUCKETS) * SIBLING_RANKS * len(COND_BUCKETS)
+# each cell's midpoint of its conditional probability bucket, [CELLS_PER_ROW]
+COND_MIDS = np.tile(np.diff(np.append(COND_BUCKETS, 1.0)) / 2 + np.array(COND_BUCKETS), len(DEPTH_BUCKETS) * SIBLING_RANKS)
 if _core is not None and (tuple(getattr(_core, "DEPTH_BUCKETS", ())) != DEPTH_BUCKETS
-                          or getattr(_core, "SIBLING_RANKS", None) != SIBLING_RANKS):
+                          or getattr(_core, "SIBLING_RANKS", None) != SIBLING_RANKS
+                          or tuple(getattr(_core, "COND_BUCKETS", ())) != COND_BUCKETS):
     raise ImportError("lookupdec.automaton._core was built from other sources (calibration buckets differ, or no "
                       "tree merge): rebuild it with `pip install -e .`")
 
@@ -158,6 +162,59 @@ def depth_bucket(depth: int) -> int:
     [0, 1, 2, 2, 3, 3, 4, 5]
     """
     return bisect.bisect_right(DEPTH_BUCKETS, depth) - 1
+
+
+def draft_cells(draft: Draft) -> tuple[list[int], list[int], list[float]]:
+    """Per draft node: its depth, its calibration cell within a row (``Calibration``: depth
+    bucket, sibling rank, bucket of its conditional probability) and that conditional probability
+    ``score / parent score``.
+
+    >>> draft_cells(Draft((1, 2), (-1, 0), (.8, .2), "t"))
+    ([1, 2], [3, 16], [0.8, 0.25])
+    """
+    depth, rank = draft_features(draft)
+    scores, parents = draft.scores, draft.parents
+    conds, cells = [], []
+    for i, p in enumerate(parents):
+        parent_score = scores[p] if p >= 0 else 1.0
+        cond = scores[i] / parent_score if parent_score > 0 else 0.0
+        conds.append(cond)
+        cells.append((depth_bucket(depth[i]) * SIBLING_RANKS + min(rank[i], SIBLING_RANKS - 1)) * len(COND_BUCKETS)
+                     + bisect.bisect_right(COND_BUCKETS, cond) - 1)
+    return depth, cells, conds
+
+
+def observe_draft(draft: Draft, committed: Sequence[int], reached: np.ndarray, predicted: np.ndarray,
+                  matched: np.ndarray) -> None:
+    """``observe_draft_reference``'s counts, made by the compiled core in one call."""
+    if _core is None:
+        return observe_draft_reference(draft, committed, reached, predicted, matched)
+    tokens, parents, scores = draft.packed()
+    _core.observe_draft(tokens, parents, scores, committed if type(committed) is list else list(committed),
+                        reached, predicted, matched)
+
+
+def observe_draft_reference(draft: Draft, committed: Sequence[int], reached: np.ndarray, predicted: np.ndarray,
+                            matched: np.ndarray) -> None:
+    """One draft against the step's ``committed`` tokens, into a calibration row's arrays
+    ([CELLS_PER_ROW] each; ``budget.AcceptanceCalibrator.learn``): every node whose parent path
+    matches the committed tokens was *reached* (+1 in ``reached`` at its cell, its conditional
+    probability in ``predicted``), accepted (+1 in ``matched``) if its own token is the next
+    committed one."""
+    depth, cells, conds = draft_cells(draft)
+    parents, tokens = draft.parents, draft.token_ids
+    known = len(committed)
+    hit = [False] * len(tokens)
+    for i, p in enumerate(parents):
+        d = depth[i]
+        if d > known or (p >= 0 and not hit[p]):
+            continue
+        cell = cells[i]
+        reached[cell] += 1.0
+        predicted[cell] += conds[i]
+        if tokens[i] == committed[d - 1]:
+            matched[cell] += 1.0
+            hit[i] = True
 
 
 def draft_features(draft: Draft) -> tuple[list[int], list[int]]:
@@ -190,14 +247,26 @@ class Calibration:
     (``budget.AcceptanceCalibrator.calibration`` builds it from verified steps).
 
     ``rows`` maps ``(source, match bucket)`` to a row of ``table`` ``[rows, CELLS_PER_ROW]``; a
-    node's cell in the row is ``depth_bucket(depth) * SIBLING_RANKS + min(rank, SIBLING_RANKS - 1)``.
-    A draft without a row takes ``fallback[source]`` (1.0 when absent) for every node.
+    node's cell in the row is its (depth bucket, sibling rank, conditional probability bucket)
+    (``draft_cells``).
+    A draft without a row takes ``fallback[source]`` (1.0 when absent) for every node. With
+    ``probabilities``, ``table`` holds each cell's acceptance probability itself: the node's
+    factor is that over its own conditional probability.
     """
 
-    def __init__(self, rows: dict | None = None, table=None, fallback: dict | None = None) -> None:
+    def __init__(self, rows: dict | None = None, table=None, fallback: dict | None = None,
+                 row_factors=None, probabilities: bool = False) -> None:
+        self.probabilities = probabilities  # table holds each cell's acceptance probability, not a factor
         self.rows = rows or {}
         self.table = np.ones((0, CELLS_PER_ROW)) if table is None else np.asarray(table, dtype=np.float64)
         self.fallback = fallback or {}
+        # one factor per row (for a whole draft, e.g. the mixture's draft-model decision); default:
+        # the row's rank-0, depth-1 cell
+        self.row_factors = self.table[:, 0] if row_factors is None else np.asarray(row_factors)
+
+    def row_factor(self, draft: Draft) -> float:
+        row = self.row(draft)
+        return float(self.row_factors[row]) if row >= 0 else self.fallback.get(draft.source, 1.0)
 
     @classmethod
     def from_factors(cls, factors: dict) -> "Calibration":
@@ -227,10 +296,11 @@ class Calibration:
         row = self.row(draft)
         if row < 0:
             return [self.fallback.get(draft.source, 1.0)] * len(draft.token_ids), [-1] * len(draft.token_ids)
-        depth, rank = draft_features(draft)
-        cells = [row * CELLS_PER_ROW + depth_bucket(d) * SIBLING_RANKS + min(r, SIBLING_RANKS - 1)
-                 for d, r in zip(depth, rank)]
+        _, cells, conds = draft_cells(draft)
+        cells = [row * CELLS_PER_ROW + c for c in cells]
         flat = self.table.reshape(-1)
+        if self.probabilities:  # the factor that turns the node's own probability into its cell's
+            return [float(flat[c]) / cond if cond > 0 else 0.0 for c, cond in zip(cells, conds)], cells
         return [float(flat[c]) for c in cells], cells
 
 
@@ -353,13 +423,14 @@ class TokenTree:
             calibration = Calibration.from_factors(calibration)
         packed = [d.packed() for d in drafts]
         if calibration is None:
-            rows, fallback, table = [-1] * len(drafts), [1.0] * len(drafts), b""
+            rows, fallback, table, probabilities = [-1] * len(drafts), [1.0] * len(drafts), b"", False
         else:
             rows = [calibration.row(d) for d in drafts]
             fallback = [calibration.fallback.get(d.source, 1.0) if r < 0 else 1.0 for d, r in zip(drafts, rows)]
-            table = calibration.packed_table()
+            table, probabilities = calibration.packed_table(), calibration.probabilities
         core, node_of = _core.merge_drafts(root_token, packed, rows, fallback, bytes([d.samples is None for d in drafts]),
-                                           table, [d.source for d in drafts] + [""], max_nodes, max_depth)
+                                           table, probabilities, [d.source for d in drafts] + [""], max_nodes,
+                                           max_depth)
         samples = {}
         if any(d.samples for d in drafts):
             node_of = np.frombuffer(node_of, np.int32)

@@ -58,12 +58,12 @@ def test_defaults_are_valid_and_edges_accepted():
     EngineConfig(max_nodes=0)  # no drafts at all
     DraftConfig(threshold=0.0), DraftConfig(threshold=1.0)
     SuffixConfig(global_capacity=0, global_min_match=0)
-    assert EngineConfig().proposers == ("ngram", "suffix") and EngineConfig().budget == "auto"
+    assert EngineConfig().proposers == ("ngram", "suffix", "recycle") and EngineConfig().budget == "auto"
 
 
 def test_with_index_adds_retrieval_once(tmp_path):
     config = EngineConfig().with_index(tmp_path)
-    assert config.proposers == ("ngram", "suffix", "retrieval") and config.retrieval.index == str(tmp_path)
+    assert config.proposers == ("ngram", "suffix", "recycle", "retrieval") and config.retrieval.index == str(tmp_path)
     again = config.with_index(tmp_path / "other")
     assert again.proposers == config.proposers and again.retrieval.index == str(tmp_path / "other")
     assert EngineConfig().retrieval.index is None  # the original is unchanged

@@ -1,6 +1,7 @@
-"""The verify-cost curve: measured once per model architecture, device, dtype and context bucket
-within the start-up budget, cached in a small file, reused by later engines, and robust to a
-broken or unwritable cache."""
+"""The verify-cost curve: seeded by one forward per ``SEED_SIZES`` (or from the cache, or from
+another bucket), learnt from every verify forward, cached per model architecture, device, dtype
+and context bucket in a small bounded versioned file, and robust to a broken or unwritable
+cache."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ import pytest
 from conftest import cached_tiny
 from helpers import FakeTokenizer
 from lookupdec import Engine, EngineConfig
-from lookupdec.budget import CALIBRATION_SECONDS, CostModel, cost_cache_path
+from lookupdec.budget import (COST_CACHE_VERSION, MAX_CACHED_CURVES, SEED_SIZES, CostModel, cost_cache_path,
+                              load_cached_cost, store_cached_cost)
 
 
 @pytest.fixture
@@ -21,25 +23,45 @@ def cache_file(tmp_path, monkeypatch):
     return path
 
 
-def test_measured_once_then_cached(cache_file):
+def count_forwards(engine):
+    """Wrap the target's verify forward with a counter."""
+    calls = []
+    verify = engine.target.verify
+    engine.target.verify = lambda tree: (calls.append(len(tree)), verify(tree))[1]
+    return calls
+
+
+def test_seeded_by_a_few_forwards_learnt_online_then_cached(cache_file):
     model = cached_tiny("qwen2")
     engine = Engine(model, FakeTokenizer(), EngineConfig())
-    t = time.perf_counter()
-    cost = engine.cost_model(40)
-    assert time.perf_counter() - t < CALIBRATION_SECONDS + 1.0
+    calls = count_forwards(engine)
+    gen = engine.generate([5, 6, 7, 5, 6, 7, 5, 6], max_new_tokens=20)
     assert engine.cost_origin == {64: "measured"}
-    assert cost.sizes[0] == 1 and cost.sizes[-1] <= 256 and cost(256) >= cost(1) > 0
-    assert all(a <= b for a, b in zip(cost.seconds, cost.seconds[1:]))  # monotone
+    seed = [n for n in calls[: len(SEED_SIZES)]]
+    assert seed == list(SEED_SIZES)  # no start-up tax beyond one forward per seed size
+    assert len(calls) == len(SEED_SIZES) + gen.stats.steps  # then only the request's own verify forwards
+    cost = engine.cost_model(40)
+    assert sum(cost.counts) == len(SEED_SIZES) + gen.stats.steps  # every verify forward was learnt from
     doc = json.loads(cache_file.read_text())
     (key, entry), = doc["curves"].items()
-    assert "qwen2-" in key and "|ctx64|" in key and entry["sizes"] == cost.sizes
+    assert doc["version"] == COST_CACHE_VERSION and "qwen2-" in key and "|ctx64|" in key
+    assert entry["sizes"] == cost.sizes and entry["counts"] == cost.counts
     again = Engine(model, FakeTokenizer(), EngineConfig())
-    assert again.cost_model(40).seconds == cost.seconds and again.cost_origin == {64: "cached"}
-    again.cost_model(200)  # another context bucket: measured and added (capped at half the context)
-    assert again.cost_origin[256] == "measured" and len(json.loads(cache_file.read_text())["curves"]) == 2
+    calls = count_forwards(again)
+    assert again.cost_model(40).seconds == pytest.approx(cost.seconds) and again.cost_origin == {64: "cached"}
+    again.cost_model(200)  # another context bucket: seeded from the nearest known one, no forward
+    assert again.cost_origin[256] == "bucket 64" and calls == []
     other = Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig())  # another architecture
     other.cost_model(40)
     assert other.cost_origin == {64: "measured"}
+
+
+def test_the_cache_keeps_the_latest_curves(cache_file):
+    for i in range(MAX_CACHED_CURVES + 5):
+        store_cached_cost(f"key{i}", CostModel([1, 4], [1.0, 1.5 + i]))
+    curves = json.loads(cache_file.read_text())["curves"]
+    assert len(curves) == MAX_CACHED_CURVES and "key0" not in curves and f"key{MAX_CACHED_CURVES + 4}" in curves
+    assert load_cached_cost(f"key{MAX_CACHED_CURVES + 4}").seconds == [1.0, 1.5 + MAX_CACHED_CURVES + 4]
 
 
 def test_generation_uses_the_curve_without_disturbing_the_output(cache_file):
@@ -52,7 +74,8 @@ def test_generation_uses_the_curve_without_disturbing_the_output(cache_file):
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 99, "curves": {}}),
-                                     json.dumps({"version": 1, "curves": {"x": {"sizes": "bad"}}})])
+                                     json.dumps({"version": 1, "curves": {}}),
+                                     json.dumps({"version": COST_CACHE_VERSION, "curves": {"x": {"sizes": "bad"}}})])
 def test_a_broken_cache_is_remeasured(cache_file, content):
     cache_file.write_text(content)
     engine = Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig())
@@ -66,5 +89,5 @@ def test_cache_can_be_switched_off_or_unwritable(tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("LOOKUPDEC_COST_CACHE", str(blocker / "sub" / "costs.json"))  # parent is a file
-    Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig()).cost_model(10)
+    Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig()).generate([5, 6, 7], max_new_tokens=4)
     assert "could not write the cost cache" in caplog.text

@@ -7,7 +7,6 @@ their references, on many random inputs:
   certain-step bookkeeping, over random streams with separators, request and global automata;
 - greedy ``accept`` (argmax of the visited rows) vs ``accept_reference`` (every row's argmax),
   ties and NaN included;
-- ``budget.choose_num_nodes`` vs ``choose_num_nodes_reference`` (ties, NaN, flat costs);
 - ``model.tree_inputs`` vs ``tree_inputs_reference`` (ids, positions, additive 4D masks);
 - the engine's ``SlotCache`` vs transformers' ``DynamicCache`` through random forwards and
   KV commits (the model-level check is ``test_model_kv.py``).
@@ -21,7 +20,6 @@ import pytest
 import torch
 
 from lookupdec.automaton import compiled_available
-from lookupdec.budget import CostModel, choose_num_nodes, choose_num_nodes_reference
 from lookupdec.config import NgramConfig, SuffixConfig
 from lookupdec.model import commit_accepted, crop_cache, new_cache, tree_inputs, tree_inputs_reference
 from lookupdec.proposers.ngram import NgramProposer
@@ -199,23 +197,3 @@ def test_slot_cache_commit_equals_the_dynamic_cache(seed):
         assert fast.get_seq_length() == ref.get_seq_length() == n_cached
         for a, b in zip(fast.layers, ref.layers):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-
-
-@pytest.mark.parametrize("seed", range(200))
-def test_choose_num_nodes_equals_the_reference(seed):
-    rng = random.Random(seed)
-    count = rng.randint(0, 80)
-    values = sorted((rng.choice((0.0, 0.5, 1.0)) if rng.random() < 0.3 else rng.random() for _ in range(count)),
-                    reverse=True)
-    if values and rng.random() < 0.1:
-        values[rng.randrange(len(values))] = float("nan")
-    if rng.random() < 0.2:
-        cost = CostModel.flat()
-    else:
-        sizes = sorted(rng.sample(range(1, 300), rng.randint(1, 8)))
-        cost = CostModel(sizes, sorted(rng.choice((1.0, 2.0)) if rng.random() < 0.3 else rng.uniform(0.5, 5)
-                                       for _ in sizes))
-    overhead = rng.choice((0.0, 1e-4, 0.5))
-    for max_nodes in (rng.randint(-3, count + 3), 0, count, 64):
-        assert choose_num_nodes(values, cost, overhead, max_nodes) == \
-            choose_num_nodes_reference(values, cost, overhead, max_nodes)

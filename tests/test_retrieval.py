@@ -111,7 +111,7 @@ def test_config_needs_an_index_for_retrieval():
     with pytest.raises(ValueError, match="'retrieval' needs retrieval.index"):
         EngineConfig(proposers=("ngram", "retrieval"))
     cfg = EngineConfig().with_index("somewhere")
-    assert cfg.proposers == ("ngram", "suffix", "retrieval") and cfg.retrieval.index == "somewhere"
+    assert cfg.proposers == ("ngram", "suffix", "recycle", "retrieval") and cfg.retrieval.index == "somewhere"
     with pytest.raises(ValueError, match="top_k=0"):
         RetrievalConfig(top_k=0)
 

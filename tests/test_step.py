@@ -17,7 +17,8 @@ PROMPTS = [
     "Lily said: the cat sat on the mat. the dog sat on the log. the cat sat on the mat. the dog",
 ]
 MAX_NEW_TOKENS = 60
-CONFIG = EngineConfig(budget="fixed", verify="tree", max_nodes=24, max_depth=12)
+# token recycling drafts from the target's logits, which a replay has not: left out of both
+CONFIG = EngineConfig(budget="fixed", verify="tree", max_nodes=24, max_depth=12, proposers=("ngram", "suffix"))
 
 
 @pytest.fixture

@@ -30,6 +30,8 @@ def random_draft(rng: random.Random, vocab: int, source: str) -> Draft:
         scores = [rng.choice(TIED) for _ in range(size)]
     else:
         scores = [rng.uniform(0.0, 1.0) for _ in range(size)]
+    if size and rng.random() < 0.05:  # out of contract, still merged as the reference merges it
+        scores[rng.randrange(size)] = rng.choice((-0.5, 1.5))
     samples = None
     if source == "draft" and size:
         samples = {at: (f"q{at}", [rng.randrange(vocab)]) for at in rng.sample(range(-1, size), rng.randint(1, 2))}
@@ -51,7 +53,8 @@ def random_calibration(rng: random.Random, drafts: list[Draft]):
     table = np.array([[rng.choice((0.0, 0.5, 1.0, 1.5)) if rng.random() < 0.3 else rng.uniform(0.0, 1.5)
                        for _ in range(CELLS_PER_ROW)] for _ in keys]).reshape(-1, CELLS_PER_ROW)
     fallback = {s: rng.uniform(0.0, 1.5) for s in SOURCES if rng.random() < 0.5}
-    return Calibration({k: i for i, k in enumerate(keys)}, table, fallback)
+    # probabilities: the table holds each cell's acceptance probability (factor = value / cond)
+    return Calibration({k: i for i, k in enumerate(keys)}, table, fallback, probabilities=rng.random() < 0.5)
 
 
 def random_case(seed: int):
@@ -161,3 +164,28 @@ def test_bad_drafts_are_rejected_by_the_core():
                           samples=None)
     with pytest.raises(ValueError, match="parents"):
         TokenTree.from_drafts(0, [draft], max_nodes=4, max_depth=4)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_observe_draft_matches_the_reference(seed):
+    """The calibrator's count of a draft's reached nodes (compiled) vs its Python loop: the same
+    cells get the same sums, bit for bit (the same additions in the same order)."""
+    from lookupdec.tree import observe_draft, observe_draft_reference
+
+    rng, drafts, _, _ = random_case(seed)
+    for draft in drafts:
+        committed = [rng.randrange(3) for _ in range(rng.randint(0, 8))]
+        if draft.token_ids and rng.random() < 0.5:  # follow one of the draft's paths for a while
+            node, path = rng.randrange(len(draft.token_ids)), []
+            while node >= 0:
+                path.append(draft.token_ids[node])
+                node = draft.parents[node]
+            committed = path[::-1][: rng.randint(0, len(path))] + committed
+        row = rng.randrange(3)  # rows of a [3, CELLS_PER_ROW] table, as the calibrator passes them
+        tables = [[rng.random() * np.ones((3, CELLS_PER_ROW)) for _ in range(3)] for _ in range(2)]
+        for a, b in zip(*tables):
+            b[:] = a
+        observe_draft(draft, committed, *(t[row] for t in tables[0]))
+        observe_draft_reference(draft, committed, *(t[row] for t in tables[1]))
+        for f, w in zip(*tables):
+            assert f.tolist() == w.tolist()

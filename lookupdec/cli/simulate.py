@@ -53,7 +53,8 @@ def run(args) -> int:
     from lookupdec.simulate import read_jsonl, replay
     from lookupdec.workloads import WORKLOADS
 
-    names = EngineConfig().proposers
+    # token recycling drafts from the target's logits, which a replay has not: not a default here
+    names = tuple(n for n in EngineConfig().proposers if n != "recycle")
     if args.proposers is not None:
         names = tuple(s.strip() for s in args.proposers.split(",") if s.strip())
     if "retrieval" in names and not args.index:

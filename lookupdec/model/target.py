@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from lookupdec.model.cache import commit_accepted, crop_cache, new_cache
+from lookupdec.model.head import fast_head_for, swapped
 from lookupdec.tree import TokenTree
 
 log = logging.getLogger("lookupdec")
@@ -23,10 +24,14 @@ _MASK_FILL: dict = {}  # dtype -> the bytes of its minimum (the additive mask's 
 class TargetModel:
     """A causal LM with a KV cache of the committed prefix, verifying token trees."""
 
-    def __init__(self, model, *, verify: str = "auto") -> None:
+    def __init__(self, model, *, verify: str = "auto", fast_head: bool = True) -> None:
+        """``fast_head``: ``EngineConfig.fast_kernels`` (model/head.py)."""
         self.model = model
+        # the output projection by the fastest product form per row count (CPU float32; model/head.py)
+        self.fast_head = fast_head_for(model) if fast_head else None
         self.config = model.config
         self.device = next(model.parameters()).device
+        self._gqa = fast_head and self.device.type == "cpu"  # K/V heads not copied per query group (model/head.py)
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = _max_context(self.config)
@@ -35,6 +40,7 @@ class TargetModel:
         self._num_layers = getattr(self.config.get_text_config(decoder=True), "num_hidden_layers", None)
         self.cache = None
         self.n_cached = 0
+        self.last_prepare_s = 0.0
         if verify == "auto":
             verify = "tree" if self._probe_tree_mask() else "chain"
             if verify == "chain":
@@ -53,17 +59,28 @@ class TargetModel:
         self.reset()
         if len(token_ids):
             ids = torch.tensor([list(token_ids)], device=self.device)
-            self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            with swapped(self.model, self.fast_head):
+                self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             self.n_cached = len(token_ids)
+
+    def prepare(self, n: int) -> float:
+        """Get ready for forwards of ``n`` tokens (``FastHead.prepare``); the seconds it took."""
+        return self.fast_head.prepare(n) if self.fast_head is not None else 0.0
 
     @torch.inference_mode()
     def verify(self, tree: TokenTree) -> torch.Tensor:
-        """One forward over the tree's nodes. Returns logits [1 + n, vocab] (float32)."""
+        """One forward over the tree's nodes. Returns logits [1 + n, vocab] (float32).
+        ``last_prepare_s``: time it spent in ``prepare`` (not the forward's cost)."""
+        n = len(tree)
+        self.last_prepare_s = self.prepare(n)
+        # A chain gets no custom mask (tree_inputs): the model's own causal mask, and its fastest
+        # attention path, the one plain decoding takes, is exactly the tree mask then.
         ids, positions, mask = tree_inputs(tree, self.n_cached, device=self.device, dtype=self.dtype,
                                            windows=self._windows, tree_mode=self.tree_mode)
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True)
-        self.n_cached += len(tree)
+        with swapped(self.model, self.fast_head, gqa=self._gqa):
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                             past_key_values=self.cache, use_cache=True)
+        self.n_cached += n
         return out.logits[0].float()
 
     @torch.inference_mode()
@@ -76,18 +93,22 @@ class TargetModel:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def chain_forward_timer(self, prefix_len: int):
-        """A function ``f(n)`` running one verify forward of ``n`` chain tokens after a dummy
-        prefix, for measuring the cost curve; call ``reset()`` when done."""
+    def chain_forward_timer(self, prefix_len: int | None = None):
+        """A function ``f(n)`` running one verify forward of ``n`` chain tokens, then cropping the
+        cache back, for measuring the cost curve. ``prefix_len``: after a fresh dummy prefix of
+        that length (call ``reset()`` when done); None: on the cache as it is (a request's own
+        context, left as it was)."""
         vocab = self.vocab_size
-        self.prefill([(7 * i + 3) % vocab for i in range(prefix_len)])
+        if prefix_len is not None:
+            self.prefill([(7 * i + 3) % vocab for i in range(prefix_len)])
+        base = self.n_cached
 
         def forward(n: int) -> None:
             tree = TokenTree(token_ids=[(5 * i + 1) % vocab for i in range(n)], parents=list(range(-1, n - 1)))
             self.verify(tree)
             self.sync()
-            crop_cache(self.cache, prefix_len)  # back to the prefix: every call sees the same context
-            self.n_cached = prefix_len
+            crop_cache(self.cache, base)  # back to the prefix: every call sees the same context
+            self.n_cached = base
 
         return forward
 

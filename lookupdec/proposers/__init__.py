@@ -25,8 +25,13 @@ def build_proposers(config: EngineConfig, *, tokenizer=None) -> list[Proposer]:
                            check_hashes=config.retrieval.check_hashes, decode=tokenizer.decode)
         return RetrievalProposer(index, config.retrieval)
 
+    def recycle():
+        from lookupdec.proposers.recycle import RecycleProposer
+
+        return RecycleProposer(config.recycle)
+
     factories = {"ngram": lambda: NgramProposer(config.ngram), "suffix": lambda: SuffixProposer(config.suffix),
-                 "retrieval": retrieval}
+                 "retrieval": retrieval, "recycle": recycle}
     out = []
     for name in config.proposers:
         if name not in factories:

@@ -142,7 +142,7 @@ nb::list expected_in_prune_order(const CoreTree& t) {
 // Returns (the kept tree as a CoreTree, each draft node's node in it as int32 bytes, -1: none).
 nb::tuple merge_drafts(int32_t root_token, nb::list drafts, const std::vector<int32_t>& rows,
                        const std::vector<double>& fallback, nb::bytes point_mass, nb::bytes table,
-                       nb::list names, int32_t max_nodes, int32_t max_depth) {
+                       bool probabilities, nb::list names, int32_t max_nodes, int32_t max_depth) {
   size_t num_drafts = nb::len(drafts);
   if (rows.size() != num_drafts || fallback.size() != num_drafts || point_mass.size() != num_drafts ||
       nb::len(names) != num_drafts + 1)
@@ -186,6 +186,7 @@ nb::tuple merge_drafts(int32_t root_token, nb::list drafts, const std::vector<in
   in.point_mass = reinterpret_cast<const uint8_t*>(point_mass.c_str());
   in.table = bytes_array<double>(table, &table_size, "table");
   in.table_size = table_size;
+  in.probabilities = probabilities;
   in.max_nodes = max_nodes;
   in.max_depth = max_depth;
   CoreTree tree{lookupdec::merge_drafts(in), names};
@@ -249,6 +250,20 @@ nb::tuple tree_inputs(const std::vector<Token>& token_ids, const std::vector<int
 }
 
 using LogitsIn = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>;
+using CellsOut = nb::ndarray<double, nb::ndim<1>, nb::device::cpu>;
+
+// tree.observe_draft: one draft's reached nodes counted into a calibration row's three arrays.
+void observe_draft(nb::bytes tokens, nb::bytes parents, nb::bytes scores, const std::vector<int64_t>& committed,
+                   CellsOut reached, CellsOut predicted, CellsOut matched) {
+  int64_t n = -1;
+  const int32_t* t = bytes_array<int32_t>(tokens, &n, "tokens");
+  const int32_t* p = bytes_array<int32_t>(parents, &n, "parents");
+  const double* s = bytes_array<double>(scores, &n, "scores");
+  for (const CellsOut* a : {&reached, &predicted, &matched})
+    if (a->shape(0) != static_cast<size_t>(lookupdec::kCellsPerRow) || a->stride(0) != reached.stride(0))
+      throw std::invalid_argument("observe_draft: rows of CELLS_PER_ROW cells, alike");
+  lookupdec::observe_draft(t, p, s, n, committed, reached.data(), predicted.data(), matched.data(), reached.stride(0));
+}
 
 // (accepted nodes, next token, bonus): lookupdec.sampling.accept's greedy walk.
 nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents) {
@@ -287,6 +302,7 @@ NB_MODULE(_core, m) {
   m.attr("CELLS_PER_ROW") = lookupdec::kCellsPerRow;
   m.attr("SIBLING_RANKS") = lookupdec::kSiblingRanks;
   m.attr("DEPTH_BUCKETS") = nb::make_tuple(1, 2, 3, 5, 9, 17);
+  m.attr("COND_BUCKETS") = nb::make_tuple(0.0, 0.25, 0.5, 0.75, 0.95);
   m.def("merge_drafts", &merge_drafts);
   nb::class_<lookupdec::NgramIndex>(m, "NgramIndex")
       .def(nb::init<int32_t, int32_t>())
@@ -298,6 +314,7 @@ NB_MODULE(_core, m) {
   m.def("ancestor_mask", &ancestor_mask);
   m.def("tree_inputs", &tree_inputs<int64_t>);
   m.def("greedy_walk", &greedy_walk);
+  m.def("observe_draft", &observe_draft);
   nb::class_<CoreTree>(m, "Tree")
       .def("__len__", [](const CoreTree& t) { return t.tree.token_ids.size(); })
       .def("token_ids", [](const CoreTree& t) { return int_list(t.tree.token_ids); })

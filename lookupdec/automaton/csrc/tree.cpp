@@ -30,6 +30,19 @@ int32_t depth_bucket(int32_t depth) {  // bisect_right(DEPTH_BUCKETS, depth) - 1
   return b;
 }
 
+int32_t cond_bucket(double cond) {  // bisect_right(COND_BUCKETS, cond) - 1, Python's bisection (NaN: last)
+  int32_t lo = 0, hi = kNumCondBuckets;
+  while (lo < hi) {
+    int32_t mid = (lo + hi) / 2;
+    if (cond < kCondBuckets[mid]) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo - 1;
+}
+
 // (parent node, token) -> node: open addressing, linear probing, sized once per merge.
 class TrieIndex {
  public:
@@ -111,12 +124,18 @@ void node_factors(const MergeInput& in, int64_t d, std::vector<double>* factors,
   depth->resize(n);
   for (int64_t i = 0; i < n; ++i) (*depth)[i] = parents[i] < 0 ? 1 : (*depth)[parents[i]] + 1;
   sibling_ranks(parents, in.scores + begin, n, rank);
+  const double* scores = in.scores + begin;
   for (int64_t i = 0; i < n; ++i) {
-    int64_t cell = static_cast<int64_t>(row) * kCellsPerRow + depth_bucket((*depth)[i]) * kSiblingRanks +
-                   std::min((*rank)[i], kSiblingRanks - 1);
-    if (cell >= in.table_size) throw std::out_of_range("merge_drafts: calibration row outside the table");
+    double parent_score = parents[i] >= 0 ? scores[parents[i]] : 1.0;
+    double cond = parent_score > 0 ? scores[i] / parent_score : 0.0;
+    int64_t cell = static_cast<int64_t>(row) * kCellsPerRow +
+                   (depth_bucket((*depth)[i]) * kSiblingRanks + std::min((*rank)[i], kSiblingRanks - 1)) *
+                       kNumCondBuckets +
+                   cond_bucket(cond);
+    int64_t at = cell < 0 ? cell + in.table_size : cell;  // Python's indexing (a negative score's cell)
+    if (at < 0 || at >= in.table_size) throw std::out_of_range("merge_drafts: calibration cell outside the table");
     (*cells)[i] = static_cast<int32_t>(cell);
-    (*factors)[i] = in.table[cell];
+    (*factors)[i] = !in.probabilities ? in.table[at] : cond > 0 ? in.table[at] / cond : 0.0;
   }
 }
 
@@ -327,6 +346,34 @@ MergedTree prune_prefix(const MergedTree& tree, int32_t max_nodes) {
   }
   for (size_t k = 0; k < take; ++k) out.order.push_back(remap[tree.order[k]]);
   return out;
+}
+
+void observe_draft(const int32_t* tokens, const int32_t* parents, const double* scores, int64_t n,
+                   const std::vector<int64_t>& committed, double* reached, double* predicted, double* matched,
+                   int64_t stride) {
+  std::vector<int32_t> depth(n), rank;
+  for (int64_t i = 0; i < n; ++i) {
+    if (parents[i] < -1 || parents[i] >= i) throw std::invalid_argument("observe_draft: parents[i] must be in [-1, i)");
+    depth[i] = parents[i] < 0 ? 1 : depth[parents[i]] + 1;
+  }
+  sibling_ranks(parents, scores, n, &rank);
+  std::vector<uint8_t> hit(n, 0);
+  int64_t known = static_cast<int64_t>(committed.size());
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t p = parents[i];
+    if (depth[i] > known || (p >= 0 && !hit[p])) continue;
+    double parent_score = p >= 0 ? scores[p] : 1.0;
+    double cond = parent_score > 0 ? scores[i] / parent_score : 0.0;
+    int64_t cell = (depth_bucket(depth[i]) * kSiblingRanks + std::min(rank[i], kSiblingRanks - 1)) * kNumCondBuckets +
+                   cond_bucket(cond);
+    if (cell < 0) cell += kCellsPerRow;  // Python's indexing (a negative score's cell)
+    reached[cell * stride] += 1.0;
+    predicted[cell * stride] += cond;
+    if (tokens[i] == committed[depth[i] - 1]) {
+      matched[cell * stride] += 1.0;
+      hit[i] = 1;
+    }
+  }
 }
 
 void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask) {

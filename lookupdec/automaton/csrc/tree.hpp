@@ -11,11 +11,15 @@
 
 namespace lookupdec {
 
-// Calibration cells: as lookupdec.tree's DEPTH_BUCKETS and SIBLING_RANKS (checked at import).
+// Calibration cells: as lookupdec.tree's DEPTH_BUCKETS, SIBLING_RANKS and COND_BUCKETS (checked
+// at import): a node's cell in its row is (depth bucket, sibling rank, bucket of its own
+// conditional probability), lookupdec.tree.draft_cells.
 constexpr int32_t kDepthBuckets[] = {1, 2, 3, 5, 9, 17};
 constexpr int32_t kNumDepthBuckets = 6;
 constexpr int32_t kSiblingRanks = 3;
-constexpr int32_t kCellsPerRow = kNumDepthBuckets * kSiblingRanks;
+constexpr double kCondBuckets[] = {0.0, 0.25, 0.5, 0.75, 0.95};
+constexpr int32_t kNumCondBuckets = 5;
+constexpr int32_t kCellsPerRow = kNumDepthBuckets * kSiblingRanks * kNumCondBuckets;
 
 struct MergeInput {
   int32_t root_token;
@@ -27,8 +31,9 @@ struct MergeInput {
   const int32_t* rows;       // [num_drafts] calibration row, -1 = none (fallback then)
   const double* fallback;    // [num_drafts] factor of every node of a draft without a row
   const uint8_t* point_mass; // [num_drafts] 1 = a lookup draft (no draft-model samples)
-  const double* table;       // [table_size] calibration factors, row * kCellsPerRow + cell
+  const double* table;       // [table_size] calibration values, row * kCellsPerRow + cell
   int64_t table_size;
+  bool probabilities;        // the table holds acceptance probabilities: factor = value / cond
   int32_t max_nodes;
   int32_t max_depth;
 };
@@ -60,6 +65,14 @@ void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask);
 // ancestors), `fill` (the dtype's minimum, elem_size bytes) elsewhere.
 void additive_tree_mask(const int32_t* parents, int64_t n, int64_t n_cached, size_t elem_size, const uint8_t* fill,
                         uint8_t* mask);
+
+// AcceptanceCalibrator.learn's count of one draft (lookupdec.tree.observe_draft_reference):
+// every node whose parent path matches `committed` was reached, accepted if its own token is
+// the next committed one; reached/predicted/matched ([kCellsPerRow] each, `stride` apart) get
+// 1, its conditional probability and 1 (if accepted) at its cell, in node order.
+void observe_draft(const int32_t* tokens, const int32_t* parents, const double* scores, int64_t n,
+                   const std::vector<int64_t>& committed, double* reached, double* predicted, double* matched,
+                   int64_t stride);
 
 // The index of the largest of x[0:n], numpy's and torch's argmax: the first NaN if there is one,
 // else the first maximum (AVX2 where the CPU has it).

@@ -1,0 +1,98 @@
+"""Token recycling: drafts from the target's own earlier predictions, no second network.
+
+Every verify forward computes the target's logits at each tree node; most of that is thrown
+away. Here the top-``successors`` tokens at every node the acceptance walk visited are kept, keyed
+by the node's token and the token before it (and by the node's token alone as a fallback): "after
+``b`` (preceded by ``a``), the target's likeliest next tokens were ``x, y, z``". Each step the
+draft is grown best-first from the context's last two tokens through that table: a node's score
+is its parent's times a prior for its rank among the successors (``RANK_PRIOR``); the calibrator
+(``budget.AcceptanceCalibrator``, per depth and sibling rank) corrects those priors from what
+the target accepted.
+
+Exact: the table holds tokens from earlier steps (history), never the current step's draws, and
+every draft node is a point mass that acceptance verifies like any lookup's.
+
+The table is the engine's, shared by all requests (a token's likely successors do not depend on
+the request much), and bounded (``RecycleConfig.max_entries``: past it, the pair table starts
+over). Paper: Luo et al., "Turning Trash into Treasure: Accelerating Inference of Large Language
+Models with Token Recycling" (arXiv 2408.08696), which keeps one adjacency row per token.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+from lookupdec.config import RecycleConfig
+from lookupdec.proposers.base import Draft
+
+RANK_PRIOR = (0.45, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.02)  # conditional acceptance by successor rank
+PAIR_MATCH = 2  # Draft.match_length when the root's successors came from the (previous, last) pair
+TOKEN_MATCH = 1  # ... from the last token alone
+
+
+class RecycleProposer:
+    name = "recycle"
+    wants_successors = True  # the engine hands it the target's top tokens (``observe_successors``)
+
+    def __init__(self, config: RecycleConfig | None = None) -> None:
+        self.config = config or RecycleConfig()
+        self.by_pair: dict[tuple[int, int], tuple[int, ...]] = {}  # (previous, token) -> successors, best first
+        self.by_token: dict[int, tuple[int, ...]] = {}  # token -> successors, best first
+
+    # -- lifecycle: the table is not per request --------------------------------------------------
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        pass
+
+    def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
+        pass
+
+    def stop(self, request_id: str) -> None:
+        pass
+
+    def observe_successors(self, entries: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        """``(previous token, token, the target's top tokens after them, best first)`` for every
+        node the acceptance walk visited in a verify forward."""
+        if len(self.by_pair) > self.config.max_entries:
+            self.by_pair.clear()
+        for prev, token, successors in entries:
+            successors = tuple(successors[: self.config.successors])
+            self.by_pair[(prev, token)] = successors
+            self.by_token[token] = successors
+
+    def successors(self, prev: int, token: int) -> tuple[tuple[int, ...], int]:
+        """The recorded successors of ``token`` after ``prev`` and the match length they rest on
+        (``PAIR_MATCH``, ``TOKEN_MATCH``, or 0 with none)."""
+        found = self.by_pair.get((prev, token))
+        if found is not None:
+            return found, PAIR_MATCH
+        found = self.by_token.get(token)
+        return (found, TOKEN_MATCH) if found is not None else ((), 0)
+
+    def propose(self, request_id: str, context: Sequence[int], max_nodes: int) -> list[Draft]:
+        limit = min(max_nodes, self.config.max_nodes)
+        if limit <= 0 or not context:
+            return []
+        root, prev = context[-1], (context[-2] if len(context) > 1 else -1)
+        first, match = self.successors(prev, root)
+        if not first:
+            return []
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        max_depth = self.config.max_depth
+        # heap of (-score, order, parent node, previous token, token, depth)
+        heap = [(-RANK_PRIOR[min(r, len(RANK_PRIOR) - 1)], r, -1, root, t, 1) for r, t in enumerate(first)]
+        heapq.heapify(heap)
+        order = len(heap)
+        while heap and len(tokens) < limit:
+            neg, _, parent, before, token, depth = heapq.heappop(heap)
+            node = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+            scores.append(-neg)
+            if depth < max_depth:
+                for r, t in enumerate(self.successors(before, token)[0]):
+                    heapq.heappush(heap, (neg * RANK_PRIOR[min(r, len(RANK_PRIOR) - 1)], order, node, token, t,
+                                          depth + 1))
+                    order += 1
+        return [Draft(tuple(tokens), tuple(parents), tuple(scores), self.name, match)]
