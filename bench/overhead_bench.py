@@ -12,6 +12,8 @@ the verify forward, in µs per step:
     inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]
     accept   ``sampling.accept`` (greedy) on logits [1+n, 49152] (SmolLM2's vocabulary) whose
              argmax follows the recorded response along the tree: the walk the target makes
+    recycle  the engine's hand-off to the token-recycling proposer: ``engine.top_tokens`` of the
+             visited rows and ``Mixture.observe_successors``
     commit   ``model.commit_accepted`` on a KV cache of SmolLM2-135M's shape (30 layers of
              [1, 3, ctx+1+n, 64] float32 keys and values): the engine's ``SlotCache`` (fast) or
              transformers' ``DynamicCache`` (reference)
@@ -48,6 +50,7 @@ import torch  # noqa: E402
 
 from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes  # noqa: E402
 from lookupdec.config import EngineConfig  # noqa: E402
+from lookupdec.engine import top_tokens, top_tokens_reference  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
 from lookupdec.model import (commit_accepted, load_tokenizer, new_cache, tree_inputs,  # noqa: E402
                              tree_inputs_reference)
@@ -60,7 +63,7 @@ from lookupdec import budget  # noqa: E402
 from lookupdec.tree import TokenTree, observe_draft, observe_draft_reference  # noqa: E402
 from lookupdec.workloads import WORKLOADS  # noqa: E402
 
-PHASES = ("propose", "merge", "choose", "inputs", "accept", "commit", "observe", "learn")
+PHASES = ("propose", "merge", "choose", "inputs", "accept", "recycle", "commit", "observe", "learn")
 MAX_NODES = 64
 MAX_DEPTH = 64
 # SmolLM2-135M-Instruct's shapes: what the KV cache and the logits of a real step hold
@@ -70,6 +73,7 @@ DTYPE = torch.float32
 # 2 threads, 256-token context): t(n) for the chooser
 COST_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 COST_SECONDS = [0.0445, 0.0764, 0.0852, 0.0842, 0.0984, 0.1301, 0.1818, 0.2995, 0.5216]
+RECYCLE_SUCCESSORS = EngineConfig().recycle.successors
 FULL_TREE = 60  # steps with at least this many draft nodes count as "at 64 nodes"
 NODE_BINS = [(0, 0), (1, 15), (16, 31), (32, 47), (48, 59), (60, 63), (64, 64)]
 DEFAULT_RECORDS = "loghub:8,code-edit:3,mtbench:6"  # workload:records (the first of each warms up)
@@ -87,17 +91,18 @@ class Paths:
     accept: Callable  # sampling.accept(tree, logits, params)
     slot_cache: bool  # the engine's SlotCache, else a DynamicCache
     observe_draft: Callable  # the calibrator's per-draft count (tree.observe_draft or its reference)
+    top_tokens: Callable  # engine.top_tokens(logits, rows, k)
 
 
 def reference_paths() -> Paths:
     return Paths("reference", "reference", TokenTree.from_drafts_reference, TokenTree.prune_reference,
                  tree_inputs_reference, accept_reference, slot_cache=False,
-                 observe_draft=observe_draft_reference)
+                 observe_draft=observe_draft_reference, top_tokens=top_tokens_reference)
 
 
 def fast_paths() -> Paths:
     return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, tree_inputs, accept, slot_cache=True,
-                 observe_draft=observe_draft)
+                 observe_draft=observe_draft, top_tokens=top_tokens)
 
 
 @dataclass
@@ -229,6 +234,13 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             new_tokens = ([tree.token_ids[i] for i in result.accepted] + [result.next_token])[: len(rest)]
             accepted = result.accepted[: len(new_tokens)]
             marks.append(_now())
+            if mixture.successor_sinks:  # as Engine._verdict
+                visited = [0, *result.accepted]
+                before = [context[-2] if len(context) > 1 else -1] + [tree.token_ids[tree.parents[u]]
+                                                                     for u in result.accepted]
+                tops = paths.top_tokens(logits, visited, RECYCLE_SUCCESSORS)
+                mixture.observe_successors([(b, tree.token_ids[u], top) for b, u, top in zip(before, visited, tops)])
+            marks.append(_now())
             commit_accepted(cache, n_cached, accepted)
             marks.append(_now())
             mixture.observe(rid, new_tokens)
@@ -242,7 +254,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             steps += 1
             mode.digest.update(repr((tree.token_ids, tree.parents, accepted, chosen)).encode())
             if timed:
-                spans = [(0, 1), (1, 2), (2, 3), (3, 4), (5, 6), (6, 7), (7, 8), (8, 9)]  # 4 -> 5: untimed
+                spans = [(0, 1), (1, 2), (2, 3), (3, 4), (5, 6), (6, 7), (7, 8), (8, 9), (9, 10)]  # 4 -> 5: untimed
                 for phase, (a, b) in zip(PHASES, spans):
                     mode.times[phase].append(marks[b][0] - marks[a][0])
                     mode.cpu_times[phase].append(marks[b][1] - marks[a][1])

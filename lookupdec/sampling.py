@@ -224,6 +224,19 @@ def accept_reference(tree: TokenTree, logits: torch.Tensor, params: SamplingPara
     return _accept(tree, logits, params, context_ids=context_ids, generator=generator, all_rows=True)
 
 
+def top_tokens_compiled(logits: torch.Tensor, rows, k: int) -> list[list[int]] | None:
+    """The ``k`` highest-scoring token ids of each of ``rows`` of CPU float32 ``logits`` [n,
+    vocab], best first, as repeated argmax picks them (``engine.top_tokens``: first of equal
+    values, NaN as the largest): one pass per row in the compiled core. None where it does not
+    apply (another device or dtype, no core)."""
+    from lookupdec.tree import _core
+
+    if (_core is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(-1) != 1):
+        return None
+    return _core.top_tokens(logits.detach().numpy(), list(rows), k)
+
+
 def _greedy_rows(logits: torch.Tensor, all_rows: bool):
     """``pick(node)``: the argmax of row ``node`` (the first of equal maxima, as ``torch.argmax``)."""
     if not all_rows and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):

@@ -197,3 +197,22 @@ def test_slot_cache_commit_equals_the_dynamic_cache(seed):
         assert fast.get_seq_length() == ref.get_seq_length() == n_cached
         for a, b in zip(fast.layers, ref.layers):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@needs_core
+@pytest.mark.parametrize("seed", range(100))
+def test_top_tokens_equal_the_reference(seed):
+    """The recycling proposer's successors: compiled top-k vs repeated argmax (ties, NaN, -inf
+    rows with fewer than k finite entries, k above the vocabulary)."""
+    from lookupdec.engine import top_tokens, top_tokens_reference
+
+    rng = random.Random(seed)
+    vocab = rng.choice((1, 3, 10, 300))
+    logits = torch.randint(-2, 3, (6, vocab)).float() if rng.random() < 0.5 else torch.randn(6, vocab)
+    for _ in range(rng.randint(0, 6)):
+        logits[rng.randrange(6), rng.randrange(vocab)] = rng.choice((float("nan"), float("-inf"), float("inf")))
+    if rng.random() < 0.2:
+        logits[rng.randrange(6)] = float("-inf")
+    rows = [rng.randrange(6) for _ in range(rng.randint(0, 6))]
+    k = rng.choice((1, 2, 4, 8, vocab + 2))
+    assert top_tokens(logits, rows, k) == top_tokens_reference(logits, rows, k)

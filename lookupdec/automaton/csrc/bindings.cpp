@@ -252,6 +252,19 @@ nb::tuple tree_inputs(const std::vector<Token>& token_ids, const std::vector<int
 using LogitsIn = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>;
 using CellsOut = nb::ndarray<double, nb::ndim<1>, nb::device::cpu>;
 
+// sampling.top_tokens: the k best token ids of each of `rows`, best first.
+nb::list top_tokens(LogitsIn logits, const std::vector<int64_t>& rows, int32_t k) {
+  if (logits.stride(1) != 1 || logits.shape(1) < 1) throw std::invalid_argument("top_tokens: contiguous rows");
+  nb::list out;
+  std::vector<int32_t> best;
+  for (int64_t r : rows) {
+    if (r < 0 || static_cast<size_t>(r) >= logits.shape(0)) throw std::out_of_range("top_tokens: row out of range");
+    lookupdec::row_topk(logits.data() + r * logits.stride(0), static_cast<int64_t>(logits.shape(1)), k, &best);
+    out.append(int_list(best));
+  }
+  return out;
+}
+
 // tree.observe_draft: one draft's reached nodes counted into a calibration row's three arrays.
 void observe_draft(nb::bytes tokens, nb::bytes parents, nb::bytes scores, const std::vector<int64_t>& committed,
                    CellsOut reached, CellsOut predicted, CellsOut matched) {
@@ -315,6 +328,7 @@ NB_MODULE(_core, m) {
   m.def("tree_inputs", &tree_inputs<int64_t>);
   m.def("greedy_walk", &greedy_walk);
   m.def("observe_draft", &observe_draft);
+  m.def("top_tokens", &top_tokens);
   nb::class_<CoreTree>(m, "Tree")
       .def("__len__", [](const CoreTree& t) { return t.tree.token_ids.size(); })
       .def("token_ids", [](const CoreTree& t) { return int_list(t.tree.token_ids); })

@@ -497,6 +497,73 @@ int64_t row_argmax(const float* x, int64_t n) {
   return argmax_scalar(x, n);
 }
 
+namespace {
+
+// The k best of a row, one entry at a time: NaN indices (first `want`), and the best
+// `want` others above -inf by (value desc, index asc). `floor` is what an entry must beat.
+struct TopK {
+  size_t want;
+  std::vector<int32_t> nans;
+  std::vector<std::pair<float, int32_t>> best;
+  float floor = -std::numeric_limits<float>::infinity();
+
+  void add(float v, int32_t j) {
+    if (v != v) {
+      if (nans.size() < want) nans.push_back(j);
+      return;
+    }
+    if (!(v > floor)) return;
+    auto at = std::upper_bound(best.begin(), best.end(), v,
+                               [](float value, const std::pair<float, int32_t>& e) { return value > e.first; });
+    best.insert(at, {v, j});  // after equal values: the earlier index first
+    if (best.size() > want) best.pop_back();
+    if (best.size() == want) floor = best.back().first;
+  }
+};
+
+#ifdef LOOKUPDEC_X86
+__attribute__((target("avx2"))) void scan_topk_avx2(const float* x, int64_t n, TopK* top) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_loadu_ps(x + j);
+    __m256 floor = _mm256_set1_ps(top->floor);
+    int mask = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, floor, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    while (mask) {
+      int lane = __builtin_ctz(static_cast<unsigned>(mask));
+      top->add(x[j + lane], static_cast<int32_t>(j + lane));
+      mask &= mask - 1;
+    }
+  }
+  for (; j < n; ++j) top->add(x[j], static_cast<int32_t>(j));
+}
+#endif
+
+}  // namespace
+
+void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out) {
+  out->clear();
+  int64_t want = std::min<int64_t>(k, n);
+  if (want <= 0) return;
+  TopK top{static_cast<size_t>(want), {}, {}};
+  top.best.reserve(static_cast<size_t>(want) + 1);
+#ifdef LOOKUPDEC_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) {
+    scan_topk_avx2(x, n, &top);
+  } else {
+    for (int64_t j = 0; j < n; ++j) top.add(x[j], static_cast<int32_t>(j));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) top.add(x[j], static_cast<int32_t>(j));
+#endif
+  for (int32_t j : top.nans) out->push_back(j);  // repeated argmax takes NaNs first
+  for (const auto& e : top.best) {
+    if (static_cast<int64_t>(out->size()) == want) break;
+    out->push_back(e.second);
+  }
+  while (static_cast<int64_t>(out->size()) < want) out->push_back(0);  // then only -inf is left: index 0
+}
+
 std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
                                  const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
                                  int64_t* next_token, bool* bonus) {

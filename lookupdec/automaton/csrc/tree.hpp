@@ -78,6 +78,11 @@ void observe_draft(const int32_t* tokens, const int32_t* parents, const double* 
 // else the first maximum (AVX2 where the CPU has it).
 int64_t row_argmax(const float* x, int64_t n);
 
+// The k largest of x[0:n] as repeated argmax with each pick set to -inf takes them
+// (lookupdec.engine.top_tokens' reference): NaNs first (by index), then values descending (ties
+// by index), entries of -inf never, then index 0 repeated once those run out; min(k, n) picks.
+void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out);
+
 // Greedy acceptance (lookupdec.sampling.accept, greedy without logits processing): from the
 // root, follow the child whose token is the argmax of the node's row of `logits` ([rows,
 // vocab], rows >= nodes, row r at logits + r * row_stride); stop at the first node without
