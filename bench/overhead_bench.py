@@ -23,7 +23,11 @@ the verify forward, in µs per step:
 Two sets of code paths run the same steps, record by record in turn: ``reference`` (the pure
 Python reference of every fast path) and ``fast`` (what the engine runs); every step's tree and
 accepted nodes must be identical between them (checked). The verify forward is replaced by
-the recorded response, so greedy acceptance accepts what the real model would.
+the recorded response, so greedy acceptance accepts what the real model would; the recycling
+proposer's successors come from those synthetic logits (their argmax is the recorded token,
+the rest noise), so its drafts cost what they cost but are rarely right. Each phase is timed
+by the wall clock and by this thread's CPU time (the machine is shared); between steps the
+KV cache gets the forward's writes, so, as in the engine, every phase starts with cold caches.
 
     python bench/overhead_bench.py                       # ~1 minute, writes bench/results/overhead.json
     python bench/overhead_bench.py --workloads loghub --records 2 --out /tmp/o.json

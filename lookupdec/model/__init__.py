@@ -10,8 +10,11 @@ Cache layout during a step: slots ``[0, n_cached)`` hold the committed prefix; t
 forward appends the tree's ``1 + n`` nodes at slots ``n_cached + i`` (node index ``i``), with
 RoPE positions ``n_cached + depth[i]`` and a 4D additive mask letting node ``i`` see the prefix
 and its own ancestors. ``commit`` then moves the accepted nodes' K/V to contiguous slots right
-after the root and drops the rest. Tested against transformers 5.20–5.23, where K/V live in
-``cache.layers[i].keys / .values`` of a ``DynamicCache``.
+after the root and drops the rest. The target's cache is a ``SlotCache`` (``cache.py``): a
+transformers ``DynamicCache`` whose layers are views of one preallocated buffer, appended in
+place, so that the commit is one gather over every layer and a change of lengths; a draft
+model keeps a plain ``DynamicCache``. Tested against transformers 5.20–5.23, where K/V live in
+``cache.layers[i].keys / .values``.
 
 Models whose attention cannot take a custom 4D mask fall back to verifying one chain per step
 with the ordinary causal mask (detected by a probe at start-up, logged once).
