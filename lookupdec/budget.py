@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, Calibration, Draft, TokenTree, draft_cells, match_bucket
+from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, Calibration, Draft, TokenTree, match_bucket, observe_draft
 
 
 log = logging.getLogger("lookupdec")
@@ -309,23 +309,10 @@ class AcceptanceCalibrator:
         self._reached *= HISTORY_DECAY
         self._predicted *= HISTORY_DECAY
         self._matched *= HISTORY_DECAY
-        known = len(committed)
-        for draft in drafts:
+        committed = list(committed)
+        for draft in drafts:  # tree.observe_draft: compiled (tree.observe_draft_reference: the loop)
             row = self._row(draft)
-            reached, predicted, matched = self._reached[row], self._predicted[row], self._matched[row]
-            depth, cells, conds = draft_cells(draft)
-            parents, tokens = draft.parents, draft.token_ids
-            hit = [False] * len(tokens)
-            for i, p in enumerate(parents):
-                d = depth[i]
-                if d > known or (p >= 0 and not hit[p]):
-                    continue
-                cell = cells[i]
-                reached[cell] += 1.0
-                predicted[cell] += conds[i]
-                if tokens[i] == committed[d - 1]:
-                    matched[cell] += 1.0
-                    hit[i] = True
+            observe_draft(draft, committed, self._reached[row], self._predicted[row], self._matched[row])
 
 
 class DraftBudget:

@@ -21,7 +21,7 @@ from lookupdec.config import EngineConfig
 from lookupdec.mixture import Mixture
 from lookupdec.model_files import DEFAULT_MODEL
 from lookupdec.proposers import Proposer, build_proposers
-from lookupdec.sampling import SamplingParams, accept
+from lookupdec.sampling import SamplingParams, accept, top_tokens_compiled
 from lookupdec.step import StepCore, StepResult, Verdict
 from lookupdec.stops import StopStrings, TextAssembler
 from lookupdec.tree import TokenTree
@@ -61,6 +61,14 @@ def top_tokens(logits: torch.Tensor, rows: Sequence[int], k: int) -> list[list[i
     """The ``k`` highest-scoring token ids of each of ``rows`` of ``logits`` [n, vocab], best
     first. On CPU by repeated numpy argmax on a copy of each row (several times faster than
     ``torch.topk`` there for small k); elsewhere one ``topk``."""
+    fast = top_tokens_compiled(logits, rows, k)  # one pass per row in the compiled core (CPU float32)
+    if fast is not None:
+        return fast
+    return top_tokens_reference(logits, rows, k)
+
+
+def top_tokens_reference(logits: torch.Tensor, rows: Sequence[int], k: int) -> list[list[int]]:
+    """``top_tokens`` by repeated argmax (CPU) or ``topk``."""
     if logits.device.type != "cpu":
         return logits[list(rows)].topk(k, dim=-1).indices.tolist()
     out = []

@@ -1,7 +1,15 @@
 """The tree format and its two types: a proposer's ``Draft`` and the step's ``TokenTree``.
 
-The bottom of the package: it imports nothing of lookupdec, and everything that handles trees
-(proposers, acceptance, the model, the step) imports it.
+The bottom of the package: it imports nothing of lookupdec but the compiled core
+(``lookupdec.automaton._core``, same layer), and everything that handles trees (proposers,
+acceptance, the model, the step) imports it.
+
+Fast paths and references. ``TokenTree.from_drafts`` merges in the compiled core
+(``csrc/tree.cpp``) when it is built and falls back to ``from_drafts_reference``, the pure-Python
+definition, otherwise; trees it builds carry their depth and prune order, so ``prune``,
+``expected_in_prune_order`` and ``children`` cost no per-node Python work beyond list copies, and
+``ancestor_mask`` is compiled too. ``tests/test_tree_core.py`` checks every fast path against its
+reference on random drafts (token ids, parents, cells exactly; scores are bit-identical too).
 
 One format (ARCHITECTURE.md, "The tree format"): ``token_ids[i]`` and ``parents[i]`` for every node, and parents
 come before children (``parents[i] < i``). In a ``Draft``, ``parents[i] == -1`` marks a child of
@@ -21,10 +29,17 @@ Worked example::
 from __future__ import annotations
 
 import bisect
+from array import array
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Sequence
 
 import numpy as np
+
+try:
+    from lookupdec.automaton import _core
+except ImportError:  # not built: the references run (lookupdec.automaton warns once when used)
+    _core = None
 
 MATCH_BUCKETS = (0, 1, 2, 3, 5, 9, 17, 33)  # match lengths are calibrated in these buckets
 
@@ -60,9 +75,50 @@ class Draft:
             if not -1 <= p < i:
                 raise ValueError(f"Draft from {self.source!r}: parents[{i}]={p} must be in [-1, {i})")
 
+    @classmethod
+    def _trusted(cls, token_ids: tuple | None, parents: tuple | None, scores: tuple | None, source: str,
+                 match_length: int = 0, packed: tuple | None = None, best: tuple | None = None) -> "Draft":
+        """A draft whose parents are valid by construction (no per-node check). ``packed``: its
+        arrays as bytes (``packed()``); given alone (the three tuples None), the tuples are made
+        from it on first use. ``best``: its ``best_chain()``, when the maker has it."""
+        draft = cls.__new__(cls)
+        fields = draft.__dict__
+        fields.update(source=source, match_length=match_length, samples=None)
+        if token_ids is not None:
+            fields.update(token_ids=token_ids, parents=parents, scores=scores)
+        if packed is not None:
+            fields["_packed"] = packed
+        if best is not None:
+            fields["_best"] = best
+        return draft
+
+    def __getattr__(self, name: str):
+        """``token_ids``, ``parents`` and ``scores`` of a draft made from packed arrays, on first use."""
+        packed = self.__dict__.get("_packed")
+        if name not in ("token_ids", "parents", "scores") or packed is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        tokens, parents, scores = packed
+        self.__dict__.update(token_ids=tuple(np.frombuffer(tokens, np.int32).tolist()),
+                             parents=tuple(np.frombuffer(parents, np.int32).tolist()),
+                             scores=tuple(np.frombuffer(scores, np.float64).tolist()))
+        return self.__dict__[name]
+
+    def packed(self) -> tuple[bytes, bytes, bytes]:
+        """``token_ids`` (int32), ``parents`` (int32) and ``scores`` (float64) as bytes, for the
+        compiled merge (made once per draft)."""
+        packed = self.__dict__.get("_packed")
+        if packed is None:
+            packed = (array("i", self.token_ids).tobytes(), array("i", self.parents).tobytes(),
+                      array("d", self.scores).tobytes())
+            self.__dict__["_packed"] = packed
+        return packed
+
     def best_chain(self) -> tuple[list[int], list[float]]:
         """The path that follows the best-scored child from the root: (tokens, conditional
         probabilities score[i] / score[parent])."""
+        best = self.__dict__.get("_best")
+        if best is not None:  # the compiled suffix drafts compute it with the draft
+            return list(best[0]), list(best[1])
         if self.parents == tuple(range(-1, len(self.parents) - 1)):  # already a chain
             prev = (1.0,) + self.scores[:-1]
             return list(self.token_ids), [s / p if p > 0 else 0.0 for s, p in zip(self.scores, prev)]
@@ -81,7 +137,9 @@ class Draft:
     def chain(cls, token_ids: Sequence[int], scores: Sequence[float], source: str, match_length: int = 0) -> "Draft":
         """A single path: node i is the child of node i-1."""
         n = len(token_ids)
-        return cls(tuple(token_ids), tuple(range(-1, n - 1)), tuple(scores), source, match_length)
+        if len(scores) != n:
+            raise ValueError(f"Draft from {source!r}: token_ids, parents, scores lengths differ")
+        return cls._trusted(tuple(token_ids), tuple(range(-1, n - 1)), tuple(scores), source, match_length)
 
 
 DEPTH_BUCKETS = (1, 2, 3, 5, 9, 17)  # node depths are calibrated in these buckets
@@ -90,6 +148,11 @@ COND_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.95)  # and the proposer's own conditiona
 CELLS_PER_ROW = len(DEPTH_BUCKETS) * SIBLING_RANKS * len(COND_BUCKETS)
 # each cell's midpoint of its conditional probability bucket, [CELLS_PER_ROW]
 COND_MIDS = np.tile(np.diff(np.append(COND_BUCKETS, 1.0)) / 2 + np.array(COND_BUCKETS), len(DEPTH_BUCKETS) * SIBLING_RANKS)
+if _core is not None and (tuple(getattr(_core, "DEPTH_BUCKETS", ())) != DEPTH_BUCKETS
+                          or getattr(_core, "SIBLING_RANKS", None) != SIBLING_RANKS
+                          or tuple(getattr(_core, "COND_BUCKETS", ())) != COND_BUCKETS):
+    raise ImportError("lookupdec.automaton._core was built from other sources (calibration buckets differ, or no "
+                      "tree merge): rebuild it with `pip install -e .`")
 
 
 def depth_bucket(depth: int) -> int:
@@ -119,6 +182,39 @@ def draft_cells(draft: Draft) -> tuple[list[int], list[int], list[float]]:
         cells.append((depth_bucket(depth[i]) * SIBLING_RANKS + min(rank[i], SIBLING_RANKS - 1)) * len(COND_BUCKETS)
                      + bisect.bisect_right(COND_BUCKETS, cond) - 1)
     return depth, cells, conds
+
+
+def observe_draft(draft: Draft, committed: Sequence[int], reached: np.ndarray, predicted: np.ndarray,
+                  matched: np.ndarray) -> None:
+    """``observe_draft_reference``'s counts, made by the compiled core in one call."""
+    if _core is None:
+        return observe_draft_reference(draft, committed, reached, predicted, matched)
+    tokens, parents, scores = draft.packed()
+    _core.observe_draft(tokens, parents, scores, committed if type(committed) is list else list(committed),
+                        reached, predicted, matched)
+
+
+def observe_draft_reference(draft: Draft, committed: Sequence[int], reached: np.ndarray, predicted: np.ndarray,
+                            matched: np.ndarray) -> None:
+    """One draft against the step's ``committed`` tokens, into a calibration row's arrays
+    ([CELLS_PER_ROW] each; ``budget.AcceptanceCalibrator.learn``): every node whose parent path
+    matches the committed tokens was *reached* (+1 in ``reached`` at its cell, its conditional
+    probability in ``predicted``), accepted (+1 in ``matched``) if its own token is the next
+    committed one."""
+    depth, cells, conds = draft_cells(draft)
+    parents, tokens = draft.parents, draft.token_ids
+    known = len(committed)
+    hit = [False] * len(tokens)
+    for i, p in enumerate(parents):
+        d = depth[i]
+        if d > known or (p >= 0 and not hit[p]):
+            continue
+        cell = cells[i]
+        reached[cell] += 1.0
+        predicted[cell] += conds[i]
+        if tokens[i] == committed[d - 1]:
+            matched[cell] += 1.0
+            hit[i] = True
 
 
 def draft_features(draft: Draft) -> tuple[list[int], list[int]]:
@@ -184,6 +280,13 @@ class Calibration:
                 fallback[key] = factor
         return cls(rows, np.array(table).reshape(-1, CELLS_PER_ROW), fallback)
 
+    def packed_table(self) -> bytes:
+        """``table`` as float64 bytes, for the compiled merge (made once)."""
+        packed = getattr(self, "_packed_table", None)
+        if packed is None:
+            packed = self._packed_table = np.ascontiguousarray(self.table, dtype=np.float64).tobytes()
+        return packed
+
     def row(self, draft: Draft) -> int:
         """``draft``'s row, -1 if none (``fallback`` then)."""
         return self.rows.get((draft.source, match_bucket(draft.match_length)), -1)
@@ -242,30 +345,105 @@ class TokenTree:
         if len(self.parents) != n or self.parents[0] != -1:
             raise ValueError("TokenTree: parents must match token_ids and parents[0] must be -1")
         self.depth = [0] * n
-        self.children: list[dict[int, int]] = [{} for _ in range(n)]  # token -> child node
+        self._children: list[dict[int, int]] | None = [{} for _ in range(n)]
+        self._order: list[int] | None = None  # draft nodes in prune order, if known
+        self._parents_first = False  # True: every node's parent comes before it in _order
         for i in range(1, n):
             p = self.parents[i]
             if not 0 <= p < i:
                 raise ValueError(f"TokenTree: parents[{i}]={p} must be in [0, {i})")
-            if self.token_ids[i] in self.children[p]:
+            if self.token_ids[i] in self._children[p]:
                 raise ValueError(f"TokenTree: node {p} has two children with token {self.token_ids[i]}")
-            self.children[p][self.token_ids[i]] = i
+            self._children[p][self.token_ids[i]] = i
             self.depth[i] = self.depth[p] + 1
 
+    @classmethod
+    def _trusted(cls, *, depth: list[int], order: list[int] | None, parents_first: bool, **fields) -> "TokenTree":
+        """A tree whose lists are valid by construction (the compiled merge, a fast prune): no
+        per-node check; ``children`` is built on first use."""
+        tree = cls.__new__(cls)
+        tree.__dict__.update(fields)
+        tree.depth, tree._children, tree._order, tree._parents_first = depth, None, order, parents_first
+        return tree
+
+    @classmethod
+    def _from_core(cls, core, samples: dict) -> "TokenTree":
+        """A tree held by the compiled core (``_core.Tree``): its lists are read on first use
+        (``__getattr__``); pruning and verify inputs work on the core's arrays."""
+        tree = cls.__new__(cls)
+        tree.__dict__.update(samples=samples, _core=core, _children=None, _order=None,
+                             _parents_first=core.parents_first)
+        return tree
+
+    def __getattr__(self, name: str):
+        """A list of a core-held tree (``_from_core``), made on first use."""
+        core = self.__dict__.get("_core")
+        if core is None or name not in _CORE_LISTS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = self.__dict__[name] = getattr(core, name)()
+        return value
+
+    @property
+    def children(self) -> list[dict[int, int]]:
+        """Per node: token -> child node."""
+        if self._children is None and self.__dict__.get("_core") is not None:
+            self._children = self._core.children()
+        if self._children is None:
+            children: list[dict[int, int]] = [{} for _ in self.token_ids]
+            for i, (p, token) in enumerate(zip(self.parents, self.token_ids)):
+                if i:
+                    children[p][token] = i
+            self._children = children
+        return self._children
+
     def __len__(self) -> int:
-        return len(self.token_ids)
+        core = self.__dict__.get("_core")
+        return len(core) if core is not None else len(self.token_ids)
 
     @property
     def is_chain(self) -> bool:
         """One path (the root alone included): its mask is the ordinary causal one."""
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+        return self.depth[-1] == len(self.depth) - 1  # parents[i] < i: only a chain is that deep
 
     @property
     def num_draft_nodes(self) -> int:
-        return len(self.token_ids) - 1
+        return len(self) - 1
 
     @classmethod
     def from_drafts(
+        cls, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
+        calibration: Calibration | dict | None = None,
+    ) -> "TokenTree":
+        """``from_drafts_reference``'s tree, computed by the compiled core when it is built (one
+        call: ``csrc/tree.cpp``). Draft-model ``samples`` are mapped to the kept nodes here."""
+        if _core is None or max_nodes < 0 or max_depth < 0:  # (negative budgets: the reference's behaviour)
+            return cls.from_drafts_reference(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
+                                             calibration=calibration)
+        if isinstance(calibration, dict):
+            calibration = Calibration.from_factors(calibration)
+        packed = [d.packed() for d in drafts]
+        if calibration is None:
+            rows, fallback, table, probabilities = [-1] * len(drafts), [1.0] * len(drafts), b"", False
+        else:
+            rows = [calibration.row(d) for d in drafts]
+            fallback = [calibration.fallback.get(d.source, 1.0) if r < 0 else 1.0 for d, r in zip(drafts, rows)]
+            table, probabilities = calibration.packed_table(), calibration.probabilities
+        core, node_of = _core.merge_drafts(root_token, packed, rows, fallback, bytes([d.samples is None for d in drafts]),
+                                           table, probabilities, [d.source for d in drafts] + [""], max_nodes,
+                                           max_depth)
+        samples = {}
+        if any(d.samples for d in drafts):
+            node_of = np.frombuffer(node_of, np.int32)
+            starts = accumulate((len(p[0]) // 4 for p in packed), initial=0)
+            for draft, start in zip(drafts, starts):
+                for at, (q, drawn) in (draft.samples or {}).items():
+                    node = 0 if at < 0 else int(node_of[start + at])
+                    if node >= 0:
+                        samples[node] = (q, tuple(drawn))
+        return cls._from_core(core, samples)
+
+    @classmethod
+    def from_drafts_reference(
         cls, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
         calibration: Calibration | dict | None = None,
     ) -> "TokenTree":
@@ -352,21 +530,91 @@ class TokenTree:
         return TokenTree._subtree(keep, self.token_ids, self.parents, self.scores, self.sources, self.point_mass,
                                   self.samples, self.expected, self.cells, self.conds)
 
+    def prune_order(self) -> list[int]:
+        """The draft nodes in the order ``prune`` takes them: score descending, then index."""
+        if self._order is None:
+            core = self.__dict__.get("_core")
+            self._order = (core.order() if core is not None else
+                           sorted(range(1, len(self.token_ids)), key=lambda i: (-self.scores[i], i)))
+        return self._order
+
     def expected_in_prune_order(self) -> list[float]:
         """``expected`` of the draft nodes in the order ``prune`` takes them (best score first):
         ``prune(n)`` keeps the first ``n``, which the budget chooser sums."""
-        order = sorted(range(1, len(self.token_ids)), key=lambda i: (-self.scores[i], i))
-        return [self.expected[i] for i in order]
+        core = self.__dict__.get("_core")
+        if core is not None:
+            return core.expected_in_prune_order()
+        expected = self.expected
+        return [expected[i] for i in self.prune_order()]
 
     def prune(self, max_nodes: int) -> "TokenTree":
         """The root and the ``max_nodes`` best nodes (ancestors kept), as a new tree."""
+        if len(self.token_ids) - 1 <= max_nodes:
+            return self
+        if max_nodes < 0 or not self._parents_first:
+            return self.prune_reference(max_nodes)
+        core = self.__dict__.get("_core")
+        if core is not None:  # the core's arrays: no Python lists
+            samples = self.samples
+            if samples:
+                keep = [0, *sorted(self.prune_order()[:max_nodes])]
+                remap = {old: new for new, old in enumerate(keep)}
+                samples = {remap[node]: value for node, value in samples.items() if node in remap}
+            return TokenTree._from_core(core.prune(max_nodes), samples)
+        # every node's parent comes before it in prune order: select_top_nodes takes a prefix
+        taken = self._order[:max(max_nodes, 0)]
+        keep = [0, *sorted(taken)]
+        remap = [-1] * len(self.token_ids)
+        for new, old in enumerate(keep):
+            remap[old] = new
+        parents, depth = self.parents, self.depth
+        samples = {remap[node]: value for node, value in self.samples.items() if remap[node] >= 0}
+        return TokenTree._trusted(
+            token_ids=[self.token_ids[i] for i in keep], parents=[-1] + [remap[parents[i]] for i in keep[1:]],
+            scores=[self.scores[i] for i in keep], sources=[self.sources[i] for i in keep], samples=samples,
+            point_mass=[self.point_mass[i] for i in keep], expected=[self.expected[i] for i in keep],
+            cells=[self.cells[i] for i in keep], conds=[self.conds[i] for i in keep],
+            depth=[depth[i] for i in keep], order=[remap[i] for i in taken], parents_first=True)
+
+    def prune_reference(self, max_nodes: int) -> "TokenTree":
+        """``prune`` by its definition: ``select_top_nodes``, then the subtree."""
         keep = select_top_nodes(self.parents, self.scores, max_nodes)
         if len(keep) == len(self.token_ids):
             return self
         return self._keep(keep)
 
+    def verify_inputs(self, n_cached: int, fill: bytes):
+        """The compiled core's ``(input ids, positions, additive mask)`` for ``model.tree_inputs``
+        as bytearrays (int64 [1+n], int64 [1+n], [1+n, n_cached+1+n] elements of ``fill``'s
+        size; the mask None for a chain), or None without the core."""
+        core = self.__dict__.get("_core")
+        if core is not None:
+            return core.inputs(n_cached, fill)
+        if _core is None:
+            return None
+        return _core.tree_inputs(self.token_ids, self.parents, n_cached, fill)
+
+    def greedy_walk(self, logits: np.ndarray):
+        """The compiled core's greedy acceptance walk over float32 ``logits`` [>= 1+n, vocab]
+        (rows contiguous): ``(accepted nodes, next token, bonus)`` as ``sampling.accept``
+        defines them, or None without the core."""
+        core = self.__dict__.get("_core")
+        if core is not None:
+            return core.greedy_walk(logits)
+        if _core is None:
+            return None
+        return _core.greedy_walk(logits, self.token_ids, self.parents)
+
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""
+        if _core is None:
+            return self.ancestor_mask_reference()
+        n = len(self.token_ids)
+        mask = _core.ancestor_mask(array("i", self.parents).tobytes())
+        return np.frombuffer(mask, np.bool_).reshape(n, n)
+
+    def ancestor_mask_reference(self) -> np.ndarray:
+        """``ancestor_mask`` row by row: a node's row is its parent's plus itself."""
         n = len(self.token_ids)
         mask = np.zeros((n, n), dtype=bool)
         for i in range(n):
@@ -393,6 +641,11 @@ class TokenTree:
         leaf = max(range(n), key=lambda i: (gain[i], -i))
         keep = [0] + self.path_to(leaf)
         return self._keep(keep)
+
+
+# the lists a core-held tree (TokenTree._from_core) makes on first use
+_CORE_LISTS = frozenset(("token_ids", "parents", "scores", "sources", "point_mass", "expected", "cells", "conds",
+                         "depth"))
 
 
 def coherent_scores(parents: Sequence[int], scores: Sequence[float]) -> list[float]:

@@ -153,6 +153,11 @@ class SuffixAutomaton:
 
     def extend(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append tokens to the stream (amortised O(1) per token)."""
+        if type(tokens) is list and self.backend == "compiled":  # a step's few tokens: no numpy
+            try:
+                return self._core.extend_list(tokens)
+            except TypeError:
+                pass  # not int32: _int32_tokens says why
         self._core.extend(_int32_tokens(tokens))
 
     def __len__(self) -> int:
@@ -239,6 +244,28 @@ class SuffixAutomaton:
         window = _int32_tokens(context[max(len(context) - max_match, 0):])
         return _tree_arrays(self._core.propose_tree(window, max_nodes, max_depth, min_match,
                                                     min_count))
+
+    def suffix_drafts(self, context: Sequence[int] | np.ndarray, *, max_nodes: int, min_match: int, levels: int,
+                      shorter_divisor: int, separator: int, empty_confidence: float, match_prior: float,
+                      certain_step: float) -> list[tuple]:
+        """The suffix proposer's drafts in one call (compiled core only: see
+        ``lookupdec.proposers.suffix.automaton_drafts``, which documents the arguments): per
+        draft, ``(token_ids, parents, scores, match_length, chain, chain_cond, chain_certain)``:
+        the draft's arrays as bytes (int32, int32, float64), its best chain as lists (tokens,
+        conditional probabilities, certain-step flags)."""
+        if self.backend != "compiled":
+            raise NotImplementedError("suffix_drafts needs the compiled core (the reference: automaton_drafts_reference)")
+        _check_budget(max_nodes, max_nodes)
+        if shorter_divisor < 1:
+            raise ValueError(f"shorter_divisor must be >= 1, got {shorter_divisor}")
+        if type(context) is not list:
+            context = _int32_tokens(context).tolist()
+        try:
+            return self._core.suffix_drafts(context, max_nodes, min_match, levels, shorter_divisor, separator,
+                                            empty_confidence, match_prior, certain_step)
+        except TypeError:
+            _int32_tokens(context)  # raises the ValueError naming the bad ids
+            raise
 
     # ------------------------------------------------------------ checks
 

@@ -4,19 +4,32 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 # -- the KV cache's layout: the only code that knows it ---------------------------------------------
-def new_cache():
-    """An empty cache (no config: full-length layers; sliding windows live in our masks)."""
+INITIAL_SLOTS = 256  # slots of a SlotCache's first buffer (it grows by GROWTH, copying once)
+GROWTH = 1.5
+
+
+def new_cache(num_layers: int | None = None):
+    """An empty cache (no config: full-length layers; sliding windows live in our masks). With
+    ``num_layers`` (the target's), a ``SlotCache``: one preallocated buffer for every layer, so a
+    step's KV commit is one gather and a length change, not two tensor operations per layer."""
     from transformers import DynamicCache
 
+    if num_layers:
+        return _slot_cache_class()(num_layers)
     return DynamicCache()
 
 
 def crop_cache(cache, length: int) -> None:
     """Keep the first ``length`` slots of every layer. By slicing: ``DynamicCache.crop``'s
     meaning changed across releases (in 5.23 it takes a negative count of tokens to drop)."""
+    store = getattr(cache, "slot_store", None)
+    if store is not None:
+        store.crop(length)
+        return
     for layer in cache.layers:
         layer.keys = layer.keys[:, :, :length]
         layer.values = layer.values[:, :, :length]
@@ -24,13 +37,143 @@ def crop_cache(cache, length: int) -> None:
 
 def gather_cache(cache, slots: Sequence[int], start: int) -> None:
     """Copy the K/V of ``slots`` (in order) to the contiguous slots from ``start`` on."""
-    end = start + len(slots)
-    if list(slots) == list(range(start, end)):
+    slots = list(slots)
+    skip = 0  # slots already in place (the accepted path's first nodes are often the first nodes)
+    while skip < len(slots) and slots[skip] == start + skip:
+        skip += 1
+    if skip == len(slots):
         return
-    src = torch.tensor(list(slots), device=cache.layers[0].keys.device)
+    store = getattr(cache, "slot_store", None)
+    if store is not None:
+        store.gather(slots[skip:], start + skip)
+        return
+    src = torch.tensor(slots[skip:], device=cache.layers[0].keys.device)
+    begin, end = start + skip, start + len(slots)
     for layer in cache.layers:
-        layer.keys[:, :, start:end] = layer.keys[:, :, src]
-        layer.values[:, :, start:end] = layer.values[:, :, src]
+        layer.keys[:, :, begin:end] = layer.keys[:, :, src]
+        layer.values[:, :, begin:end] = layer.values[:, :, src]
+
+
+def commit_accepted(cache, root_slot: int, accepted: Sequence[int]) -> int:
+    """After a verify forward whose root went to ``root_slot`` (node i at ``root_slot + i``):
+    move the ``accepted`` nodes' K/V to the slots right after the root, drop everything after
+    them, and return the number of slots kept."""
+    keep = root_slot + 1 + len(accepted)
+    gather_cache(cache, [root_slot + node for node in accepted], root_slot + 1)
+    crop_cache(cache, keep)
+    return keep
+
+
+class SlotStore:
+    """K and V of every layer in one buffer ``[layers, 2, batch, kv heads, capacity, head dim]``;
+    layer ``i`` holds slots ``[0, lengths[i])``. Appending writes in place (no concatenation of
+    the whole cache per layer and step, as ``DynamicLayer`` does); ``gather`` moves slots of every
+    layer in one indexing operation; ``crop`` only sets lengths."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.buffer: torch.Tensor | None = None
+        self.lengths = [0] * num_layers
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``keys``/``values`` [batch, heads, new, head dim] to ``layer``; its whole K, V."""
+        start = self.lengths[layer]
+        end = start + keys.shape[-2]
+        buffer = self.buffer
+        if (buffer is None or end > buffer.shape[4] or buffer.shape[2:4] != keys.shape[:2]
+                or buffer.shape[5] != keys.shape[3] or buffer.dtype != keys.dtype or buffer.device != keys.device):
+            buffer = self._grow(keys, end)
+        buffer[layer, 0, :, :, start:end] = keys
+        buffer[layer, 1, :, :, start:end] = values
+        self.lengths[layer] = end
+        return buffer[layer, 0, :, :, :end], buffer[layer, 1, :, :, :end]
+
+    def view(self, layer: int, kind: int) -> torch.Tensor | None:
+        if self.buffer is None:
+            return None
+        return self.buffer[layer, kind, :, :, : self.lengths[layer]]
+
+    def gather(self, slots: Sequence[int], start: int) -> None:
+        """Copy ``slots`` of every layer to ``start, start + 1, ...`` (slots >= their targets)."""
+        rows = self.buffer.view(-1, self.buffer.shape[4], self.buffer.shape[5])  # [layers*2*batch*heads, slots, dim]
+        count, first = len(slots), slots[0]
+        if slots[-1] - first == count - 1 and first >= start + count:  # one run, not overlapping its target
+            rows.narrow(1, start, count).copy_(rows.narrow(1, first, count))
+            return
+        src = torch.from_numpy(np.array(slots, dtype=np.int64)).to(self.buffer.device)
+        rows.narrow(1, start, count).copy_(rows.index_select(1, src))
+
+    def crop(self, length: int) -> None:
+        self.lengths = [min(n, length) for n in self.lengths]
+
+    def _grow(self, keys: torch.Tensor, needed: int) -> torch.Tensor:
+        old = self.buffer
+        same = (old is not None and old.shape[2:4] == keys.shape[:2] and old.shape[5] == keys.shape[3]
+                and old.dtype == keys.dtype and old.device == keys.device)
+        if old is not None and not same and any(self.lengths):
+            raise ValueError(f"SlotStore: layers of one cache must share K/V shapes, dtype and device; got "
+                             f"{tuple(keys.shape)} {keys.dtype} after {tuple(old.shape)} {old.dtype}")
+        capacity = max(INITIAL_SLOTS, int(needed * GROWTH), int(old.shape[4] * GROWTH) if same else 0)
+        batch, heads, _, head_dim = keys.shape
+        self.buffer = torch.empty((self.num_layers, 2, batch, heads, capacity, head_dim), dtype=keys.dtype,
+                                  device=keys.device)
+        if same:
+            kept = max(self.lengths)
+            self.buffer[:, :, :, :, :kept] = old[:, :, :, :, :kept]
+        return self.buffer
+
+
+def _slot_cache_class():
+    """``SlotCache``, a ``DynamicCache`` whose layers live in one ``SlotStore`` (defined on first
+    use: transformers is imported lazily)."""
+    global _SLOT_CACHE
+    if _SLOT_CACHE is not None:
+        return _SLOT_CACHE
+    from transformers import DynamicCache
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class SlotLayer(DynamicLayer):
+        """One layer's K/V: views of the shared store (``keys``/``values`` are read-only)."""
+
+        def __init__(self, store: SlotStore, index: int) -> None:
+            self.store, self.index = store, index
+            super().__init__()
+
+        keys = property(lambda self: self.store.view(self.index, 0), lambda self, value: _only_none(value))
+        values = property(lambda self: self.store.view(self.index, 1), lambda self, value: _only_none(value))
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+            return self.store.write(self.index, key_states, value_states)
+
+        def get_seq_length(self) -> int:
+            return self.store.lengths[self.index]
+
+        def crop(self, tokens_to_remove: int) -> None:  # transformers' convention: a negative count
+            if tokens_to_remove > 0:
+                raise ValueError("crop takes a negative number of tokens to remove")
+            n = self.store.lengths[self.index]
+            self.store.lengths[self.index] = max(0, n + tokens_to_remove)
+
+        def reset(self) -> None:
+            self.store.lengths[self.index] = 0
+
+    class SlotCache(DynamicCache):
+        def __init__(self, num_layers: int) -> None:
+            self.slot_store = SlotStore(num_layers)
+            Cache.__init__(self, layers=[SlotLayer(self.slot_store, i) for i in range(num_layers)])
+
+    _SLOT_CACHE = SlotCache
+    return SlotCache
+
+
+_SLOT_CACHE = None
+
+
+def _only_none(value) -> None:
+    if value is not None:
+        raise AttributeError("a SlotCache layer's keys and values are views of its store: use crop_cache/gather_cache")
 
 
 class DraftLM:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from lookupdec.model.cache import crop_cache, gather_cache, new_cache
+from lookupdec.model.cache import commit_accepted, crop_cache, new_cache
 from lookupdec.model.head import fast_head_for, swapped
 from lookupdec.tree import TokenTree
 
@@ -16,6 +17,7 @@ log = logging.getLogger("lookupdec")
 # Tolerance of the start-up probe comparing tree logits with one-path logits, relative to the
 # spread of the logits: loose enough for bf16 noise, far below what a wrong mask produces.
 PROBE_REL_TOL = 0.02
+_MASK_FILL: dict = {}  # dtype -> the bytes of its minimum (the additive mask's "hidden")
 
 
 
@@ -34,6 +36,8 @@ class TargetModel:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = _max_context(self.config)
         self._windows = _sliding_windows(self.config)
+        # a SlotCache (model/cache.py) where the layer count is known: KV commit in one operation
+        self._num_layers = getattr(self.config.get_text_config(decoder=True), "num_hidden_layers", None)
         self.cache = None
         self.n_cached = 0
         self.last_prepare_s = 0.0
@@ -46,7 +50,7 @@ class TargetModel:
 
     # -- cache lifecycle ------------------------------------------------------------------------
     def reset(self) -> None:
-        self.cache = new_cache()
+        self.cache = new_cache(self._num_layers)
         self.n_cached = 0
 
     @torch.inference_mode()
@@ -69,12 +73,10 @@ class TargetModel:
         ``last_prepare_s``: time it spent in ``prepare`` (not the forward's cost)."""
         n = len(tree)
         self.last_prepare_s = self.prepare(n)
-        ids = torch.tensor([tree.token_ids], device=self.device)
-        depth = torch.tensor(tree.depth, device=self.device)
-        positions = (self.n_cached + depth)[None]
-        # A chain needs no custom mask: the model's own causal mask (and its fastest attention
-        # path, the one plain decoding takes) is exactly the tree mask then.
-        mask = self._tree_mask(tree, positions[0]) if self.tree_mode and not tree.is_chain else None
+        # A chain gets no custom mask (tree_inputs): the model's own causal mask, and its fastest
+        # attention path, the one plain decoding takes, is exactly the tree mask then.
+        ids, positions, mask = tree_inputs(tree, self.n_cached, device=self.device, dtype=self.dtype,
+                                           windows=self._windows, tree_mode=self.tree_mode)
         with swapped(self.model, self.fast_head, gqa=self._gqa):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                              past_key_values=self.cache, use_cache=True)
@@ -84,11 +86,7 @@ class TargetModel:
     @torch.inference_mode()
     def commit(self, tree: TokenTree, accepted: Sequence[int]) -> None:
         """Keep the root and the accepted nodes' K/V in contiguous slots; drop the rest."""
-        base = self.n_cached - len(tree)  # slot of the root
-        keep = base + 1 + len(accepted)
-        gather_cache(self.cache, [base + node for node in accepted], base + 1)
-        crop_cache(self.cache, keep)
-        self.n_cached = keep
+        self.n_cached = commit_accepted(self.cache, self.n_cached - len(tree), accepted)
 
     def sync(self) -> None:
         """Wait for the device (for timings)."""
@@ -114,25 +112,6 @@ class TargetModel:
 
         return forward
 
-    # -- masks ----------------------------------------------------------------------------------
-    def _tree_mask(self, tree: TokenTree, positions: torch.Tensor):
-        """Additive 4D mask(s) [1, 1, 1+n, n_cached+1+n]; a dict per layer type where needed."""
-        allowed = torch.ones((len(tree), self.n_cached + len(tree)), dtype=torch.bool, device=self.device)
-        allowed[:, self.n_cached :] = torch.from_numpy(tree.ancestor_mask()).to(self.device)
-        if not self._windows:
-            return self._additive(allowed)
-        key_pos = torch.cat([torch.arange(self.n_cached, device=self.device), positions])
-        masks = {}
-        for layer_type, window in self._windows.items():
-            visible = allowed if window is None else allowed & (positions[:, None] - key_pos[None, :] < window)
-            masks[layer_type] = self._additive(visible)
-        return masks.get(None) if set(masks) == {None} else masks
-
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return mask[None, None]
-
     @torch.inference_mode()
     def _probe_tree_mask(self) -> bool:
         """Two sibling branches in one tree forward must give the logits of two separate runs."""
@@ -155,6 +134,75 @@ class TargetModel:
             self.reset()
         scale = want.std().clamp_min(1e-6)
         return bool(((got - want).abs().max() / scale) < PROBE_REL_TOL)
+
+
+def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict | None = None,
+                tree_mode: bool = True):
+    """What one verify forward of ``tree`` takes after ``n_cached`` committed slots, no model
+    needed: ``input_ids`` [1, 1+n], ``position_ids`` [1, 1+n] (``n_cached + depth``: siblings
+    share a position) and the attention mask: None for a chain (the model's own causal mask is
+    the tree mask then, on its fastest path) or without ``tree_mode``, else the additive 4D
+    mask [1, 1, 1+n, n_cached+1+n] (0 where node i sees slot j: the prefix, itself, its
+    ancestors; the dtype's minimum elsewhere), a dict per layer type with sliding ``windows``
+    (``_sliding_windows``). On the CPU without windows, one call into the compiled core writes
+    all three (``csrc/tree.cpp``); elsewhere a handful of tensor operations, none per node.
+    ``tree_inputs_reference`` is the same by definition."""
+    fill = _MASK_FILL.get(dtype)
+    if fill is None:
+        fill = _MASK_FILL[dtype] = torch.tensor([torch.finfo(dtype).min], dtype=dtype).view(torch.uint8).numpy().tobytes()
+    made = tree.verify_inputs(n_cached, fill) if not windows and torch.device(device).type == "cpu" else None
+    if made is not None:
+        ids, positions, mask = made
+        n = len(tree)
+        ids, positions = torch.frombuffer(ids, dtype=torch.int64)[None], torch.frombuffer(positions, dtype=torch.int64)[None]
+        if mask is None or not tree_mode:
+            return ids, positions, None
+        return ids, positions, torch.frombuffer(mask, dtype=dtype).view(1, 1, n, n_cached + n)
+    ids = torch.from_numpy(np.array([tree.token_ids], dtype=np.int64)).to(device)
+    positions = torch.from_numpy(np.array([tree.depth], dtype=np.int64) + n_cached).to(device)
+    if not tree_mode or tree.is_chain:
+        return ids, positions, None
+    if windows:
+        return ids, positions, tree_mask_reference(tree, n_cached, positions[0], device=device, dtype=dtype,
+                                                   windows=windows)
+    n = len(tree)
+    mask = torch.zeros((1, 1, n, n_cached + n), dtype=dtype, device=device)
+    hidden = torch.from_numpy(~tree.ancestor_mask()).to(device)  # [1+n, 1+n] True: not an ancestor
+    mask[0, 0, :, n_cached:].masked_fill_(hidden, torch.finfo(dtype).min)
+    return ids, positions, mask
+
+
+def tree_inputs_reference(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict | None = None,
+                          tree_mode: bool = True):
+    """``tree_inputs`` by definition: the boolean mask over every slot, then made additive."""
+    ids = torch.tensor([tree.token_ids], device=device)
+    depth = torch.tensor(tree.depth, device=device)
+    positions = (n_cached + depth)[None]
+    mask = None
+    if tree_mode and not tree.is_chain:
+        mask = tree_mask_reference(tree, n_cached, positions[0], device=device, dtype=dtype, windows=windows)
+    return ids, positions, mask
+
+
+def tree_mask_reference(tree: TokenTree, n_cached: int, positions: torch.Tensor, *, device, dtype,
+                        windows: dict | None = None):
+    """Additive 4D mask(s) [1, 1, 1+n, n_cached+1+n]; a dict per layer type where needed."""
+    allowed = torch.ones((len(tree), n_cached + len(tree)), dtype=torch.bool, device=device)
+    allowed[:, n_cached:] = torch.from_numpy(tree.ancestor_mask_reference()).to(device)
+    if not windows:
+        return _additive(allowed, dtype)
+    key_pos = torch.cat([torch.arange(n_cached, device=device), positions])
+    masks = {}
+    for layer_type, window in windows.items():
+        visible = allowed if window is None else allowed & (positions[:, None] - key_pos[None, :] < window)
+        masks[layer_type] = _additive(visible, dtype)
+    return masks.get(None) if set(masks) == {None} else masks
+
+
+def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
 
 
 def _max_context(config) -> int | None:

@@ -17,12 +17,19 @@ Worked example (min_ngram=1, max_ngram=3, max_branches=2, max_draft_tokens=3)::
 
 Scores estimate acceptance: the first token of branch ``r`` found with match length ``L`` gets
 ``L / (L + 1) * BRANCH_DECAY**r`` and each further token multiplies by ``CONTINUE_PROB``.
+
+The index and the drafts run in the compiled core (``csrc/ngram.cpp``: the same ranking, ties
+and float operations) when it is built; ``backend="reference"`` runs the pure-Python definition
+below (``tests/test_fast_paths.py`` compares them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
+from lookupdec.automaton import _int32_tokens, compiled_available
 from lookupdec.config import NgramConfig
 from lookupdec.proposers.base import Draft, RequestRegistry
 
@@ -39,12 +46,24 @@ class _NgramIndex:
 class NgramProposer:
     name = "ngram"
 
-    def __init__(self, config: NgramConfig | None = None) -> None:
+    def __init__(self, config: NgramConfig | None = None, *, backend: str = "auto") -> None:
+        """``backend``: "auto" (the compiled index when built, else the reference), "compiled"
+        or "reference" (the pure-Python index and ranking below; the same drafts)."""
+        if backend not in ("auto", "compiled", "reference"):
+            raise ValueError(f"backend must be 'auto', 'compiled' or 'reference', got {backend!r}")
+        if backend == "compiled" and not compiled_available():
+            raise ImportError("lookupdec.automaton._core is not built: run `pip install -e .`")
         self.config = config or NgramConfig()
+        self.backend = "compiled" if backend != "reference" and compiled_available() else "reference"
         self._requests = RequestRegistry("NgramProposer")
 
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        self._requests.add(request_id, _NgramIndex())
+        if self.backend == "compiled":
+            from lookupdec.automaton import _core
+
+            self._requests.add(request_id, _core.NgramIndex(self.config.min_ngram, self.config.max_ngram))
+        else:
+            self._requests.add(request_id, _NgramIndex())
         self._extend(self._requests.get(request_id), prompt_ids)
 
     def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
@@ -54,12 +73,19 @@ class NgramProposer:
         self._requests.pop(request_id)
 
     def propose(self, request_id: str, context: Sequence[int], max_nodes: int) -> list[Draft]:
-        state: _NgramIndex = self._requests.get(request_id)
-        if len(state.tokens) != len(context):
-            raise ValueError(f"NgramProposer: request {request_id!r} saw {len(state.tokens)} tokens, "
+        state = self._requests.get(request_id)
+        seen = len(state.tokens) if isinstance(state, _NgramIndex) else state.size()
+        if seen != len(context):
+            raise ValueError(f"NgramProposer: request {request_id!r} saw {seen} tokens, "
                              f"context has {len(context)} (observe() missed?)")
         if max_nodes <= 0:
             return []
+        if not isinstance(state, _NgramIndex):
+            config = self.config
+            return [Draft._trusted(None, None, None, self.name, match_len, packed=(tokens, parents, scores),
+                                   best=(chain, cond))
+                    for tokens, parents, scores, match_len, chain, cond in state.propose(
+                        config.max_draft_tokens, config.max_branches, max_nodes, BRANCH_DECAY, CONTINUE_PROB)]
         length = min(self.config.max_draft_tokens, max_nodes)
         found, seen = [], set()  # (first score, continuation start)
         for match_len, end in self._occurrences(state):
@@ -86,7 +112,14 @@ class NgramProposer:
                 if end < n:  # the context's own suffix is not an earlier occurrence
                     yield match_len, end
 
-    def _extend(self, state: _NgramIndex, new_ids: Sequence[int]) -> None:
+    def _extend(self, state, new_ids: Sequence[int]) -> None:
+        if not isinstance(state, _NgramIndex):
+            try:
+                state.extend(new_ids if type(new_ids) is list else _int32_tokens(new_ids).tolist())
+            except TypeError:
+                _int32_tokens(new_ids)  # raises the ValueError naming ids outside int32
+                raise
+            return
         tokens, ends = state.tokens, state.ends
         lo, hi = self.config.min_ngram, self.config.max_ngram
         for tok in new_ids:

@@ -75,8 +75,13 @@ class CertainStepEstimate:
 class SuffixProposer:
     name = "suffix"
 
-    def __init__(self, config: SuffixConfig | None = None) -> None:
+    def __init__(self, config: SuffixConfig | None = None, *, drafting: str = "auto") -> None:
+        """``drafting``: "auto" (``automaton_drafts``: compiled where the automata are) or
+        "reference" (``automaton_drafts_reference``, the pure-Python definition; same drafts)."""
+        if drafting not in ("auto", "reference"):
+            raise ValueError(f"drafting must be 'auto' or 'reference', got {drafting!r}")
         self.config = config or SuffixConfig()
+        self.drafting = drafting
         self._requests = RequestRegistry("SuffixProposer")
         self._outputs: deque[np.ndarray] = deque()  # earlier outputs in the global cache, oldest first
         self._global_tokens = 0
@@ -89,7 +94,7 @@ class SuffixProposer:
 
     def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
         request: _Request = self._requests.get(request_id)
-        request.automaton.extend(np.asarray(new_ids, dtype=np.int64))
+        request.automaton.extend(new_ids)
         request.output.extend(new_ids)
         settle_pending(request.pending, self.certain_step, new_ids)
 
@@ -102,7 +107,7 @@ class SuffixProposer:
         request: _Request = self._requests.get(request_id)
         if max_nodes <= 0:
             return []
-        ctx = np.asarray(context[-self.config.max_match :], dtype=np.int64)
+        ctx = list(context[-self.config.max_match :])
         drafts = self._drafts(request, request.automaton, ctx, max_nodes, self.config.min_match, "suffix")
         if self._global_tokens:
             drafts += self._drafts(request, self.global_automaton, ctx, max_nodes, self.config.global_min_match,
@@ -110,10 +115,10 @@ class SuffixProposer:
         return drafts
 
     # -- drafting -------------------------------------------------------------------------------
-    def _drafts(self, request: _Request, automaton: SuffixAutomaton, ctx: np.ndarray, max_nodes: int,
+    def _drafts(self, request: _Request, automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: int,
                 min_match: int, source: str) -> list[Draft]:
-        return automaton_drafts(automaton, ctx, max_nodes, min_match, source, self.certain_step[source],
-                                request.pending)
+        drafts = automaton_drafts if self.drafting == "auto" else automaton_drafts_reference
+        return drafts(automaton, ctx, max_nodes, min_match, source, self.certain_step[source], request.pending)
 
     # -- the global cache -----------------------------------------------------------------------
     def add_to_global(self, output: Sequence[int]) -> None:
@@ -164,8 +169,28 @@ class SuffixProposer:
         self.global_automaton = SuffixAutomaton(stream)
 
 
-def automaton_drafts(automaton: SuffixAutomaton, ctx: np.ndarray, max_nodes: int, min_match: int, source: str,
+def automaton_drafts(automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: int, min_match: int, source: str,
                      certain_step: CertainStepEstimate, pending: dict) -> list[Draft]:
+    """``automaton_drafts_reference``'s drafts, made by the compiled core in one call
+    (``csrc/suffix_drafts.cpp``) when the automaton is compiled; each draft comes with its
+    arrays and its best chain, so the merge and the calibrator do not recompute them."""
+    if automaton.backend != "compiled":
+        return automaton_drafts_reference(automaton, ctx, max_nodes, min_match, source, certain_step, pending)
+    levels = automaton.suffix_drafts(ctx, max_nodes=max_nodes, min_match=min_match, levels=MATCH_LEVELS,
+                                     shorter_divisor=SHORTER_MATCH_NODES_DIVISOR, separator=SEPARATOR,
+                                     empty_confidence=EMPTY_MATCH_CONFIDENCE, match_prior=MATCH_PRIOR,
+                                     certain_step=certain_step.value)
+    out = []
+    for tokens, parents, scores, length, chain, chain_cond, chain_certain in levels:
+        out.append(Draft._trusted(None, None, None, source, length, packed=(tokens, parents, scores),
+                                  best=(chain, chain_cond)))
+        if source not in pending:
+            pending[source] = (chain, chain_certain)
+    return out
+
+
+def automaton_drafts_reference(automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: int, min_match: int,
+                               source: str, certain_step: CertainStepEstimate, pending: dict) -> list[Draft]:
     """Drafts from the longest match of ``ctx`` in ``automaton`` and up to ``MATCH_LEVELS - 1``
     shorter ones (suffix links: fewer context tokens, more occurrences, more varied
     continuations). The longest match's best chain goes into ``pending[source]`` with its

@@ -1,14 +1,22 @@
 // nanobind module lookupdec.automaton._core: the compiled Automaton, called by the Python
-// wrapper in lookupdec/automaton/__init__.py (which converts and validates its arguments).
+// wrapper in lookupdec/automaton/__init__.py (which converts and validates its arguments), the
+// suffix proposer's drafts (lookupdec/proposers/suffix.py), the n-gram proposer's index
+// (lookupdec/proposers/ngram.py) and the step's tree merge and ancestor mask (lookupdec/tree.py).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "automaton.hpp"
+#include "ngram.hpp"
+#include "suffix_drafts.hpp"
+#include "tree.hpp"
 
 namespace nb = nanobind;
 using lookupdec::Automaton;
@@ -54,15 +62,301 @@ nb::tuple propose_tree(Automaton& automaton, TokensIn context, int32_t max_nodes
                                            min_match, min_count));
 }
 
+// A bytes argument as an array of `count` T (count = -1: as many as it holds).
+template <class T>
+const T* bytes_array(const nb::bytes& b, int64_t* count, const char* name) {
+  if (b.size() % sizeof(T) != 0 || (*count >= 0 && static_cast<int64_t>(b.size() / sizeof(T)) != *count))
+    throw std::invalid_argument(std::string("merge_drafts: ") + name + " has the wrong size");
+  *count = static_cast<int64_t>(b.size() / sizeof(T));
+  return reinterpret_cast<const T*>(b.c_str());
+}
+
+// Python lists built directly (no numpy on the way: each list is read by Python code anyway).
+nb::list int_list(const std::vector<int32_t>& values) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
+  if (list == nullptr) throw nb::python_error();
+  for (size_t i = 0; i < values.size(); ++i) PyList_SET_ITEM(list, i, PyLong_FromLong(values[i]));
+  return nb::steal<nb::list>(list);
+}
+
+nb::list float_list(const std::vector<double>& values) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
+  if (list == nullptr) throw nb::python_error();
+  for (size_t i = 0; i < values.size(); ++i) PyList_SET_ITEM(list, i, PyFloat_FromDouble(values[i]));
+  return nb::steal<nb::list>(list);
+}
+
+nb::list bool_list(const std::vector<uint8_t>& values) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
+  if (list == nullptr) throw nb::python_error();
+  for (size_t i = 0; i < values.size(); ++i) PyList_SET_ITEM(list, i, Py_NewRef(values[i] ? Py_True : Py_False));
+  return nb::steal<nb::list>(list);
+}
+
+// Per node, {token: child node}: TokenTree.children.
+nb::list children_dicts(const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents) {
+  Py_ssize_t n = static_cast<Py_ssize_t>(token_ids.size());
+  PyObject* list = PyList_New(n);
+  if (list == nullptr) throw nb::python_error();
+  nb::list out = nb::steal<nb::list>(list);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* dict = PyDict_New();
+    if (dict == nullptr) throw nb::python_error();
+    PyList_SET_ITEM(list, i, dict);
+  }
+  for (Py_ssize_t i = 1; i < n; ++i) {
+    nb::object token = nb::steal(PyLong_FromLong(token_ids[i])), child = nb::steal(PyLong_FromSsize_t(i));
+    if (PyDict_SetItem(PyList_GET_ITEM(list, parents[i]), token.ptr(), child.ptr()) != 0) throw nb::python_error();
+  }
+  return out;
+}
+
+// A merged tree held in the core: TokenTree reads its lists from it on first use, and prunes
+// and builds verify inputs from it without Python lists.
+struct CoreTree {
+  lookupdec::MergedTree tree;
+  nb::list names;  // each draft's source, then the root's ""
+};
+
+nb::list source_list(const CoreTree& t) {
+  const std::vector<int32_t>& sources = t.tree.sources;
+  size_t root = nb::len(t.names) - 1;
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(sources.size()));
+  if (list == nullptr) throw nb::python_error();
+  for (size_t i = 0; i < sources.size(); ++i) {
+    size_t at = sources[i] < 0 ? root : static_cast<size_t>(sources[i]);
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), Py_NewRef(PyList_GET_ITEM(t.names.ptr(), at)));
+  }
+  return nb::steal<nb::list>(list);
+}
+
+nb::list expected_in_prune_order(const CoreTree& t) {
+  std::vector<double> values;
+  values.reserve(t.tree.order.size());
+  for (int32_t node : t.tree.order) values.push_back(t.tree.expected[node]);
+  return float_list(values);
+}
+
+// drafts: one (token_ids, parents, scores) bytes tuple per draft (Draft.packed()); rows,
+// fallback, point_mass: one entry per draft; names: each draft's source, then the root's "".
+// Returns (the kept tree as a CoreTree, each draft node's node in it as int32 bytes, -1: none).
+nb::tuple merge_drafts(int32_t root_token, nb::list drafts, const std::vector<int32_t>& rows,
+                       const std::vector<double>& fallback, nb::bytes point_mass, nb::bytes table,
+                       bool probabilities, nb::list names, int32_t max_nodes, int32_t max_depth) {
+  size_t num_drafts = nb::len(drafts);
+  if (rows.size() != num_drafts || fallback.size() != num_drafts || point_mass.size() != num_drafts ||
+      nb::len(names) != num_drafts + 1)
+    throw std::invalid_argument("merge_drafts: rows, fallback, point_mass and names must match the drafts");
+  std::vector<int64_t> offsets(num_drafts + 1, 0);
+  std::vector<int32_t> tokens, parents;
+  std::vector<double> scores;
+  tokens.reserve(1024);
+  parents.reserve(1024);
+  scores.reserve(1024);
+  for (size_t d = 0; d < num_drafts; ++d) {
+    PyObject* packed = PyList_GET_ITEM(drafts.ptr(), static_cast<Py_ssize_t>(d));
+    if (!PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != 3)
+      throw std::invalid_argument("merge_drafts: each draft is a (token_ids, parents, scores) tuple of bytes");
+    PyObject* arrays[3] = {PyTuple_GET_ITEM(packed, 0), PyTuple_GET_ITEM(packed, 1), PyTuple_GET_ITEM(packed, 2)};
+    for (PyObject* a : arrays)
+      if (!PyBytes_Check(a)) throw std::invalid_argument("merge_drafts: packed arrays must be bytes");
+    size_t n = static_cast<size_t>(PyBytes_GET_SIZE(arrays[0])) / sizeof(int32_t);
+    if (static_cast<size_t>(PyBytes_GET_SIZE(arrays[0])) != n * sizeof(int32_t) ||
+        static_cast<size_t>(PyBytes_GET_SIZE(arrays[1])) != n * sizeof(int32_t) ||
+        static_cast<size_t>(PyBytes_GET_SIZE(arrays[2])) != n * sizeof(double))
+      throw std::invalid_argument("merge_drafts: a draft's packed arrays differ in length");
+    const int32_t* t = reinterpret_cast<const int32_t*>(PyBytes_AS_STRING(arrays[0]));
+    const int32_t* p = reinterpret_cast<const int32_t*>(PyBytes_AS_STRING(arrays[1]));
+    const double* s = reinterpret_cast<const double*>(PyBytes_AS_STRING(arrays[2]));
+    tokens.insert(tokens.end(), t, t + n);
+    parents.insert(parents.end(), p, p + n);
+    scores.insert(scores.end(), s, s + n);
+    offsets[d + 1] = offsets[d] + static_cast<int64_t>(n);
+  }
+  int64_t table_size = -1;
+  lookupdec::MergeInput in;
+  in.root_token = root_token;
+  in.tokens = tokens.data();
+  in.parents = parents.data();
+  in.scores = scores.data();
+  in.offsets = offsets.data();
+  in.num_drafts = static_cast<int64_t>(num_drafts);
+  in.rows = rows.data();
+  in.fallback = fallback.data();
+  in.point_mass = reinterpret_cast<const uint8_t*>(point_mass.c_str());
+  in.table = bytes_array<double>(table, &table_size, "table");
+  in.table_size = table_size;
+  in.probabilities = probabilities;
+  in.max_nodes = max_nodes;
+  in.max_depth = max_depth;
+  CoreTree tree{lookupdec::merge_drafts(in), names};
+  nb::bytes node_of = to_bytes(tree.tree.node_of);
+  tree.tree.node_of.clear();
+  return nb::make_tuple(std::move(tree), node_of);
+}
+
+// A bytearray (writable: numpy and torch views of it need no copy).
+nb::bytearray ancestor_mask(nb::bytes parents) {
+  int64_t n = -1;
+  const int32_t* p = bytes_array<int32_t>(parents, &n, "parents");
+  nb::bytearray mask(nullptr, static_cast<size_t>(n * n));
+  lookupdec::ancestor_mask(p, n, reinterpret_cast<uint8_t*>(mask.data()));
+  return mask;
+}
+
+// One tuple per draft: (token_ids, parents, scores, match_length, chain, chain_cond,
+// chain_certain): the draft's arrays as bytes, its best chain as lists.
+// (context: a list of token ids; int32 overflow is a TypeError, which the wrapper reports)
+nb::list suffix_drafts(Automaton& automaton, const std::vector<int32_t>& context, int32_t max_nodes,
+                       int32_t min_match, int32_t levels, int32_t shorter_divisor, int32_t separator,
+                       double empty_confidence, double match_prior, double certain_step) {
+  lookupdec::SuffixDraftParams params{max_nodes, min_match, levels, shorter_divisor, separator,
+                                      empty_confidence, match_prior, certain_step};
+  std::vector<lookupdec::SuffixDraft> drafts =
+      lookupdec::suffix_drafts(automaton, context.data(), context.size(), params);
+  nb::list out;
+  for (const lookupdec::SuffixDraft& d : drafts)
+    out.append(nb::make_tuple(to_bytes(d.token_ids), to_bytes(d.parents), to_bytes(d.scores), d.match_length,
+                              int_list(d.chain), float_list(d.chain_cond), bool_list(d.chain_certain)));
+  return out;
+}
+
+// A verify forward's inputs, for torch.frombuffer: (input ids, positions) as int64 bytearrays
+// [n] (positions: n_cached + depth), and the additive mask bytearray [n, n_cached + n] of
+// len(fill)-byte elements (tree.hpp), or None for a chain (the model's causal mask is the same).
+template <class Token>
+nb::tuple tree_inputs(const std::vector<Token>& token_ids, const std::vector<int32_t>& parents, int64_t n_cached,
+                      nb::bytes fill) {
+  int64_t n = static_cast<int64_t>(parents.size());
+  if (static_cast<int64_t>(token_ids.size()) != n || n == 0 || parents[0] != -1 || n_cached < 0)
+    throw std::invalid_argument("tree_inputs: need parents[0] == -1 and one token per node");
+  nb::bytearray ids(nullptr, static_cast<size_t>(n) * sizeof(int64_t));
+  std::copy(token_ids.begin(), token_ids.end(), reinterpret_cast<int64_t*>(ids.data()));
+  nb::bytearray positions(nullptr, static_cast<size_t>(n) * sizeof(int64_t));
+  int64_t* position = reinterpret_cast<int64_t*>(positions.data());
+  bool chain = true;
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t p = parents[i];
+    if (i > 0 && (p < 0 || p >= i)) throw std::invalid_argument("tree_inputs: parents[i] must be in [0, i)");
+    position[i] = i == 0 ? n_cached : position[p] + 1;
+    chain = chain && p == i - 1;
+  }
+  if (chain) return nb::make_tuple(ids, positions, nb::none());
+  size_t elem = fill.size();
+  nb::bytearray mask(nullptr, static_cast<size_t>(n * (n_cached + n)) * elem);
+  lookupdec::additive_tree_mask(parents.data(), n, n_cached, elem, reinterpret_cast<const uint8_t*>(fill.c_str()),
+                                reinterpret_cast<uint8_t*>(mask.data()));
+  return nb::make_tuple(ids, positions, mask);
+}
+
+using LogitsIn = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>;
+using CellsOut = nb::ndarray<double, nb::ndim<1>, nb::device::cpu>;
+
+// sampling.top_tokens: the k best token ids of each of `rows`, best first.
+nb::list top_tokens(LogitsIn logits, const std::vector<int64_t>& rows, int32_t k) {
+  if (logits.stride(1) != 1 || logits.shape(1) < 1) throw std::invalid_argument("top_tokens: contiguous rows");
+  nb::list out;
+  std::vector<int32_t> best;
+  for (int64_t r : rows) {
+    if (r < 0 || static_cast<size_t>(r) >= logits.shape(0)) throw std::out_of_range("top_tokens: row out of range");
+    lookupdec::row_topk(logits.data() + r * logits.stride(0), static_cast<int64_t>(logits.shape(1)), k, &best);
+    out.append(int_list(best));
+  }
+  return out;
+}
+
+// tree.observe_draft: one draft's reached nodes counted into a calibration row's three arrays.
+void observe_draft(nb::bytes tokens, nb::bytes parents, nb::bytes scores, const std::vector<int64_t>& committed,
+                   CellsOut reached, CellsOut predicted, CellsOut matched) {
+  int64_t n = -1;
+  const int32_t* t = bytes_array<int32_t>(tokens, &n, "tokens");
+  const int32_t* p = bytes_array<int32_t>(parents, &n, "parents");
+  const double* s = bytes_array<double>(scores, &n, "scores");
+  for (const CellsOut* a : {&reached, &predicted, &matched})
+    if (a->shape(0) != static_cast<size_t>(lookupdec::kCellsPerRow) || a->stride(0) != reached.stride(0))
+      throw std::invalid_argument("observe_draft: rows of CELLS_PER_ROW cells, alike");
+  lookupdec::observe_draft(t, p, s, n, committed, reached.data(), predicted.data(), matched.data(), reached.stride(0));
+}
+
+// (accepted nodes, next token, bonus): lookupdec.sampling.accept's greedy walk.
+nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents) {
+  size_t n = token_ids.size();
+  if (n == 0 || parents.size() != n || parents[0] != -1) throw std::invalid_argument("greedy_walk: bad tree");
+  for (size_t i = 1; i < n; ++i)
+    if (parents[i] < 0 || static_cast<size_t>(parents[i]) >= i)
+      throw std::invalid_argument("greedy_walk: parents[i] must be in [0, i)");
+  if (logits.shape(0) < n || logits.shape(1) < 1 || logits.stride(1) != 1)
+    throw std::invalid_argument("greedy_walk: logits need a row per node and contiguous rows");
+  int64_t next_token = 0;
+  bool bonus = false;
+  std::vector<int32_t> accepted = lookupdec::greedy_walk(logits.data(), logits.stride(0), logits.shape(1), token_ids,
+                                                         parents, &next_token, &bonus);
+  return nb::make_tuple(int_list(accepted), next_token, bonus);
+}
+
+// One tuple per draft: (token_ids, parents, scores, match_length, chain, chain_cond): the arrays
+// as bytes (Draft.packed()), the best chain (Draft.best_chain()) as lists.
+nb::list ngram_propose(const lookupdec::NgramIndex& index, int32_t max_draft_tokens, int32_t max_branches,
+                       int32_t max_nodes, double branch_decay, double continue_prob) {
+  nb::list out;
+  for (const lookupdec::NgramDraft& d : index.propose(max_draft_tokens, max_branches, max_nodes, branch_decay,
+                                                      continue_prob))
+    out.append(nb::make_tuple(to_bytes(d.token_ids), to_bytes(d.parents), to_bytes(d.scores), d.match_length,
+                              int_list(d.token_ids), float_list(d.chain_cond)));
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
   m.doc() = "Compiled suffix automaton over int32 token ids (APPEND-ONLY).";
   m.attr("HEAVY_DEGREE") = lookupdec::kHeavyDegree;
   m.attr("MAX_TOKENS") = lookupdec::kMaxTokens;
+  m.attr("CELLS_PER_ROW") = lookupdec::kCellsPerRow;
+  m.attr("SIBLING_RANKS") = lookupdec::kSiblingRanks;
+  m.attr("DEPTH_BUCKETS") = nb::make_tuple(1, 2, 3, 5, 9, 17);
+  m.attr("COND_BUCKETS") = nb::make_tuple(0.0, 0.25, 0.5, 0.75, 0.95);
+  m.def("merge_drafts", &merge_drafts);
+  nb::class_<lookupdec::NgramIndex>(m, "NgramIndex")
+      .def(nb::init<int32_t, int32_t>())
+      .def("extend", [](lookupdec::NgramIndex& index, const std::vector<int32_t>& t) {
+        index.extend(t.data(), t.size());
+      })
+      .def("size", &lookupdec::NgramIndex::size)
+      .def("propose", &ngram_propose);
+  m.def("ancestor_mask", &ancestor_mask);
+  m.def("tree_inputs", &tree_inputs<int64_t>);
+  m.def("greedy_walk", &greedy_walk);
+  m.def("observe_draft", &observe_draft);
+  m.def("top_tokens", &top_tokens);
+  nb::class_<CoreTree>(m, "Tree")
+      .def("__len__", [](const CoreTree& t) { return t.tree.token_ids.size(); })
+      .def("token_ids", [](const CoreTree& t) { return int_list(t.tree.token_ids); })
+      .def("parents", [](const CoreTree& t) { return int_list(t.tree.parents); })
+      .def("scores", [](const CoreTree& t) { return float_list(t.tree.scores); })
+      .def("sources", &source_list)
+      .def("point_mass", [](const CoreTree& t) { return bool_list(t.tree.point_mass); })
+      .def("expected", [](const CoreTree& t) { return float_list(t.tree.expected); })
+      .def("cells", [](const CoreTree& t) { return int_list(t.tree.cells); })
+      .def("conds", [](const CoreTree& t) { return float_list(t.tree.conds); })
+      .def("depth", [](const CoreTree& t) { return int_list(t.tree.depth); })
+      .def("order", [](const CoreTree& t) { return int_list(t.tree.order); })
+      .def_prop_ro("parents_first", [](const CoreTree& t) { return t.tree.parents_first; })
+      .def("children", [](const CoreTree& t) { return children_dicts(t.tree.token_ids, t.tree.parents); })
+      .def("expected_in_prune_order", &expected_in_prune_order)
+      .def("prune", [](const CoreTree& t, int32_t max_nodes) {
+        return CoreTree{lookupdec::prune_prefix(t.tree, max_nodes), t.names};
+      })
+      .def("inputs", [](const CoreTree& t, int64_t n_cached, nb::bytes fill) {
+        return tree_inputs(t.tree.token_ids, t.tree.parents, n_cached, fill);
+      })
+      .def("greedy_walk", [](const CoreTree& t, LogitsIn logits) {
+        return greedy_walk(logits, t.tree.token_ids, t.tree.parents);
+      });
   nb::class_<Automaton>(m, "Automaton")
       .def(nb::init<>())
       .def("extend", [](Automaton& a, TokensIn t) { a.extend(t.data(), t.shape(0)); })
+      .def("extend_list", [](Automaton& a, const std::vector<int32_t>& t) { a.extend(t.data(), t.size()); })
       .def("size", &Automaton::size)
       .def("num_states", &Automaton::num_states)
       .def("num_edges", &Automaton::num_edges)
@@ -80,6 +374,7 @@ NB_MODULE(_core, m) {
       .def("next_counts", &next_counts)
       .def("expand_tree", &expand_tree)
       .def("propose_tree", &propose_tree)
+      .def("suffix_drafts", &suffix_drafts)
       .def("check_invariants", &Automaton::check_invariants)
       .def("memory_report", &Automaton::memory_report);
 }

@@ -1,0 +1,382 @@
+"""Per-step overhead outside the model forward, model-free, over recorded contexts.
+
+Replays recorded (prompt, response) pairs (``lookupdec.workloads`` over ``../shared/data``,
+Llama-2 tokenizer, as ``bench/replay.py``) through the engine's step in ``StepCore.run``'s order
+with a fixed node budget (``max_nodes=64``, ``max_depth=64``) and times every phase of it but
+the verify forward, in µs per step:
+
+    propose  ``Mixture.propose`` over ``build_proposers(EngineConfig())`` (n-gram + suffix)
+    merge    ``AcceptanceCalibrator.calibration()`` + ``TokenTree.from_drafts``
+    choose   ``choose_num_nodes`` (``CostModel``: a measured 150M-parameter curve) + ``prune``
+             (timed; the verified tree stays the fixed budget's, as with ``budget="fixed"``)
+    inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]
+    accept   ``sampling.accept`` (greedy) on logits [1+n, 49152] (SmolLM2's vocabulary) whose
+             argmax follows the recorded response along the tree: the walk the target makes
+    recycle  the engine's hand-off to the token-recycling proposer: ``engine.top_tokens`` of the
+             visited rows and ``Mixture.observe_successors``
+    commit   ``model.commit_accepted`` on a KV cache of SmolLM2-135M's shape (30 layers of
+             [1, 3, ctx+1+n, 64] float32 keys and values): the engine's ``SlotCache`` (fast) or
+             transformers' ``DynamicCache`` (reference)
+    observe  ``Mixture.observe`` (every proposer sees the new tokens)
+    learn    ``AcceptanceCalibrator.learn``
+
+Two sets of code paths run the same steps, record by record in turn: ``reference`` (the pure
+Python reference of every fast path) and ``fast`` (what the engine runs); every step's tree and
+accepted nodes must be identical between them (checked). The verify forward is replaced by
+the recorded response, so greedy acceptance accepts what the real model would; the recycling
+proposer's successors come from those synthetic logits (their argmax is the recorded token,
+the rest noise), so its drafts cost what they cost but are rarely right. Each phase is timed
+by the wall clock and by this thread's CPU time (the machine is shared); between steps the
+KV cache gets the forward's writes, so, as in the engine, every phase starts with cold caches.
+
+    python bench/overhead_bench.py                       # ~1 minute, writes bench/results/overhead.json
+    python bench/overhead_bench.py --workloads loghub --records 2 --out /tmp/o.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_result  # noqa: E402
+
+import torch  # noqa: E402
+
+from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes  # noqa: E402
+from lookupdec.config import EngineConfig  # noqa: E402
+from lookupdec.engine import top_tokens, top_tokens_reference  # noqa: E402
+from lookupdec.mixture import Mixture  # noqa: E402
+from lookupdec.model import (commit_accepted, load_tokenizer, new_cache, tree_inputs,  # noqa: E402
+                             tree_inputs_reference)
+from lookupdec.proposers import build_proposers  # noqa: E402
+from lookupdec.proposers.ngram import NgramProposer  # noqa: E402
+from lookupdec.proposers.suffix import SuffixProposer  # noqa: E402
+from lookupdec.sampling import SamplingParams, accept, accept_reference  # noqa: E402
+from lookupdec.simulate import accepted_path, tokenize_record  # noqa: E402
+from lookupdec import budget  # noqa: E402
+from lookupdec.tree import TokenTree, observe_draft, observe_draft_reference  # noqa: E402
+from lookupdec.workloads import WORKLOADS  # noqa: E402
+
+PHASES = ("propose", "merge", "choose", "inputs", "accept", "recycle", "commit", "observe", "learn")
+MAX_NODES = 64
+MAX_DEPTH = 64
+# SmolLM2-135M-Instruct's shapes: what the KV cache and the logits of a real step hold
+LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 30, 3, 64, 49152
+DTYPE = torch.float32
+# The 150M-parameter Llama's measured verify cost on this machine (bench/results/budget.json,
+# 2 threads, 256-token context): t(n) for the chooser
+COST_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+COST_SECONDS = [0.0445, 0.0764, 0.0852, 0.0842, 0.0984, 0.1301, 0.1818, 0.2995, 0.5216]
+RECYCLE_SUCCESSORS = EngineConfig().recycle.successors
+FULL_TREE = 60  # steps with at least this many draft nodes count as "at 64 nodes"
+NODE_BINS = [(0, 0), (1, 15), (16, 31), (32, 47), (48, 59), (60, 63), (64, 64)]
+DEFAULT_RECORDS = "loghub:8,code-edit:3,mtbench:6"  # workload:records (the first of each warms up)
+
+
+@dataclass
+class Paths:
+    """The code one set of paths runs per phase."""
+
+    name: str
+    drafting: str  # SuffixProposer(drafting=...), NgramProposer(backend=...)
+    merge: Callable  # (root, drafts, max_nodes=, max_depth=, calibration=) -> TokenTree
+    prune: Callable  # (tree, n) -> TokenTree
+    inputs: Callable  # model.tree_inputs(tree, n_cached, device=, dtype=, windows=, tree_mode=)
+    accept: Callable  # sampling.accept(tree, logits, params)
+    slot_cache: bool  # the engine's SlotCache, else a DynamicCache
+    observe_draft: Callable  # the calibrator's per-draft count (tree.observe_draft or its reference)
+    top_tokens: Callable  # engine.top_tokens(logits, rows, k)
+
+
+def reference_paths() -> Paths:
+    return Paths("reference", "reference", TokenTree.from_drafts_reference, TokenTree.prune_reference,
+                 tree_inputs_reference, accept_reference, slot_cache=False,
+                 observe_draft=observe_draft_reference, top_tokens=top_tokens_reference)
+
+
+def fast_paths() -> Paths:
+    return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, tree_inputs, accept, slot_cache=True,
+                 observe_draft=observe_draft, top_tokens=top_tokens)
+
+
+@dataclass
+class Mode:
+    """One set of paths with its own proposers and calibrator (state kept across records)."""
+
+    paths: Paths
+    mixture: Mixture
+    calibrator: AcceptanceCalibrator
+    times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # phase -> [ns per step], wall clock
+    cpu_times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # ... this thread's CPU time
+    nodes: list = field(default_factory=list)  # draft nodes verified per step
+    chosen: list = field(default_factory=list)  # nodes the chooser would keep
+    digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)  # trees and accepted nodes
+
+    @classmethod
+    def make(cls, paths: Paths) -> "Mode":
+        proposers = build_proposers(EngineConfig())
+        for proposer in proposers:
+            if isinstance(proposer, SuffixProposer):
+                proposer.drafting = paths.drafting
+            elif isinstance(proposer, NgramProposer) and paths.drafting == "reference":
+                proposer.backend = "reference"
+        return cls(paths, Mixture(proposers), AcceptanceCalibrator())
+
+
+class KVBuffer:
+    """The reference: a transformers ``DynamicCache`` (``new_cache()``), whose layers are, before
+    each step's commit, views of [0, ctx+1+n) slots of one preallocated buffer, as after a verify
+    forward (a real forward concatenates the whole cache per layer: too slow to replay here)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.buffer = torch.zeros(LAYERS, 2, 1, KV_HEADS, capacity, HEAD_DIM, dtype=DTYPE)
+        self.cache = new_cache()
+        for layer in range(LAYERS):
+            one = torch.zeros(1, KV_HEADS, 1, HEAD_DIM, dtype=DTYPE)
+            self.cache.update(one, one, layer)
+
+    def start(self, prefix: int) -> None:
+        pass
+
+    def after_forward(self, slots: int):
+        for i, layer in enumerate(self.cache.layers):
+            layer.keys = self.buffer[i, 0, :, :, :slots]
+            layer.values = self.buffer[i, 1, :, :, :slots]
+        return self.cache
+
+
+class SlotKV:
+    """The engine's cache (``new_cache(num_layers)``, a ``SlotCache``): filled per step by the
+    ``update`` calls a verify forward makes (untimed)."""
+
+    def __init__(self) -> None:
+        self.cache = None
+        self._new = torch.zeros(1, KV_HEADS, 1 + MAX_NODES, HEAD_DIM, dtype=DTYPE)
+
+    def start(self, prefix: int) -> None:
+        self.cache = new_cache(LAYERS)
+        prompt = torch.zeros(1, KV_HEADS, prefix, HEAD_DIM, dtype=DTYPE)
+        for layer in range(LAYERS):
+            self.cache.update(prompt, prompt, layer)
+
+    def after_forward(self, slots: int):
+        new = self._new[:, :, : slots - self.cache.get_seq_length()]
+        for layer in range(LAYERS):
+            self.cache.update(new, new, layer)
+        return self.cache
+
+
+class WalkLogits:
+    """Random logits [1+MAX_NODES, VOCAB] made once; per step the rows along the recorded walk
+    get the recorded token as their argmax, and are restored afterwards."""
+
+    def __init__(self, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.logits = torch.randn(1 + MAX_NODES, VOCAB, generator=generator, dtype=DTYPE)
+        self.top = float(self.logits.max()) + 1.0
+        self._saved: list[tuple[int, int, float]] = []
+
+    def set_walk(self, tree: TokenTree, rest: list[int]) -> torch.Tensor:
+        path = accepted_path(tree, rest)
+        for row, node in enumerate([0, *path]):
+            if row < len(rest):
+                token = rest[row]
+                self._saved.append((node, token, float(self.logits[node, token])))
+                self.logits[node, token] = self.top
+        return self.logits[: len(tree)]
+
+    def restore(self) -> None:
+        for node, token, value in reversed(self._saved):
+            self.logits[node, token] = value
+        self._saved.clear()
+
+
+def _now() -> tuple[int, int]:
+    """(wall clock, this thread's CPU time) in ns: on a shared machine the second leaves out the
+    time other processes held the core (cache sharing still counts)."""
+    return time.perf_counter_ns(), time.thread_time_ns()
+
+
+def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv: KVBuffer, walk: WalkLogits,
+               cost: CostModel, timed: bool, max_steps: int) -> None:
+    """One record through ``mode``'s paths, step by step as ``StepCore.run`` orders them."""
+    mixture, calibrator, paths, greedy = mode.mixture, mode.calibrator, mode.paths, SamplingParams()
+    budget.observe_draft = paths.observe_draft  # AcceptanceCalibrator.learn's kernel (module-level name)
+    context = list(prompt)
+    mixture.start(rid, context)
+    kv.start(len(context) - 1)
+    steps = 0
+    try:
+        while len(context) - len(prompt) < len(response) and steps < max_steps:
+            rest = response[len(context) - len(prompt):]
+            n_cached = len(context) - 1
+            marks = [_now()]
+            drafts = mixture.propose(rid, context, MAX_NODES)
+            marks.append(_now())
+            tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
+                               calibration=calibrator.calibration())
+            marks.append(_now())
+            chosen = choose_num_nodes(tree.expected_in_prune_order(), cost, 0.0, MAX_NODES)
+            paths.prune(tree, chosen)
+            marks.append(_now())
+            paths.inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)
+            marks.append(_now())
+            logits = walk.set_walk(tree, rest)  # what the forward would return (untimed)
+            cache = kv.after_forward(n_cached + len(tree))
+            marks.append(_now())
+            result = paths.accept(tree, logits, greedy)
+            new_tokens = ([tree.token_ids[i] for i in result.accepted] + [result.next_token])[: len(rest)]
+            accepted = result.accepted[: len(new_tokens)]
+            marks.append(_now())
+            if mixture.successor_sinks:  # as Engine._verdict
+                visited = [0, *result.accepted]
+                before = [context[-2] if len(context) > 1 else -1] + [tree.token_ids[tree.parents[u]]
+                                                                     for u in result.accepted]
+                tops = paths.top_tokens(logits, visited, RECYCLE_SUCCESSORS)
+                mixture.observe_successors([(b, tree.token_ids[u], top) for b, u, top in zip(before, visited, tops)])
+            marks.append(_now())
+            commit_accepted(cache, n_cached, accepted)
+            marks.append(_now())
+            mixture.observe(rid, new_tokens)
+            marks.append(_now())
+            calibrator.learn(drafts, new_tokens, tree, accepted)
+            marks.append(_now())
+            walk.restore()
+            if new_tokens != rest[: len(new_tokens)]:
+                raise AssertionError(f"{rid}: greedy acceptance left the recorded response")
+            context.extend(new_tokens)
+            steps += 1
+            mode.digest.update(repr((tree.token_ids, tree.parents, accepted, chosen)).encode())
+            if timed:
+                spans = [(0, 1), (1, 2), (2, 3), (3, 4), (5, 6), (6, 7), (7, 8), (8, 9), (9, 10)]  # 4 -> 5: untimed
+                for phase, (a, b) in zip(PHASES, spans):
+                    mode.times[phase].append(marks[b][0] - marks[a][0])
+                    mode.cpu_times[phase].append(marks[b][1] - marks[a][1])
+                mode.nodes.append(tree.num_draft_nodes)
+                mode.chosen.append(chosen)
+    finally:
+        mixture.stop(rid)
+
+
+def summarize(mode: Mode) -> dict:
+    nodes = np.array(mode.nodes)
+    full = nodes >= FULL_TREE
+    out = {"paths": mode.paths.name, "steps": int(len(nodes)), "mean_nodes": float(nodes.mean()),
+           "steps_at_64": int(full.sum()), "mean_nodes_at_64": float(nodes[full].mean()) if full.any() else None,
+           "node_histogram": {f"{lo}-{hi}" if lo != hi else str(lo): int(((nodes >= lo) & (nodes <= hi)).sum())
+                              for lo, hi in NODE_BINS},
+           "mean_chosen": float(np.mean(mode.chosen))}
+    for clock, times in (("wall", mode.times), ("cpu", mode.cpu_times)):
+        out[f"{clock}_us"] = _phases(times, np.ones(len(nodes), bool))
+        out[f"{clock}_us_at_64"] = _phases(times, full) if full.any() else {}
+    return out
+
+
+def _phases(times: dict, rows: np.ndarray) -> dict:
+    """Mean and median µs per phase over the steps in ``rows``, and of their total."""
+    out, total = {}, np.zeros(int(rows.sum()))
+    for phase in PHASES:
+        us = np.array(times[phase])[rows] / 1e3
+        total += us
+        out[phase] = {"mean": float(us.mean()), "median": float(np.median(us))}
+    out["total"] = {"mean": float(total.mean()), "median": float(np.median(total)), "p90": float(np.percentile(total, 90))}
+    return out
+
+
+def table(summaries: list[dict], key: str) -> str:
+    rows = []
+    for phase in (*PHASES, "total"):
+        row = {"phase": phase}
+        for s in summaries:
+            got = s[key].get(phase)
+            row[f"{s['paths']}_mean"] = got["mean"] if got else None
+            row[f"{s['paths']}_median"] = got["median"] if got else None
+        rows.append(row)
+    columns = [("phase", "phase", "")]
+    for s in summaries:
+        columns += [(f"{s['paths']}_mean", f"{s['paths']} mean", ".1f"),
+                    (f"{s['paths']}_median", f"{s['paths']} median", ".1f")]
+    return format_table(rows, columns)
+
+
+def load_records(spec: str, data: str, tokenizer) -> list[tuple[str, str, list[int], list[int]]]:
+    """(workload, id, prompt ids, response ids) for ``workload:count,...``, in that order."""
+    out = []
+    for item in spec.split(","):
+        workload, _, count = item.partition(":")
+        records = list(WORKLOADS[workload](data))[: int(count or 1)]
+        for i, record in enumerate(records):
+            rid, prompt, response = tokenize_record(record, tokenizer, i)
+            if response:
+                out.append((workload, rid, prompt, response))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", default=DEFAULT_RECORDS,
+                    help="workload:count,... replayed in order; the first record of each workload warms up (untimed)")
+    ap.add_argument("--data", default=str(SHARED_DIR / "data"), help="shared data folder")
+    ap.add_argument("--tokenizer", default=str(SHARED_DIR / "data/tokenizers/llama2/tokenizer.model"))
+    ap.add_argument("--max-steps", type=int, default=120, help="steps per record at most")
+    ap.add_argument("--paths", default="reference,fast", help="which sets of paths to time")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the engine's default on this machine: 1-2)")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "overhead.json"))
+    args = ap.parse_args(argv)
+    if not os.path.isdir(args.data):
+        print(f"skipped: shared data not found at {args.data}")
+        return 0
+    torch.set_num_threads(args.threads)
+    meta = run_metadata(threads_set_by_benchmark=True)
+    tokenizer = load_tokenizer(args.tokenizer)
+    records = load_records(args.records, args.data, tokenizer)
+    factories = {"reference": reference_paths, "fast": fast_paths}
+    modes = [Mode.make(factories[name]()) for name in args.paths.split(",")]
+    kv = KVBuffer(max(len(p) + len(r) for _, _, p, r in records) + 2 + MAX_NODES)
+    slot_kv = SlotKV()
+    walk = WalkLogits()
+    cost = CostModel(COST_SIZES, COST_SECONDS)
+    seen: set = set()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for workload, rid, prompt, response in records:
+            timed = workload in seen
+            seen.add(workload)
+            for mode in modes:  # record by record in turn: load on this shared machine hits both alike
+                gc.collect()
+                run_record(mode, rid, prompt, response, slot_kv if mode.paths.slot_cache else kv, walk, cost,
+                           timed, args.max_steps)
+    seconds = time.perf_counter() - start
+    summaries = [summarize(mode) for mode in modes]
+    identical = len({mode.digest.hexdigest() for mode in modes}) == 1
+    for s in summaries:
+        print(f"{s['paths']}: {s['steps']} timed steps, mean {s['mean_nodes']:.1f} draft nodes, "
+              f"{s['steps_at_64']} steps with >= {FULL_TREE} (mean {s['mean_nodes_at_64'] or 0:.1f}); "
+              f"nodes histogram {s['node_histogram']}; chooser would keep {s['mean_chosen']:.1f} on average")
+    for clock, what in (("wall", "wall clock"), ("cpu", "this thread's CPU time")):
+        print(f"\nµs per step ({what}), steps with >= {FULL_TREE} draft nodes:")
+        print(table(summaries, f"{clock}_us_at_64"))
+    print("\nµs per step (wall clock), all timed steps:")
+    print(table(summaries, "wall_us"))
+    print(f"\ntrees and accepted nodes identical across paths: {identical}  ({seconds:.0f} s)")
+    config = {**vars(args), "max_nodes": MAX_NODES, "max_depth": MAX_DEPTH, "full_tree": FULL_TREE,
+              "kv_cache": f"{LAYERS} layers x [1, {KV_HEADS}, ctx+1+n, {HEAD_DIM}] {DTYPE}",
+              "logits": f"[1+n, {VOCAB}] {DTYPE}", "cost_model": {"sizes": COST_SIZES, "seconds": COST_SECONDS}}
+    path = write_result(args.out, "overhead", config, summaries, meta=meta, threads_set_by_benchmark=True,
+                        identical_across_paths=identical, seconds=seconds)
+    print(f"wrote {path}")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

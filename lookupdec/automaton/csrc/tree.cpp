@@ -1,0 +1,593 @@
+// The step's tree merge; see tree.hpp. Comments name the lines of lookupdec/tree.py's
+// reference (from_drafts_reference, coherent_scores, select_top_nodes) each part mirrors.
+#include "tree.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define LOOKUPDEC_X86 1
+#endif
+
+namespace lookupdec {
+
+namespace {
+
+constexpr uint64_t kFibonacci = 0x9E3779B97F4A7C15ull;
+
+// Python's min(a, b) and max(a, b): the first argument unless the second is strictly
+// smaller (larger). Spelled out so that NaN and -0.0 come out as in the reference.
+inline double py_min(double a, double b) { return b < a ? b : a; }
+inline double py_max(double a, double b) { return b > a ? b : a; }
+
+int32_t depth_bucket(int32_t depth) {  // bisect_right(DEPTH_BUCKETS, depth) - 1
+  int32_t b = 0;
+  while (b + 1 < kNumDepthBuckets && kDepthBuckets[b + 1] <= depth) ++b;
+  return b;
+}
+
+int32_t cond_bucket(double cond) {  // bisect_right(COND_BUCKETS, cond) - 1, Python's bisection (NaN: last)
+  int32_t lo = 0, hi = kNumCondBuckets;
+  while (lo < hi) {
+    int32_t mid = (lo + hi) / 2;
+    if (cond < kCondBuckets[mid]) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo - 1;
+}
+
+// (parent node, token) -> node: open addressing, linear probing, sized once per merge.
+class TrieIndex {
+ public:
+  explicit TrieIndex(size_t expected) {
+    size_t capacity = 16;
+    while (capacity < 2 * expected + 2) capacity *= 2;
+    keys_.assign(capacity, kEmpty);
+    nodes_.resize(capacity);
+    mask_ = capacity - 1;
+  }
+  // The slot of `key`: its node if present (found = true), else where to insert it.
+  size_t find(uint64_t key, bool* found) const {
+    size_t i = static_cast<size_t>((key * kFibonacci) >> 32) & mask_;
+    while (keys_[i] != kEmpty && keys_[i] != key) i = (i + 1) & mask_;
+    *found = keys_[i] == key;
+    return i;
+  }
+  int32_t node(size_t slot) const { return nodes_[slot]; }
+  void insert(size_t slot, uint64_t key, int32_t node) {
+    keys_[slot] = key;
+    nodes_[slot] = node;
+  }
+
+ private:
+  static constexpr uint64_t kEmpty = ~uint64_t{0};
+  std::vector<uint64_t> keys_;
+  std::vector<int32_t> nodes_;
+  size_t mask_;
+};
+
+struct Trie {  // the full trie before pruning (from_drafts_reference's lists)
+  std::vector<int32_t> token_ids, parents, sources, cells, depth;
+  std::vector<double> scores, conds;
+  std::vector<uint8_t> point_mass;
+  std::vector<int32_t> local_node;  // [total] draft node -> trie node, -1 if cut
+
+  void reserve(size_t n) {
+    for (auto* v : {&token_ids, &parents, &sources, &cells, &depth}) v->reserve(n);
+    scores.reserve(n);
+    conds.reserve(n);
+    point_mass.reserve(n);
+  }
+
+  int32_t add(int32_t token, int32_t parent, double score, int32_t source, uint8_t pm, int32_t cell,
+              double cond, int32_t d) {
+    token_ids.push_back(token);
+    parents.push_back(parent);
+    scores.push_back(score);
+    sources.push_back(source);
+    point_mass.push_back(pm);
+    cells.push_back(cell);
+    conds.push_back(cond);
+    depth.push_back(d);
+    return static_cast<int32_t>(token_ids.size()) - 1;
+  }
+};
+
+void check_draft(const MergeInput& in, int64_t d) {
+  int64_t begin = in.offsets[d], end = in.offsets[d + 1];
+  if (begin < 0 || end < begin) throw std::invalid_argument("merge_drafts: offsets must not decrease");
+  for (int64_t i = begin; i < end; ++i) {
+    int32_t p = in.parents[i];
+    if (p < -1 || p >= i - begin)
+      throw std::invalid_argument("merge_drafts: draft " + std::to_string(d) + " parents[" +
+                                  std::to_string(i - begin) + "]=" + std::to_string(p) +
+                                  " must be in [-1, " + std::to_string(i - begin) + ")");
+  }
+}
+
+// Each node's factor and flat cell (Calibration.node_factors).
+void node_factors(const MergeInput& in, int64_t d, std::vector<double>* factors, std::vector<int32_t>* cells,
+                  std::vector<int32_t>* depth, std::vector<int32_t>* rank) {
+  int64_t begin = in.offsets[d], n = in.offsets[d + 1] - begin;
+  int32_t row = in.rows[d];
+  factors->assign(n, in.fallback[d]);
+  cells->assign(n, -1);
+  if (row < 0) return;
+  const int32_t* parents = in.parents + begin;
+  depth->resize(n);
+  for (int64_t i = 0; i < n; ++i) (*depth)[i] = parents[i] < 0 ? 1 : (*depth)[parents[i]] + 1;
+  sibling_ranks(parents, in.scores + begin, n, rank);
+  const double* scores = in.scores + begin;
+  for (int64_t i = 0; i < n; ++i) {
+    double parent_score = parents[i] >= 0 ? scores[parents[i]] : 1.0;
+    double cond = parent_score > 0 ? scores[i] / parent_score : 0.0;
+    int64_t cell = static_cast<int64_t>(row) * kCellsPerRow +
+                   (depth_bucket((*depth)[i]) * kSiblingRanks + std::min((*rank)[i], kSiblingRanks - 1)) *
+                       kNumCondBuckets +
+                   cond_bucket(cond);
+    int64_t at = cell < 0 ? cell + in.table_size : cell;  // Python's indexing (a negative score's cell)
+    if (at < 0 || at >= in.table_size) throw std::out_of_range("merge_drafts: calibration cell outside the table");
+    (*cells)[i] = static_cast<int32_t>(cell);
+    (*factors)[i] = !in.probabilities ? in.table[at] : cond > 0 ? in.table[at] / cond : 0.0;
+  }
+}
+
+// The trie merge (from_drafts_reference's loop over drafts).
+Trie build_trie(const MergeInput& in) {
+  int64_t total = in.offsets[in.num_drafts];
+  Trie trie;
+  trie.reserve(static_cast<size_t>(total) + 1);
+  trie.local_node.assign(total, -1);
+  trie.add(in.root_token, -1, 1.0, -1, 1, -1, 1.0, 0);
+  TrieIndex index(static_cast<size_t>(total));
+  std::vector<double> factors;
+  std::vector<int32_t> cells, depth, rank;
+  for (int64_t d = 0; d < in.num_drafts; ++d) {
+    check_draft(in, d);
+    node_factors(in, d, &factors, &cells, &depth, &rank);
+    int64_t begin = in.offsets[d], n = in.offsets[d + 1] - begin;
+    const double* raw = in.scores + begin;
+    int32_t* local = trie.local_node.data() + begin;
+    uint8_t pm = in.point_mass[d];
+    for (int64_t i = 0; i < n; ++i) {
+      int32_t par = in.parents[begin + i];
+      int32_t parent = par < 0 ? 0 : local[par];
+      if (parent < 0) continue;  // an ancestor was cut by max_depth
+      int32_t token = in.tokens[begin + i];
+      uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
+      bool found;
+      size_t slot = index.find(key, &found);
+      double raw_parent = par < 0 ? 1.0 : raw[par];
+      double cond = raw_parent > 0 ? raw[i] / raw_parent : 0.0;
+      double score = trie.scores[parent] * py_min(1.0, factors[i] * cond);
+      if (!found) {
+        if (trie.depth[parent] >= in.max_depth) continue;
+        int32_t node = trie.add(token, parent, score, static_cast<int32_t>(d), pm, cells[i], cond,
+                                trie.depth[parent] + 1);
+        index.insert(slot, key, node);
+        local[i] = node;
+      } else {
+        int32_t node = index.node(slot);
+        trie.point_mass[node] = trie.point_mass[node] || pm;
+        if (score > trie.scores[node]) {
+          trie.scores[node] = score;
+          trie.sources[node] = static_cast<int32_t>(d);
+          trie.cells[node] = cells[i];
+          trie.conds[node] = cond;
+        }
+        local[i] = node;
+      }
+    }
+  }
+  return trie;
+}
+
+// coherent_scores: children keep their conditional probability in order of confidence until
+// the mass left runs out.
+std::vector<double> coherent_scores(const std::vector<int32_t>& parents, const std::vector<double>& scores) {
+  size_t n = parents.size();
+  std::vector<int32_t> first(n + 1, 0), kids(n > 0 ? n - 1 : 0);
+  for (size_t i = 1; i < n; ++i) ++first[parents[i] + 1];
+  for (size_t i = 1; i <= n; ++i) first[i] += first[i - 1];
+  std::vector<int32_t> fill(first.begin(), first.end() - 1);
+  for (size_t i = 1; i < n; ++i) kids[fill[parents[i]]++] = static_cast<int32_t>(i);  // index order
+  std::vector<double> out(scores), cond(n);
+  for (size_t node = 0; node < n; ++node) {
+    int32_t* begin = kids.data() + first[node];
+    int32_t* end = kids.data() + first[node + 1];
+    if (begin == end) continue;
+    double old_parent = scores[node];
+    for (int32_t* k = begin; k != end; ++k) cond[*k] = old_parent > 0 ? scores[*k] / old_parent : 0.0;
+    std::sort(begin, end, [&](int32_t a, int32_t b) { return cond[a] > cond[b] || (cond[a] == cond[b] && a < b); });
+    double left = 1.0;
+    for (int32_t* k = begin; k != end; ++k) {
+      double c = py_min(cond[*k], py_max(left, 0.0));
+      left -= c;
+      out[*k] = out[node] * c;
+    }
+  }
+  return out;
+}
+
+// Nodes 1..n-1 by score descending, then index (select_top_nodes' sort key): the first `count`
+// of them in order (the rest unordered).
+std::vector<int32_t> prune_order(const std::vector<double>& scores, size_t count) {
+  std::vector<int32_t> order;
+  order.reserve(scores.size());
+  for (size_t i = 1; i < scores.size(); ++i) order.push_back(static_cast<int32_t>(i));
+  auto before = [&](int32_t a, int32_t b) { return scores[a] > scores[b] || (scores[a] == scores[b] && a < b); };
+  if (count < order.size()) {
+    std::partial_sort(order.begin(), order.begin() + count, order.end(), before);
+  } else {
+    std::sort(order.begin(), order.end(), before);
+  }
+  return order;
+}
+
+// Whether no node scores above its parent: then a parent always precedes its children in prune
+// order (ties go to the lower index), and select_top_nodes takes a prefix of that order.
+bool scores_never_rise(const std::vector<int32_t>& parents, const std::vector<double>& scores) {
+  for (size_t i = 1; i < parents.size(); ++i)
+    if (!(scores[i] <= scores[parents[i]])) return false;
+  return true;
+}
+
+}  // namespace
+
+void sibling_ranks(const int32_t* parents, const double* scores, int64_t n, std::vector<int32_t>* rank) {
+  rank->assign(n, 0);
+  bool chain = true;
+  for (int64_t i = 0; i < n && chain; ++i) chain = parents[i] == i - 1;
+  if (chain) return;
+  // children of each parent (index order), parent -1 shifted to 0
+  std::vector<int32_t> first(n + 2, 0), kids(n);
+  for (int64_t i = 0; i < n; ++i) ++first[parents[i] + 2];
+  for (int64_t i = 2; i <= n + 1; ++i) first[i] += first[i - 1];
+  std::vector<int32_t> fill(first.begin(), first.end() - 1);
+  for (int64_t i = 0; i < n; ++i) kids[fill[parents[i] + 1]++] = static_cast<int32_t>(i);
+  for (int64_t p = 0; p <= n; ++p) {
+    int32_t* begin = kids.data() + first[p];
+    int32_t* end = kids.data() + first[p + 1];
+    if (end - begin < 2) continue;
+    std::sort(begin, end, [&](int32_t a, int32_t b) {
+      return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+    });
+    for (int32_t* k = begin; k != end; ++k) (*rank)[*k] = static_cast<int32_t>(k - begin);
+  }
+}
+
+MergedTree merge_drafts(const MergeInput& in) {
+  if (in.max_nodes < 0 || in.max_depth < 0) throw std::invalid_argument("merge_drafts: negative budget");
+  Trie trie = build_trie(in);
+  int32_t n = static_cast<int32_t>(trie.token_ids.size());
+  const size_t order_all = static_cast<size_t>(n);
+  std::vector<double> expected = coherent_scores(trie.parents, trie.scores);
+  // select_top_nodes never skips a node when scores never rise: its first max_nodes suffice
+  bool prefix = n - 1 > in.max_nodes && scores_never_rise(trie.parents, trie.scores);
+  std::vector<int32_t> order = prune_order(trie.scores, prefix ? static_cast<size_t>(in.max_nodes) : order_all);
+  // select_top_nodes: in order, a node whose parent is the root or chosen, until max_nodes
+  std::vector<uint8_t> chosen(n, 0);
+  chosen[0] = 1;
+  std::vector<int32_t> chosen_order;
+  if (n - 1 <= in.max_nodes) {
+    std::fill(chosen.begin(), chosen.end(), 1);
+    chosen_order = order;
+  } else if (prefix) {
+    chosen_order.assign(order.begin(), order.begin() + in.max_nodes);
+    for (int32_t i : chosen_order) chosen[i] = 1;
+  } else {
+    for (int32_t i : order) {
+      if (static_cast<int32_t>(chosen_order.size()) == in.max_nodes) break;
+      if (trie.parents[i] == 0 || chosen[trie.parents[i]]) {
+        chosen[i] = 1;
+        chosen_order.push_back(i);
+      }
+    }
+  }
+  std::vector<int32_t> remap(n, -1);
+  MergedTree out;
+  for (int32_t i = 0; i < n; ++i) {
+    if (!chosen[i]) continue;
+    remap[i] = static_cast<int32_t>(out.token_ids.size());
+    out.token_ids.push_back(trie.token_ids[i]);
+    out.parents.push_back(i == 0 ? -1 : remap[trie.parents[i]]);
+    out.sources.push_back(trie.sources[i]);
+    out.cells.push_back(trie.cells[i]);
+    out.depth.push_back(trie.depth[i]);
+    out.scores.push_back(trie.scores[i]);
+    out.expected.push_back(expected[i]);
+    out.conds.push_back(trie.conds[i]);
+    out.point_mass.push_back(trie.point_mass[i]);
+  }
+  // the kept nodes in prune order: chosen_order restricted to them (all of it), renumbered
+  std::vector<int32_t> position(out.token_ids.size(), -1);
+  out.order.reserve(chosen_order.size());
+  for (int32_t i : chosen_order) {
+    int32_t node = remap[i];
+    int32_t parent = out.parents[node];
+    if (parent > 0 && position[parent] < 0) out.parents_first = false;
+    position[node] = static_cast<int32_t>(out.order.size());
+    out.order.push_back(node);
+  }
+  out.node_of.resize(trie.local_node.size());
+  for (size_t i = 0; i < trie.local_node.size(); ++i)
+    out.node_of[i] = trie.local_node[i] < 0 ? -1 : remap[trie.local_node[i]];
+  return out;
+}
+
+MergedTree prune_prefix(const MergedTree& tree, int32_t max_nodes) {
+  if (!tree.parents_first || max_nodes < 0) throw std::invalid_argument("prune_prefix: needs parents first in order");
+  size_t n = tree.token_ids.size();
+  size_t take = std::min(static_cast<size_t>(max_nodes), tree.order.size());
+  std::vector<int32_t> keep(tree.order.begin(), tree.order.begin() + take);
+  std::sort(keep.begin(), keep.end());
+  keep.insert(keep.begin(), 0);
+  std::vector<int32_t> remap(n, -1);
+  MergedTree out;
+  for (size_t k = 0; k < keep.size(); ++k) {
+    int32_t i = keep[k];
+    remap[i] = static_cast<int32_t>(k);
+    out.token_ids.push_back(tree.token_ids[i]);
+    out.parents.push_back(i == 0 ? -1 : remap[tree.parents[i]]);
+    out.sources.push_back(tree.sources[i]);
+    out.cells.push_back(tree.cells[i]);
+    out.depth.push_back(tree.depth[i]);
+    out.scores.push_back(tree.scores[i]);
+    out.expected.push_back(tree.expected[i]);
+    out.conds.push_back(tree.conds[i]);
+    out.point_mass.push_back(tree.point_mass[i]);
+  }
+  for (size_t k = 0; k < take; ++k) out.order.push_back(remap[tree.order[k]]);
+  return out;
+}
+
+void observe_draft(const int32_t* tokens, const int32_t* parents, const double* scores, int64_t n,
+                   const std::vector<int64_t>& committed, double* reached, double* predicted, double* matched,
+                   int64_t stride) {
+  std::vector<int32_t> depth(n), rank;
+  for (int64_t i = 0; i < n; ++i) {
+    if (parents[i] < -1 || parents[i] >= i) throw std::invalid_argument("observe_draft: parents[i] must be in [-1, i)");
+    depth[i] = parents[i] < 0 ? 1 : depth[parents[i]] + 1;
+  }
+  sibling_ranks(parents, scores, n, &rank);
+  std::vector<uint8_t> hit(n, 0);
+  int64_t known = static_cast<int64_t>(committed.size());
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t p = parents[i];
+    if (depth[i] > known || (p >= 0 && !hit[p])) continue;
+    double parent_score = p >= 0 ? scores[p] : 1.0;
+    double cond = parent_score > 0 ? scores[i] / parent_score : 0.0;
+    int64_t cell = (depth_bucket(depth[i]) * kSiblingRanks + std::min(rank[i], kSiblingRanks - 1)) * kNumCondBuckets +
+                   cond_bucket(cond);
+    if (cell < 0) cell += kCellsPerRow;  // Python's indexing (a negative score's cell)
+    reached[cell * stride] += 1.0;
+    predicted[cell * stride] += cond;
+    if (tokens[i] == committed[depth[i] - 1]) {
+      matched[cell * stride] += 1.0;
+      hit[i] = 1;
+    }
+  }
+}
+
+void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask) {
+  std::memset(mask, 0, static_cast<size_t>(n * n));
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t p = parents[i];
+    if (p >= 0) {
+      if (p >= i) throw std::invalid_argument("ancestor_mask: parents[i] must be < i");
+      std::memcpy(mask + i * n, mask + static_cast<int64_t>(p) * n, static_cast<size_t>(p) + 1);
+    }
+    mask[i * n + i] = 1;
+  }
+}
+
+namespace {
+
+template <class T>
+void fill_mask(const uint8_t* seen, int64_t n, int64_t n_cached, T fill, T* mask) {
+  int64_t width = n_cached + n;
+  for (int64_t i = 0; i < n; ++i) {
+    T* row = mask + i * width;
+    std::fill(row, row + n_cached, T{0});
+    const uint8_t* visible = seen + i * n;
+    for (int64_t j = 0; j < n; ++j) row[n_cached + j] = visible[j] ? T{0} : fill;
+  }
+}
+
+}  // namespace
+
+void additive_tree_mask(const int32_t* parents, int64_t n, int64_t n_cached, size_t elem_size, const uint8_t* fill,
+                        uint8_t* mask) {
+  std::vector<uint8_t> seen(static_cast<size_t>(n * n));
+  ancestor_mask(parents, n, seen.data());
+  switch (elem_size) {  // the element as an unsigned integer of its size: zero bits are 0.0
+    case 2: {
+      uint16_t value;
+      std::memcpy(&value, fill, 2);
+      fill_mask(seen.data(), n, n_cached, value, reinterpret_cast<uint16_t*>(mask));
+      return;
+    }
+    case 4: {
+      uint32_t value;
+      std::memcpy(&value, fill, 4);
+      fill_mask(seen.data(), n, n_cached, value, reinterpret_cast<uint32_t*>(mask));
+      return;
+    }
+    case 8: {
+      uint64_t value;
+      std::memcpy(&value, fill, 8);
+      fill_mask(seen.data(), n, n_cached, value, reinterpret_cast<uint64_t*>(mask));
+      return;
+    }
+    default:
+      throw std::invalid_argument("additive_tree_mask: elements of 2, 4 or 8 bytes");
+  }
+}
+
+namespace {
+
+int64_t first_nan(const float* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j)
+    if (x[j] != x[j]) return j;
+  return -1;
+}
+
+int64_t argmax_scalar(const float* x, int64_t n) {
+  int64_t nan = first_nan(x, n);
+  if (nan >= 0) return nan;
+  int64_t best = 0;
+  for (int64_t j = 1; j < n; ++j)
+    if (x[j] > x[best]) best = j;
+  return best;
+}
+
+#ifdef LOOKUPDEC_X86
+// Two passes: the maximum and whether a NaN occurs (4 x 8 lanes), then its first index.
+__attribute__((target("avx2"))) int64_t argmax_avx2(const float* x, int64_t n) {
+  __m256 m0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0, m2 = m0, m3 = m0;
+  __m256 unordered = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
+    m0 = _mm256_max_ps(a, m0);  // a NaN in a leaves m0: NaNs are found by `unordered`
+    m1 = _mm256_max_ps(b, m1);
+    m2 = _mm256_max_ps(c, m2);
+    m3 = _mm256_max_ps(d, m3);
+    unordered = _mm256_or_ps(unordered, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q),
+                                                     _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+  float best = lanes[0];
+  for (int k = 1; k < 8; ++k) best = lanes[k] > best ? lanes[k] : best;
+  bool nan = _mm256_movemask_ps(unordered) != 0;
+  for (; i < n; ++i) {
+    best = x[i] > best ? x[i] : best;
+    nan = nan || x[i] != x[i];
+  }
+  if (nan) return first_nan(x, n);
+  __m256 target = _mm256_set1_ps(best);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ));
+    if (mask) return j + __builtin_ctz(static_cast<unsigned>(mask));
+  }
+  for (; j < n; ++j)
+    if (x[j] == best) return j;
+  return 0;  // every entry -inf: the first
+}
+#endif
+
+}  // namespace
+
+int64_t row_argmax(const float* x, int64_t n) {
+  if (n <= 0) throw std::invalid_argument("row_argmax: empty row");
+#ifdef LOOKUPDEC_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return argmax_avx2(x, n);
+#endif
+  return argmax_scalar(x, n);
+}
+
+namespace {
+
+// The k best of a row, one entry at a time: NaN indices (first `want`), and the best
+// `want` others above -inf by (value desc, index asc). `floor` is what an entry must beat.
+struct TopK {
+  size_t want;
+  std::vector<int32_t> nans;
+  std::vector<std::pair<float, int32_t>> best;
+  float floor = -std::numeric_limits<float>::infinity();
+
+  void add(float v, int32_t j) {
+    if (v != v) {
+      if (nans.size() < want) nans.push_back(j);
+      return;
+    }
+    if (!(v > floor)) return;
+    auto at = std::upper_bound(best.begin(), best.end(), v,
+                               [](float value, const std::pair<float, int32_t>& e) { return value > e.first; });
+    best.insert(at, {v, j});  // after equal values: the earlier index first
+    if (best.size() > want) best.pop_back();
+    if (best.size() == want) floor = best.back().first;
+  }
+};
+
+#ifdef LOOKUPDEC_X86
+__attribute__((target("avx2"))) void scan_topk_avx2(const float* x, int64_t n, TopK* top) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_loadu_ps(x + j);
+    __m256 floor = _mm256_set1_ps(top->floor);
+    int mask = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, floor, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    while (mask) {
+      int lane = __builtin_ctz(static_cast<unsigned>(mask));
+      top->add(x[j + lane], static_cast<int32_t>(j + lane));
+      mask &= mask - 1;
+    }
+  }
+  for (; j < n; ++j) top->add(x[j], static_cast<int32_t>(j));
+}
+#endif
+
+}  // namespace
+
+void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out) {
+  out->clear();
+  int64_t want = std::min<int64_t>(k, n);
+  if (want <= 0) return;
+  TopK top{static_cast<size_t>(want), {}, {}};
+  top.best.reserve(static_cast<size_t>(want) + 1);
+#ifdef LOOKUPDEC_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) {
+    scan_topk_avx2(x, n, &top);
+  } else {
+    for (int64_t j = 0; j < n; ++j) top.add(x[j], static_cast<int32_t>(j));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) top.add(x[j], static_cast<int32_t>(j));
+#endif
+  for (int32_t j : top.nans) out->push_back(j);  // repeated argmax takes NaNs first
+  for (const auto& e : top.best) {
+    if (static_cast<int64_t>(out->size()) == want) break;
+    out->push_back(e.second);
+  }
+  while (static_cast<int64_t>(out->size()) < want) out->push_back(0);  // then only -inf is left: index 0
+}
+
+std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
+                                 const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
+                                 int64_t* next_token, bool* bonus) {
+  size_t n = token_ids.size();
+  std::vector<int32_t> first(n + 1, 0), kids(n > 0 ? n - 1 : 0);  // children of each node
+  for (size_t i = 1; i < n; ++i) ++first[parents[i] + 1];
+  for (size_t i = 1; i <= n; ++i) first[i] += first[i - 1];
+  std::vector<int32_t> fill(first.begin(), first.end() - 1);
+  for (size_t i = 1; i < n; ++i) kids[fill[parents[i]]++] = static_cast<int32_t>(i);
+  std::vector<int32_t> accepted;
+  int32_t node = 0;
+  for (;;) {
+    int64_t token = row_argmax(logits + node * row_stride, vocab);
+    int32_t child = -1;
+    for (int32_t k = first[node]; k < first[node + 1]; ++k)
+      if (token_ids[kids[k]] == token) child = kids[k];
+    if (child < 0) {
+      *next_token = token;
+      *bonus = first[node] == first[node + 1];
+      return accepted;
+    }
+    accepted.push_back(child);
+    node = child;
+  }
+}
+
+}  // namespace lookupdec

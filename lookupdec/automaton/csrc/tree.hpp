@@ -1,0 +1,95 @@
+// The step's tree merge, compiled: what lookupdec.tree.TokenTree.from_drafts_reference computes
+// (per-draft calibration cells, conditional probabilities, the trie merge with the best score
+// winning, the max_depth cut, coherent scores, the max_nodes best nodes with their ancestors),
+// in one call. Every floating-point operation is the reference's, in the reference's order,
+// so scores are bit-identical (this file is compiled with -ffp-contract=off).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace lookupdec {
+
+// Calibration cells: as lookupdec.tree's DEPTH_BUCKETS, SIBLING_RANKS and COND_BUCKETS (checked
+// at import): a node's cell in its row is (depth bucket, sibling rank, bucket of its own
+// conditional probability), lookupdec.tree.draft_cells.
+constexpr int32_t kDepthBuckets[] = {1, 2, 3, 5, 9, 17};
+constexpr int32_t kNumDepthBuckets = 6;
+constexpr int32_t kSiblingRanks = 3;
+constexpr double kCondBuckets[] = {0.0, 0.25, 0.5, 0.75, 0.95};
+constexpr int32_t kNumCondBuckets = 5;
+constexpr int32_t kCellsPerRow = kNumDepthBuckets * kSiblingRanks * kNumCondBuckets;
+
+struct MergeInput {
+  int32_t root_token;
+  const int32_t* tokens;   // [total] every draft's token ids, draft after draft
+  const int32_t* parents;  // [total] parent within its draft, -1 = child of the root
+  const double* scores;    // [total] the proposers' scores
+  const int64_t* offsets;  // [num_drafts + 1] where each draft starts
+  int64_t num_drafts;
+  const int32_t* rows;       // [num_drafts] calibration row, -1 = none (fallback then)
+  const double* fallback;    // [num_drafts] factor of every node of a draft without a row
+  const uint8_t* point_mass; // [num_drafts] 1 = a lookup draft (no draft-model samples)
+  const double* table;       // [table_size] calibration values, row * kCellsPerRow + cell
+  int64_t table_size;
+  bool probabilities;        // the table holds acceptance probabilities: factor = value / cond
+  int32_t max_nodes;
+  int32_t max_depth;
+};
+
+struct MergedTree {  // the kept tree, node 0 = the root, parents before children
+  std::vector<int32_t> token_ids, parents, sources, cells, depth;
+  std::vector<double> scores, expected, conds;
+  std::vector<uint8_t> point_mass;
+  std::vector<int32_t> order;     // draft nodes in prune order: score desc, then index
+  bool parents_first = true;      // every node's parent precedes it in `order` (prune = a prefix)
+  std::vector<int32_t> node_of;   // [total] each draft node's node in the kept tree, -1 if none
+};
+
+MergedTree merge_drafts(const MergeInput& in);
+
+// TokenTree.prune for a tree whose parents come first in prune order: the root and the first
+// max_nodes nodes of `order` (max_nodes >= 0), renumbered in tree order (node_of left empty).
+MergedTree prune_prefix(const MergedTree& tree, int32_t max_nodes);
+
+// Sibling rank of each node within one draft: 0 = the best-scored child of its parent, ties
+// to the earlier node (lookupdec.tree.draft_features).
+void sibling_ranks(const int32_t* parents, const double* scores, int64_t n, std::vector<int32_t>* rank);
+
+// mask[i * n + j] = 1 when node j is node i or one of its ancestors (parents[i] < i).
+void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask);
+
+// The additive attention mask of a verify forward, [n, n_cached + n] elements of `elem_size`
+// bytes, row-major: zero bytes where node i sees slot j (every cached slot, itself, its
+// ancestors), `fill` (the dtype's minimum, elem_size bytes) elsewhere.
+void additive_tree_mask(const int32_t* parents, int64_t n, int64_t n_cached, size_t elem_size, const uint8_t* fill,
+                        uint8_t* mask);
+
+// AcceptanceCalibrator.learn's count of one draft (lookupdec.tree.observe_draft_reference):
+// every node whose parent path matches `committed` was reached, accepted if its own token is
+// the next committed one; reached/predicted/matched ([kCellsPerRow] each, `stride` apart) get
+// 1, its conditional probability and 1 (if accepted) at its cell, in node order.
+void observe_draft(const int32_t* tokens, const int32_t* parents, const double* scores, int64_t n,
+                   const std::vector<int64_t>& committed, double* reached, double* predicted, double* matched,
+                   int64_t stride);
+
+// The index of the largest of x[0:n], numpy's and torch's argmax: the first NaN if there is one,
+// else the first maximum (AVX2 where the CPU has it).
+int64_t row_argmax(const float* x, int64_t n);
+
+// The k largest of x[0:n] as repeated argmax with each pick set to -inf takes them
+// (lookupdec.engine.top_tokens' reference): NaNs first (by index), then values descending (ties
+// by index), entries of -inf never, then index 0 repeated once those run out; min(k, n) picks.
+void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out);
+
+// Greedy acceptance (lookupdec.sampling.accept, greedy without logits processing): from the
+// root, follow the child whose token is the argmax of the node's row of `logits` ([rows,
+// vocab], rows >= nodes, row r at logits + r * row_stride); stop at the first node without
+// such a child. Returns the accepted nodes; *next_token is that node's argmax, *bonus whether
+// it has no children at all.
+std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
+                                 const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
+                                 int64_t* next_token, bool* bonus);
+
+}  // namespace lookupdec

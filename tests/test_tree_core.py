@@ -1,0 +1,191 @@
+"""The compiled tree merge (``TokenTree.from_drafts``, ``csrc/tree.cpp``) and the fast tree
+methods against their pure-Python references, on many random drafts: calibration tables and
+fallback factors, duplicate paths across drafts, draft-model samples, max_depth cuts, every
+budget from 0 to all nodes, and tied scores. Token ids, parents, sources, cells, depths and
+point masses must be equal; scores, expected and conditional probabilities too (the core
+repeats the reference's floating-point operations in order), within 1e-12 at worst."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from lookupdec.tree import CELLS_PER_ROW, Calibration, Draft, TokenTree, _core, match_bucket
+
+pytestmark = pytest.mark.skipif(_core is None, reason="compiled core not built (pip install -e .)")
+
+SOURCES = ("ngram", "suffix", "suffix-global", "draft")
+TIED = (0.0, 0.25, 0.5, 0.5, 1.0)  # scores drawn from few values: ties everywhere
+
+
+def random_draft(rng: random.Random, vocab: int, source: str) -> Draft:
+    size = rng.randint(0, 12)
+    if rng.random() < 0.3:
+        parents = list(range(-1, size - 1))  # a chain
+    else:
+        parents = [rng.randint(-1, i - 1) for i in range(size)]
+    tokens = [rng.randrange(vocab) for _ in range(size)]
+    if rng.random() < 0.3:
+        scores = [rng.choice(TIED) for _ in range(size)]
+    else:
+        scores = [rng.uniform(0.0, 1.0) for _ in range(size)]
+    if size and rng.random() < 0.05:  # out of contract, still merged as the reference merges it
+        scores[rng.randrange(size)] = rng.choice((-0.5, 1.5))
+    samples = None
+    if source == "draft" and size:
+        samples = {at: (f"q{at}", [rng.randrange(vocab)]) for at in rng.sample(range(-1, size), rng.randint(1, 2))}
+    return Draft(tuple(tokens), tuple(parents), tuple(scores), source, rng.randint(0, 40), samples)
+
+
+def random_calibration(rng: random.Random, drafts: list[Draft]):
+    kind = rng.randrange(4)
+    if kind == 0:
+        return None
+    if kind == 1:  # per-source factors, some as (source, bucket) rows
+        factors = {s: rng.uniform(0.0, 1.5) for s in SOURCES if rng.random() < 0.7}
+        for d in drafts:
+            if rng.random() < 0.5:
+                factors[(d.source, match_bucket(d.match_length))] = rng.uniform(0.0, 1.5)
+        return factors
+    keys = list(dict.fromkeys((d.source, match_bucket(d.match_length)) for d in drafts))
+    keys = [k for k in keys if rng.random() < 0.7]
+    table = np.array([[rng.choice((0.0, 0.5, 1.0, 1.5)) if rng.random() < 0.3 else rng.uniform(0.0, 1.5)
+                       for _ in range(CELLS_PER_ROW)] for _ in keys]).reshape(-1, CELLS_PER_ROW)
+    fallback = {s: rng.uniform(0.0, 1.5) for s in SOURCES if rng.random() < 0.5}
+    # probabilities: the table holds each cell's acceptance probability (factor = value / cond)
+    return Calibration({k: i for i, k in enumerate(keys)}, table, fallback, probabilities=rng.random() < 0.5)
+
+
+def random_case(seed: int):
+    rng = random.Random(seed)
+    vocab = rng.choice((2, 3, 5, 50))  # small vocabularies: drafts share prefixes and merge
+    drafts = [random_draft(rng, vocab, rng.choice(SOURCES)) for _ in range(rng.randint(0, 6))]
+    return rng, drafts, random_calibration(rng, drafts), rng.choice((1, 2, 3, 5, 64))
+
+
+def assert_same_tree(fast: TokenTree, ref: TokenTree) -> None:
+    assert fast.token_ids == ref.token_ids
+    assert fast.parents == ref.parents
+    assert fast.sources == ref.sources
+    assert fast.cells == ref.cells
+    assert fast.point_mass == ref.point_mass
+    assert fast.depth == ref.depth
+    assert fast.samples == ref.samples
+    for name in ("scores", "expected", "conds"):
+        got, want = getattr(fast, name), getattr(ref, name)
+        assert got == want, name  # bit-identical: the same operations in the same order
+        assert np.allclose(got, want, rtol=0, atol=1e-12)
+    assert fast.children == ref.children
+    assert fast.is_chain == ref.is_chain
+    assert fast.expected_in_prune_order() == ref.expected_in_prune_order()
+    assert np.array_equal(fast.ancestor_mask(), ref.ancestor_mask_reference())
+
+
+@pytest.mark.parametrize("seed", range(400))
+def test_merge_matches_the_reference(seed):
+    rng, drafts, calibration, max_depth = random_case(seed)
+    full = TokenTree.from_drafts_reference(7, drafts, max_nodes=10**6, max_depth=max_depth, calibration=calibration)
+    for max_nodes in sorted({0, 1, 2, rng.randint(0, len(full)), len(full) - 1, len(full), 10**6}):
+        ref = TokenTree.from_drafts_reference(7, drafts, max_nodes=max_nodes, max_depth=max_depth,
+                                              calibration=calibration)
+        fast = TokenTree.from_drafts(7, drafts, max_nodes=max_nodes, max_depth=max_depth, calibration=calibration)
+        assert_same_tree(fast, ref)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_prune_matches_the_reference(seed):
+    rng, drafts, calibration, max_depth = random_case(seed)
+    fast = TokenTree.from_drafts(3, drafts, max_nodes=10**6, max_depth=max_depth, calibration=calibration)
+    ref = TokenTree.from_drafts_reference(3, drafts, max_nodes=10**6, max_depth=max_depth, calibration=calibration)
+    for n in range(len(fast) + 1):
+        pruned = fast.prune(n)
+        assert_same_tree(pruned, ref.prune_reference(n))
+        for m in (0, n // 2):  # a pruned tree prunes on
+            assert_same_tree(pruned.prune(m), ref.prune_reference(n).prune_reference(m))
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_verify_inputs_of_merged_and_pruned_trees_equal_the_reference(seed):
+    import torch
+
+    from lookupdec.model import tree_inputs, tree_inputs_reference
+
+    rng, drafts, calibration, max_depth = random_case(seed)
+    tree = TokenTree.from_drafts(3, drafts, max_nodes=rng.randint(0, 40), max_depth=max_depth, calibration=calibration)
+    for t in (tree, tree.prune(rng.randint(0, len(tree)))):
+        n_cached = rng.choice((0, 5, 200))
+        dtype = rng.choice((torch.float32, torch.bfloat16))
+        got = tree_inputs(t, n_cached, device="cpu", dtype=dtype)
+        want = tree_inputs_reference(t, n_cached, device="cpu", dtype=dtype)
+        for g, w in zip(got, want):
+            assert (g is None and w is None) or (g.dtype == w.dtype and torch.equal(g, w))
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_greedy_walk_of_merged_trees_equals_the_reference(seed):
+    import torch
+
+    from lookupdec.sampling import SamplingParams, accept, accept_reference
+
+    rng, drafts, calibration, max_depth = random_case(seed)
+    tree = TokenTree.from_drafts(3, drafts, max_nodes=rng.randint(0, 40), max_depth=max_depth, calibration=calibration)
+    logits = torch.randint(0, 4, (len(tree) + rng.randint(0, 2), 60)).float()  # ties; spare rows allowed
+    node = 0
+    while tree.children[node] and rng.random() < 0.85:
+        token, child = rng.choice(sorted(tree.children[node].items()))
+        logits[node, token] = 9.0
+        node = child
+    got, want = accept(tree, logits, SamplingParams()), accept_reference(tree, logits[: len(tree)], SamplingParams())
+    assert (got.accepted, got.next_token, got.bonus) == (want.accepted, want.next_token, want.bonus)
+
+
+def test_hand_made_trees_take_the_reference_paths():
+    tree = TokenTree(token_ids=[9, 1, 2, 3], parents=[-1, 0, 0, 1], scores=[1.0, 0.4, 0.4, 0.4])
+    assert tree.prune_order() == [1, 2, 3]  # ties: the earlier node
+    assert tree.prune(2).token_ids == [9, 1, 2]
+    assert np.array_equal(tree.ancestor_mask(), tree.ancestor_mask_reference())
+    assert not tree.is_chain and TokenTree(token_ids=[5, 6], parents=[-1, 0]).is_chain
+
+
+def test_scores_that_rise_below_a_parent_prune_by_the_definition():
+    # a source scoring a child above its parent: min(1, factor * cond) caps the child at its
+    # parent's score, so the child ties with the parent and the earlier (the parent) is first
+    drafts = [Draft((1, 2), (-1, 0), (0.2, 0.9), "t"), Draft((3,), (-1,), (0.2,), "u")]
+    for n in range(4):
+        fast = TokenTree.from_drafts(0, drafts, max_nodes=n, max_depth=8)
+        ref = TokenTree.from_drafts_reference(0, drafts, max_nodes=n, max_depth=8)
+        assert_same_tree(fast, ref)
+
+
+def test_bad_drafts_are_rejected_by_the_core():
+    draft = Draft.__new__(Draft)
+    draft.__dict__.update(token_ids=(1, 2), parents=(-1, 5), scores=(0.5, 0.5), source="t", match_length=0,
+                          samples=None)
+    with pytest.raises(ValueError, match="parents"):
+        TokenTree.from_drafts(0, [draft], max_nodes=4, max_depth=4)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_observe_draft_matches_the_reference(seed):
+    """The calibrator's count of a draft's reached nodes (compiled) vs its Python loop: the same
+    cells get the same sums, bit for bit (the same additions in the same order)."""
+    from lookupdec.tree import observe_draft, observe_draft_reference
+
+    rng, drafts, _, _ = random_case(seed)
+    for draft in drafts:
+        committed = [rng.randrange(3) for _ in range(rng.randint(0, 8))]
+        if draft.token_ids and rng.random() < 0.5:  # follow one of the draft's paths for a while
+            node, path = rng.randrange(len(draft.token_ids)), []
+            while node >= 0:
+                path.append(draft.token_ids[node])
+                node = draft.parents[node]
+            committed = path[::-1][: rng.randint(0, len(path))] + committed
+        row = rng.randrange(3)  # rows of a [3, CELLS_PER_ROW] table, as the calibrator passes them
+        tables = [[rng.random() * np.ones((3, CELLS_PER_ROW)) for _ in range(3)] for _ in range(2)]
+        for a, b in zip(*tables):
+            b[:] = a
+        observe_draft(draft, committed, *(t[row] for t in tables[0]))
+        observe_draft_reference(draft, committed, *(t[row] for t in tables[1]))
+        for f, w in zip(*tables):
+            assert f.tolist() == w.tolist()
