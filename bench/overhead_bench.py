@@ -249,7 +249,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             marks.append(_now())
             mixture.observe(rid, new_tokens)
             marks.append(_now())
-            calibrator.learn(drafts, new_tokens, tree, accepted)
+            calibrator.learn(drafts, new_tokens)
             marks.append(_now())
             walk.restore()
             if new_tokens != rest[: len(new_tokens)]:

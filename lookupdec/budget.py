@@ -32,14 +32,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, Calibration, Draft, TokenTree, match_bucket, observe_draft
+from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, Calibration, Draft, match_bucket, observe_draft
 
 
 log = logging.getLogger("lookupdec")
 
 CALIBRATION_SECONDS = 2.0  # cap on a full measurement (``CostModel.measure``, benchmarks)
 SEED_SIZES = (1, 4, 16, 64)  # an engine's first context bucket: one forward each, then learnt online
-MAX_MEASURED_TOKENS = 256  # t(n) is measured for n = 1, 2, 4 ... 256 tree tokens by ``measure``
 COST_CACHE_VERSION = 2
 MAX_CACHED_CURVES = 32  # the cost cache keeps the curves updated last
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
@@ -300,11 +299,10 @@ class AcceptanceCalibrator:
                                             probabilities=True)
         return self._calibration
 
-    def learn(self, drafts: Sequence[Draft], committed: Sequence[int], tree: TokenTree | None = None,
-              accepted: Sequence[int] = ()) -> None:
+    def learn(self, drafts: Sequence[Draft], committed: Sequence[int]) -> None:
         """After a step: decay the history once, then count every reached node of every draft
-        against the ``committed`` tokens (``tree`` and ``accepted``, the verified tree and its
-        accepted nodes, add nothing: every verified node came from a draft)."""
+        against the ``committed`` tokens (the verified tree needs no pass of its own: every
+        verified node came from a draft)."""
         self._calibration = None
         self._reached *= HISTORY_DECAY
         self._predicted *= HISTORY_DECAY
@@ -351,10 +349,12 @@ class DraftBudget:
             self.mean_kept = DRAFT_BUDGET_DECAY * self.mean_kept + (1 - DRAFT_BUDGET_DECAY) * kept
 
 
-def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int) -> int:
-    """The ``n`` (0..max_nodes) maximising (1 + sum of the first n values) / (t(1 + n) + overhead);
-    the values are the nodes' probabilities of acceptance in the order pruning keeps them
-    (``TokenTree.expected_in_prune_order``). The first of equal rates wins (fewer nodes).
+def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int,
+                     scale: float = 1.0) -> int:
+    """The ``n`` (0..max_nodes) maximising (1 + scale x sum of the first n values) / (t(1 + n) +
+    overhead); the values are the nodes' probabilities of acceptance in the order pruning keeps
+    them (``TokenTree.expected_in_prune_order``), ``scale`` the step's correction of them
+    (``StepCore.scale``). The first of equal rates wins (fewer nodes).
 
     >>> cost = CostModel([1, 2, 4], [1.0, 1.1, 1.3])
     >>> choose_num_nodes([0.9, 0.8, 0.01], cost, 0.0, 3)   # the third node is not worth 0.1
@@ -366,6 +366,7 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
     expected = np.empty(len(values) + 1)
     expected[0] = 1.0
     np.cumsum(values, out=expected[1:])
+    expected[1:] *= scale
     expected[1:] += 1.0
     seconds = cost.dense(len(values) + 1)[1 : len(values) + 2] + overhead_s
     return int(np.argmax(expected / seconds))

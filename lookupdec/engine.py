@@ -59,8 +59,7 @@ class Generation:
 
 def top_tokens(logits: torch.Tensor, rows: Sequence[int], k: int) -> list[list[int]]:
     """The ``k`` highest-scoring token ids of each of ``rows`` of ``logits`` [n, vocab], best
-    first. On CPU by repeated numpy argmax on a copy of each row (several times faster than
-    ``torch.topk`` there for small k); elsewhere one ``topk``."""
+    first: one pass per row in the compiled core (CPU float32), else ``top_tokens_reference``."""
     fast = top_tokens_compiled(logits, rows, k)  # one pass per row in the compiled core (CPU float32)
     if fast is not None:
         return fast
@@ -300,7 +299,7 @@ class Engine:
             cost = None
             if self.config.budget == "auto":  # cached, seeded from another bucket, or a few forwards here
                 bucket = self._cost_bucket(len(context) + max_new_tokens // 2)
-                cost = self.cost_model(len(context) + max_new_tokens // 2, in_place=True)
+                cost = self.cost_model(bucket, in_place=True)
             produced, seen = 0, set(context)  # seen: distinct ids so far (repetition penalty)
             while produced < max_new_tokens and self._room(context) > 0:
                 if cancelled is not None and cancelled():

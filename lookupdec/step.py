@@ -51,13 +51,13 @@ class StepResult:
     new_tokens: list[int]
     propose_s: float  # proposers' time
     tree_s: float  # merge + choose + prune
-    scale: float = 1.0  # the step's correction of the tree's expected gains (``StepCore.scale``)
+    promised: float = 0.0  # sum of the tree's nodes' calibrated probabilities of being reached
+    scale: float = 1.0  # the step's correction of them (``StepCore.scale``)
 
     @property
     def predicted(self) -> float:
-        """Accepted draft tokens the tree promised the chooser (sum of the nodes' calibrated
-        probabilities of being reached, times ``scale``), to set against ``len(accepted)``."""
-        return sum(self.tree.expected[1:]) * self.scale
+        """Accepted draft tokens the tree promised the chooser, to set against ``len(accepted)``."""
+        return self.promised * self.scale
 
     def count_sources(self, accepted_by_source: dict, nodes_by_source: dict | None = None) -> None:
         """Add this step's accepted (and verified) draft nodes per source to the dicts."""
@@ -94,25 +94,26 @@ class StepCore:
         """One step: propose, merge, choose, ``verdict(tree)``, observe, learn. ``context`` (the
         prompt and the output so far) is not changed: the caller appends ``new_tokens``."""
         t0 = time.perf_counter()
+        scale = self.scale
         max_nodes = self.draft_budget.nodes(self.max_nodes) if cost is not None else self.max_nodes
         drafts = self.mixture.propose(request_id, context, max_nodes)
         t1 = time.perf_counter()
         tree = self.build_tree(context[-1], drafts, max_nodes=max_nodes, max_depth=max_depth, cost=cost,
-                               overhead_s=overhead_s)
+                               overhead_s=overhead_s, scale=scale)
         t2 = time.perf_counter()
         judged = verdict(tree)
         self.mixture.observe(request_id, judged.new_tokens)
         if self.calibrator is not None:
-            self.calibrator.learn(drafts, judged.new_tokens, tree, judged.accepted)
-        scale = self.scale
+            self.calibrator.learn(drafts, judged.new_tokens)
+        promised = sum(tree.expected[1:]) if tree.num_draft_nodes else 0.0
         if tree.num_draft_nodes:
-            self._promised = SCALE_DECAY * self._promised + sum(tree.expected[1:])
+            self._promised = SCALE_DECAY * self._promised + promised
             self._accepted = SCALE_DECAY * self._accepted + len(judged.accepted)
         else:  # nothing verified, nothing learnt: drift back towards 1, or a low scale would stick
             self._promised = SCALE_DECAY * self._promised + (1 - SCALE_DECAY) * SCALE_PRIOR
             self._accepted = SCALE_DECAY * self._accepted + (1 - SCALE_DECAY) * SCALE_PRIOR
         return StepResult(tree, drafts, judged.accepted[: len(judged.new_tokens)], judged.new_tokens,
-                          propose_s=t1 - t0, tree_s=t2 - t1, scale=scale)
+                          propose_s=t1 - t0, tree_s=t2 - t1, promised=promised, scale=scale)
 
     @property
     def scale(self) -> float:
@@ -123,7 +124,7 @@ class StepCore:
         return min(SCALE_MAX, max(SCALE_MIN, self._accepted / self._promised))
 
     def build_tree(self, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
-                   cost: CostModel | None, overhead_s: float) -> TokenTree:
+                   cost: CostModel | None, overhead_s: float, scale: float = 1.0) -> TokenTree:
         """Merge the drafts into one trie and keep the nodes worth verifying."""
         calibration = self.calibrator.calibration() if self.calibrator is not None else None
         tree = TokenTree.from_drafts(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
@@ -131,8 +132,6 @@ class StepCore:
         if self.chain_only:
             tree = tree.best_chain()
         if cost is not None and tree.num_draft_nodes:
-            scale = self.scale
-            gains = [e * scale for e in tree.expected_in_prune_order()]
-            tree = tree.prune(choose_num_nodes(gains, cost, overhead_s, max_nodes))
+            tree = tree.prune(choose_num_nodes(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale))
             self.draft_budget.observe(tree.num_draft_nodes)
         return tree
