@@ -119,7 +119,7 @@ def cost_curve(engine) -> dict:
     from lookupdec.budget import CostModel
 
     for n in COST_SIZES:
-        engine.target.prepare(n)  # kernel choices first (model/head.py), outside the timing
+        engine.target.prepare(n)  # kernel choices first (model/kernels.py), outside the timing
     timer = engine.target.chain_forward_timer(COST_CONTEXT)
     try:
         cost = CostModel.measure(timer, max_tokens=COST_SIZES_MAX, sizes=COST_SIZES)

@@ -39,7 +39,7 @@ log = logging.getLogger("lookupdec")
 
 CALIBRATION_SECONDS = 2.0  # cap on a full measurement (``CostModel.measure``, benchmarks)
 SEED_SIZES = (1, 4, 16, 64)  # an engine's first context bucket: one forward each, then learnt online
-COST_CACHE_VERSION = 2
+COST_CACHE_VERSION = 3  # 3: the key names the kernels (model/kernels.py)
 MAX_CACHED_CURVES = 32  # the cost cache keeps the curves updated last
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
 COST_LEARNING_RATE = 0.1  # an observed forward moves its size's estimate this far (after the first few)
@@ -169,9 +169,10 @@ def cost_cache_path() -> str | None:
     return os.path.join(base, "lookupdec", "cost_curves.json")
 
 
-def cost_key(model_config: dict, device, dtype, context_tokens: int) -> str:
+def cost_key(model_config: dict, device, dtype, context_tokens: int, kernels: str = "plain") -> str:
     """What a cost curve depends on: the architecture (not the weights' values), the device,
-    the dtype, the context length bucket, torch's version and, on CPU, its thread count."""
+    the dtype, the context length bucket, torch's version, on CPU its thread count, and which
+    kernels the forwards use (``TargetModel.kernels``)."""
     import torch
 
     arch = {k: v for k, v in model_config.items() if k not in ("_name_or_path", "transformers_version")}
@@ -181,7 +182,7 @@ def cost_key(model_config: dict, device, dtype, context_tokens: int) -> str:
         where = f"cuda:{torch.cuda.get_device_name(device)}"
     else:
         where = f"{device.type}:{platform.machine()}:{os.cpu_count()}cpus:{torch.get_num_threads()}threads"
-    return f"{model_config.get('model_type', '?')}-{digest}|{where}|{dtype}|ctx{context_tokens}|torch{torch.__version__}"
+    return f"{model_config.get('model_type', '?')}-{digest}|{where}|{dtype}|ctx{context_tokens}|torch{torch.__version__}|{kernels}"
 
 
 def load_cached_cost(key: str) -> CostModel | None:

@@ -128,7 +128,7 @@ class EngineConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)  # used when the engine has a draft model
     verify: str = "auto"  # "auto" (probe tree masks), "tree", or "chain" (one path per step)
     fast_kernels: bool = True  # CPU: the output projection by the fastest product form per row
-    #                            count, grouped K/V heads not copied in attention (model/head.py);
+    #                            count, grouped K/V heads not copied in attention (model/kernels.py);
     #                            same logits up to float rounding (greedy identity is tested)
 
     def __post_init__(self) -> None:

@@ -101,7 +101,7 @@ class _Timer:
 
     def __init__(self) -> None:
         self.draft = self.forward = self.total = 0.0
-        self.prepare = 0.0  # one-time kernel choices inside verify (model/head.py): neither forward nor overhead
+        self.prepare = 0.0  # one-time kernel choices inside verify (model/kernels.py): neither forward nor overhead
         self.nodes = self.steps = 0
         self.predicted = 0.0
         self.accepted = 0
@@ -371,7 +371,8 @@ class Engine:
         bucket = self._cost_bucket(context_tokens)
         if bucket not in self._costs:
             limit = self.target.max_context or 1 << 20
-            key = cost_key(self.target.config.to_dict(), self.target.device, self.target.dtype, bucket)
+            key = cost_key(self.target.config.to_dict(), self.target.device, self.target.dtype, bucket,
+                           self.target.kernels)
             cost = load_cached_cost(key)
             if cost is not None:
                 self.cost_origin[bucket] = "cached"
@@ -382,7 +383,7 @@ class Engine:
             else:
                 self.cost_origin[bucket] = "measured"
                 in_place = in_place and self.target.n_cached > 0
-                for n in SEED_SIZES:  # kernel choices made before the timing (model/head.py)
+                for n in SEED_SIZES:  # kernel choices made before the timing (model/kernels.py)
                     self.target.prepare(n)
                 timer = self.target.chain_forward_timer(prefix_len=None if in_place else bucket)
                 try:
@@ -402,7 +403,8 @@ class Engine:
         if now - self._cost_stored.get(bucket, -1e9) < COST_STORE_SECONDS:
             return
         self._cost_stored[bucket] = now
-        key = cost_key(self.target.config.to_dict(), self.target.device, self.target.dtype, bucket)
+        key = cost_key(self.target.config.to_dict(), self.target.device, self.target.dtype, bucket,
+                           self.target.kernels)
         store_cached_cost(key, self._costs[bucket])
 
     def _room(self, context) -> int:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from lookupdec.model.cache import commit_accepted, crop_cache, new_cache
-from lookupdec.model.head import fast_head_for, swapped
+from lookupdec.model.kernels import fast_head_for, packed_linears_for, swapped
 from lookupdec.tree import TokenTree
 
 log = logging.getLogger("lookupdec")
@@ -25,13 +25,15 @@ class TargetModel:
     """A causal LM with a KV cache of the committed prefix, verifying token trees."""
 
     def __init__(self, model, *, verify: str = "auto", fast_head: bool = True) -> None:
-        """``fast_head``: ``EngineConfig.fast_kernels`` (model/head.py)."""
+        """``fast_head``: ``EngineConfig.fast_kernels`` (model/kernels.py)."""
         self.model = model
-        # the output projection by the fastest product form per row count (CPU float32; model/head.py)
+        # the output projection by the fastest product form per row count (CPU float32; model/kernels.py)
         self.fast_head = fast_head_for(model) if fast_head else None
+        self.body = packed_linears_for(model) if fast_head else None  # its linears on prepacked weights (idem)
+        self.kernels = "+".join(name for name, on in (("head", self.fast_head), ("packed", self.body)) if on) or "plain"
         self.config = model.config
         self.device = next(model.parameters()).device
-        self._gqa = fast_head and self.device.type == "cpu"  # K/V heads not copied per query group (model/head.py)
+        self._gqa = fast_head and self.device.type == "cpu"  # K/V heads not copied per query group (model/kernels.py)
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = _max_context(self.config)
@@ -57,9 +59,11 @@ class TargetModel:
     def prefill(self, token_ids: Sequence[int]) -> None:
         """Put ``token_ids`` in a fresh cache (everything but the root)."""
         self.reset()
+        if self.body is not None:
+            self.body.refresh()  # weights changed since the last request are packed again
         if len(token_ids):
             ids = torch.tensor([list(token_ids)], device=self.device)
-            with swapped(self.model, self.fast_head):
+            with swapped(self.model, self.fast_head, body=self.body):
                 self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             self.n_cached = len(token_ids)
 
@@ -77,7 +81,7 @@ class TargetModel:
         # attention path, the one plain decoding takes, is exactly the tree mask then.
         ids, positions, mask = tree_inputs(tree, self.n_cached, device=self.device, dtype=self.dtype,
                                            windows=self._windows, tree_mode=self.tree_mode)
-        with swapped(self.model, self.fast_head, gqa=self._gqa):
+        with swapped(self.model, self.fast_head, gqa=self._gqa, body=self.body):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                              past_key_values=self.cache, use_cache=True)
         self.n_cached += n

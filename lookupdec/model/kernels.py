@@ -1,0 +1,233 @@
+"""How the engine's own forwards are computed on CPU: the same products, in faster forms.
+
+On CPU a verify forward of a few tokens is far from its fastest under the kernels
+``torch.nn.functional.linear`` reaches for. Measured at one thread on this project's machine
+(SmolLM2-135M, float32):
+
+- **Body** (``PackedLinears``). The 210 linear layers of the 30 blocks with weights prepacked
+  once in oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied
+  with ``torch.ops.mkldnn._linear_pointwise``: 31.5 ms for one row (35.9 ms with
+  ``F.linear``), 36.6 ms for 8 rows (55.0), 47.6 ms for 16 (73.5), 142 ms for 64 (194). A
+  tree of 8 tokens costs the body 1.16x a single token instead of 1.5x. The packed copies take
+  as much memory as the weights they copy, so models whose linear weights exceed
+  ``PACKED_MAX_BYTES`` are left as they are.
+- **Head** (``FastHead``). The output projection (49,152 x 576, a sixth of SmolLM2) in
+  whichever of four forms was fastest for that number of rows: ``F.linear``; ``x @ W^T``
+  with ``W^T`` stored; ``(W @ x^T)^T``; the prepacked oneDNN product. 1 row 10.1 ms under
+  ``F.linear``, 4.7 ms transposed; 16 rows 23.8 ms, 12.5 ms packed. The first time a row count
+  (bucket) occurs it times each form on a random input (``prepare``, about 0.1 s, kept out of
+  the engine's cost timings) and keeps the winner.
+
+Every form computes the same float32 sums up to rounding (tests/test_kernels.py). ``swapped``
+puts them in for the duration of ``TargetModel``'s own forwards only, so the model object it
+was handed behaves as before everywhere else (e.g. ``transformers.generate`` on the same model
+in a benchmark). Greedy identity with ``transformers`` is tested as everywhere
+(``tests/test_real_model.py``, ``tests/test_greedy_identity.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+FORMS = ("linear", "transposed", "right", "packed")  # F.linear; x @ (W^T stored); (W @ x^T)^T; oneDNN
+PACK_ROWS = 16  # the row count oneDNN's weight layout is prepacked for (fastest at 1-64 rows here)
+PACKED_MAX_BYTES = 4 << 30  # linear weights beyond this are not copied (the copy doubles their memory)
+
+
+def packed_available() -> bool:
+    """oneDNN's prepacked linear product is in this torch build."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] in oneDNN's blocked layout, for ``packed_linear``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def packed_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(flat, W, bias)`` for 2D ``flat`` with ``packed = pack(W)``."""
+    return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+EXACT_BUCKETS = 16  # row counts up to this are their own bucket; beyond, powers of 2
+
+
+def _bucket(rows: int) -> int:
+    if rows <= EXACT_BUCKETS:
+        return rows
+    return 1 << (rows - 1).bit_length()
+
+
+class FastHead(torch.nn.Module):
+    """A drop-in for a bias-free ``nn.Linear`` output projection on CPU."""
+
+    def __init__(self, head: torch.nn.Linear) -> None:
+        super().__init__()
+        self.head = head
+        self._transposed: torch.Tensor | None = None  # W^T, contiguous: made on first need
+        self._packed: torch.Tensor | None = None  # oneDNN's layout: made on first need
+        self.forms = FORMS if packed_available() else FORMS[:3]
+        self.choice: dict[int, str] = {}  # row bucket -> fastest form
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def _form(self, form: str, flat: torch.Tensor) -> torch.Tensor:
+        w = self.head.weight
+        if form == "linear":
+            return F.linear(flat, w)
+        if form == "transposed":
+            if self._transposed is None or self._transposed.shape != (w.shape[1], w.shape[0]):
+                self._transposed = w.detach().t().contiguous()
+            return flat @ self._transposed
+        if form == "packed":
+            if self._packed is None or self._packed.shape != w.shape:
+                self._packed = pack(w)
+            return packed_linear(flat, self._packed, None)
+        return (w @ flat.t()).t()
+
+    @torch.inference_mode()
+    def prepare(self, rows: int) -> float:
+        """Choose the form for ``rows`` rows if not chosen yet: time each (twice, on a random
+        input; the faster counts) and keep the fastest. Returns the seconds it took (0 if known),
+        which the caller keeps out of its timings of the model."""
+        bucket = _bucket(rows)
+        if bucket in self.choice:
+            return 0.0
+        start = time.perf_counter()
+        w = self.head.weight
+        for form in self.forms:  # copies (transposed, packed) made outside the timing
+            self._form(form, w[:1, :])
+        flat = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
+        timings: dict[str, float] = {}
+        for candidate in self.forms * 2:
+            t = time.perf_counter()
+            self._form(candidate, flat)
+            seconds = time.perf_counter() - t
+            timings[candidate] = min(seconds, timings.get(candidate, seconds))
+        self.choice[bucket] = min(timings, key=timings.get)
+        return time.perf_counter() - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        self.prepare(flat.shape[0])
+        out = self._form(self.choice[_bucket(flat.shape[0])], flat)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, FastHead]" = weakref.WeakKeyDictionary()
+
+
+def fast_head_for(model) -> FastHead | None:
+    """The ``FastHead`` of ``model``'s output projection (one per head, shared by every engine on
+    the model, so the forms are timed once) where it applies: CPU, float32, a plain bias-free
+    ``nn.Linear`` head; else None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    if head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
+        return None
+    if not hasattr(model, "set_output_embeddings"):
+        return None
+    if head not in _SHARED:
+        _SHARED[head] = FastHead(head)
+    return _SHARED[head]
+
+
+class PackedLinears:
+    """The body's linear layers computing with oneDNN-prepacked copies of their weights while
+    ``active`` (``swapped``); plain ``nn.Linear`` everywhere else. One per model (``packed_linears_for``)."""
+
+    def __init__(self, modules: list[torch.nn.Linear]) -> None:
+        self.modules = modules
+        self._packed: dict[torch.nn.Linear, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._forwards = {m: self._forward_of(m) for m in modules}
+
+    def refresh(self) -> None:
+        """Pack every weight not packed yet or changed since it was (a new tensor, or written in
+        place: its version moved). Called once per request (``TargetModel.prefill``)."""
+        with torch.inference_mode(False), torch.no_grad():
+            for m in self.modules:
+                w = m.weight
+                known = self._packed.get(m)
+                if known is None or known[0] is not w or known[1] != w._version:
+                    self._packed[m] = (w, w._version, pack(w))
+
+    def _forward_of(self, m: torch.nn.Linear):
+        packed = self._packed
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            flat = x.reshape(-1, x.shape[-1])
+            out = packed_linear(flat if flat.is_contiguous() else flat.contiguous(), packed[m][2], m.bias)
+            return out.view(*x.shape[:-1], out.shape[-1])
+
+        return forward
+
+    @contextlib.contextmanager
+    def active(self):
+        if len(self._packed) != len(self.modules):
+            self.refresh()
+        for m, forward in self._forwards.items():
+            m.__dict__["forward"] = forward  # an instance attribute: nn.Module.__call__ takes it
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                m.__dict__.pop("forward", None)
+
+
+_SHARED_BODIES: "weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears | None]" = weakref.WeakKeyDictionary()
+
+
+def packed_linears_for(model) -> PackedLinears | None:
+    """The ``PackedLinears`` of ``model`` (shared by every engine on it) where it applies: CPU,
+    float32, oneDNN in this torch, linear weights (the output projection apart) of at most
+    ``PACKED_MAX_BYTES`` in all; else None. Nothing is packed until the first forward."""
+    if model in _SHARED_BODIES:
+        return _SHARED_BODIES[model]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    modules = [m for m in model.modules()
+               if type(m) is torch.nn.Linear and m is not head
+               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    size = sum(m.weight.numel() * m.weight.element_size() for m in modules)
+    body = PackedLinears(modules) if modules and packed_available() and size <= PACKED_MAX_BYTES else None
+    _SHARED_BODIES[model] = body
+    return body
+
+
+GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: SDPA's enable_gqa even with a mask
+
+
+@contextlib.contextmanager
+def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLinears | None = None):
+    """Inside the block: ``model``'s output projection replaced by ``fast`` (if not None), its
+    body's linear layers on packed weights (``body``, if not None) and,
+    with ``gqa``, transformers' SDPA told to pass grouped K/V heads to torch as they are
+    (``enable_gqa``) instead of copying them ``heads / kv_heads`` times, which it does whenever
+    a mask is given, i.e. for every tree of 2 or more tokens. On CPU that copy of the whole
+    cache costs SmolLM2 about 6 ms per forward at a 512-token context; the logits are bitwise
+    the same. Not on CUDA, where SDPA with a mask and enable_gqa falls back to its slowest kernel."""
+    old_gqa = None
+    if gqa:
+        old_gqa = os.environ.get(GQA_SWITCH)
+        os.environ[GQA_SWITCH] = "1"
+    if fast is not None:
+        model.set_output_embeddings(fast)
+    try:
+        with body.active() if body is not None else contextlib.nullcontext():
+            yield
+    finally:
+        if fast is not None:
+            model.set_output_embeddings(fast.head)
+        if gqa:
+            if old_gqa is None:
+                os.environ.pop(GQA_SWITCH, None)
+            else:
+                os.environ[GQA_SWITCH] = old_gqa

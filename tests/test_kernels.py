@@ -1,0 +1,110 @@
+"""``model/kernels.py``: the output projection's product forms give the same logits (float
+rounding apart), the fastest is chosen once per row count outside any timing; the body's
+linears on prepacked weights compute what ``nn.Linear`` does, follow weight changes, and are
+confined to the block like the head; the engine's output is unchanged with the kernels on or off."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import cached_tiny
+from helpers import FakeTokenizer
+from lookupdec import Engine, EngineConfig
+from lookupdec.model.kernels import (FORMS, GQA_SWITCH, FastHead, PackedLinears, fast_head_for, packed_available,
+                                     packed_linears_for, swapped)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 40])
+def test_every_form_computes_the_projection(rows):
+    head = torch.nn.Linear(24, 300, bias=False)
+    fast = FastHead(head)
+    x = torch.randn(1, rows, 24)
+    want = head(x)
+    for form in fast.forms:
+        got = fast._form(form, x.reshape(-1, 24)).reshape(1, rows, 300)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), form
+    assert torch.allclose(fast(x), want, rtol=1e-5, atol=1e-5)
+    assert fast.choice and set(fast.choice.values()) <= set(fast.forms) <= set(FORMS)
+    assert fast.prepare(rows) == 0.0  # chosen once
+
+
+def test_swap_is_confined_to_the_block_and_shared_per_model():
+    model = cached_tiny("llama")
+    head = model.get_output_embeddings()
+    fast = fast_head_for(model)
+    assert fast is not None and fast_head_for(model) is fast  # one per head: forms timed once
+    before = os.environ.get(GQA_SWITCH)
+    with swapped(model, fast, gqa=True):
+        assert model.get_output_embeddings() is fast and os.environ[GQA_SWITCH] == "1"
+    assert model.get_output_embeddings() is head and os.environ.get(GQA_SWITCH) == before
+    with pytest.raises(RuntimeError):
+        with swapped(model, fast, gqa=True):
+            raise RuntimeError("a failing forward")
+    assert model.get_output_embeddings() is head and os.environ.get(GQA_SWITCH) == before
+
+
+def test_engine_output_is_the_same_with_kernels_on_and_off():
+    model = cached_tiny("qwen2")  # grouped K/V heads
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 9, 10]
+    on = Engine(model, FakeTokenizer(), EngineConfig(fast_kernels=True)).generate(prompt, max_new_tokens=40)
+    off = Engine(model, FakeTokenizer(), EngineConfig(fast_kernels=False)).generate(prompt, max_new_tokens=40)
+    assert on.token_ids == off.token_ids
+
+
+needs_onednn = pytest.mark.skipif(not packed_available(), reason="this torch has no oneDNN")
+
+
+@needs_onednn
+def test_packed_head_form_is_offered_where_onednn_is():
+    assert "packed" in FastHead(torch.nn.Linear(8, 16, bias=False)).forms
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 16, 70])
+def test_packed_linears_compute_what_the_layers_do(rows):
+    layers = [torch.nn.Linear(24, 40), torch.nn.Linear(40, 24, bias=False)]
+    body = PackedLinears(layers)
+    x = torch.randn(2, rows, 24)
+    want = layers[1](layers[0](x))
+    with torch.inference_mode(), body.active():
+        assert all("forward" in m.__dict__ for m in layers)
+        got = layers[1](layers[0](x))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert all("forward" not in m.__dict__ for m in layers)  # plain nn.Linear again
+    assert torch.equal(layers[1](layers[0](x)), want)
+
+
+@needs_onednn
+def test_packed_linears_follow_weight_changes():
+    layer = torch.nn.Linear(8, 8)
+    body = PackedLinears([layer])
+    x = torch.randn(1, 8)
+    with torch.inference_mode(), body.active():
+        before = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # in place: its version moves
+    body.refresh()
+    with torch.inference_mode(), body.active():
+        after = layer(x)
+    assert torch.allclose(after, layer(x), rtol=1e-5, atol=1e-5) and not torch.allclose(after, before)
+    layer.weight = torch.nn.Parameter(torch.zeros(8, 8))  # a new tensor
+    body.refresh()
+    with torch.inference_mode(), body.active():
+        assert torch.allclose(layer(x), layer.bias.expand(1, 8))
+
+
+@needs_onednn
+def test_packed_body_is_shared_per_model_and_skips_the_head():
+    model = cached_tiny("llama")
+    body = packed_linears_for(model)
+    assert body is not None and packed_linears_for(model) is body
+    assert model.get_output_embeddings() not in body.modules
+    assert len(body.modules) == 7 * model.config.num_hidden_layers
+    before = os.environ.get(GQA_SWITCH)
+    with pytest.raises(RuntimeError):
+        with swapped(model, fast_head_for(model), gqa=True, body=body):
+            assert all("forward" in m.__dict__ for m in body.modules)
+            raise RuntimeError("a failing forward")
+    assert all("forward" not in m.__dict__ for m in body.modules) and os.environ.get(GQA_SWITCH) == before
