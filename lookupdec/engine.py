@@ -213,6 +213,42 @@ class Engine:
             generator.manual_seed(seed) if seed is not None else generator.seed()
         return TextStream(self._text_pieces(prompt_ids, params, max_new_tokens, stops, generator, seed, cancelled))
 
+    def generate_batch(self, prompts: Sequence, *, max_new_tokens: int, temperature: float = 0.0, top_k=None,
+                       top_p=None, repetition_penalty=None, seed=None, stop=None, max_batch: int = 8) -> list[Generation]:
+        """``generate`` for many prompts, up to ``max_batch`` of them verified in each forward
+        (continuous batching: a finished sequence's row goes to the next prompt). Returns one
+        ``Generation`` per prompt, in order; each is the one ``generate`` gives for that prompt
+        alone (greedy: identical; sampled: identical for the same seed). ``seed``: one for all,
+        or a list with one per prompt. Every request is checked before any forward (a bad one
+        raises ``ParamError``). Models without tree masks or with sliding windows decode the
+        prompts one at a time. Per-request control (stop strings, cancel flags, streaming):
+        ``lookupdec.batch.BatchDecoder``."""
+        from lookupdec.batch import BatchDecoder, BatchRequest
+
+        prompts = list(prompts)
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise bad("seed", seed, f"expected one seed or a list of {len(prompts)} (one per prompt)")
+        requests = [BatchRequest(p, max_new_tokens, temperature, top_k, top_p, repetition_penalty, s, stop)
+                    for p, s in zip(prompts, seeds)]
+        if not self.batchable:
+            for r in requests:  # all checked first, as in the batched path
+                self.check_request(r.prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, repetition_penalty=repetition_penalty, seed=r.seed, stop=stop)
+            return [self.generate(r.prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, repetition_penalty=repetition_penalty, seed=r.seed, stop=stop)
+                    for r in requests]
+        decoder = BatchDecoder(self, max_batch)
+        for r in requests:
+            decoder.submit(r)
+        return decoder.run()
+
+    @property
+    def batchable(self) -> bool:
+        """Whether several sequences can share a forward (``lookupdec.batch``): tree masks, no
+        sliding windows."""
+        return self.target.tree_mode and not self.target._windows and self.target._num_layers is not None
+
     def check_request(self, prompt, *, max_new_tokens: int, temperature: float = 0.0, top_k=None, top_p=None,
                       repetition_penalty=None, seed=None, stop=None, field: str = "prompt") -> list[int]:
         """Check a request as ``generate``/``stream`` do, without running it: the prompt (see

@@ -44,6 +44,17 @@ class Verdict:
 
 
 @dataclass
+class Plan:
+    """A step's tree before the verdict (``StepCore.plan``)."""
+
+    tree: TokenTree
+    drafts: list[Draft]
+    scale: float  # ``StepCore.scale`` when the tree was built
+    propose_s: float
+    tree_s: float
+
+
+@dataclass
 class StepResult:
     tree: TokenTree  # the tree verified (after choosing and pruning)
     drafts: list[Draft]  # every source's drafts, before the merge
@@ -93,18 +104,31 @@ class StepCore:
             max_depth: int, cost: CostModel | None = None, overhead_s: float = 0.0) -> StepResult:
         """One step: propose, merge, choose, ``verdict(tree)``, observe, learn. ``context`` (the
         prompt and the output so far) is not changed: the caller appends ``new_tokens``."""
+        plan = self.plan(request_id, context, max_depth=max_depth, cost=cost, overhead_s=overhead_s)
+        return self.finish(request_id, plan, verdict(plan.tree))
+
+    def plan(self, request_id: str, context: Sequence[int], *, max_depth: int, cost: CostModel | None = None,
+             overhead_s: float = 0.0, max_nodes: int | None = None) -> "Plan":
+        """Propose, merge and (with ``cost``) choose: the tree to verify. Without ``cost`` the tree
+        keeps up to ``max_nodes`` nodes (default: the step's cap), for a caller that chooses
+        itself (the batched step's joint budget, ``batch.py``)."""
         t0 = time.perf_counter()
         scale = self.scale
-        max_nodes = self.draft_budget.nodes(self.max_nodes) if cost is not None else self.max_nodes
+        if max_nodes is None:
+            max_nodes = self.draft_budget.nodes(self.max_nodes) if cost is not None else self.max_nodes
         drafts = self.mixture.propose(request_id, context, max_nodes)
         t1 = time.perf_counter()
         tree = self.build_tree(context[-1], drafts, max_nodes=max_nodes, max_depth=max_depth, cost=cost,
                                overhead_s=overhead_s, scale=scale)
-        t2 = time.perf_counter()
-        judged = verdict(tree)
+        return Plan(tree, drafts, scale, propose_s=t1 - t0, tree_s=time.perf_counter() - t1)
+
+    def finish(self, request_id: str, plan: "Plan", judged: Verdict) -> StepResult:
+        """After the verdict on ``plan.tree``: every proposer observes the new tokens, the
+        calibrator learns, the scale moves."""
+        tree = plan.tree
         self.mixture.observe(request_id, judged.new_tokens)
         if self.calibrator is not None:
-            self.calibrator.learn(drafts, judged.new_tokens)
+            self.calibrator.learn(plan.drafts, judged.new_tokens)
         promised = sum(tree.expected[1:]) if tree.num_draft_nodes else 0.0
         if tree.num_draft_nodes:
             self._promised = SCALE_DECAY * self._promised + promised
@@ -112,8 +136,8 @@ class StepCore:
         else:  # nothing verified, nothing learnt: drift back towards 1, or a low scale would stick
             self._promised = SCALE_DECAY * self._promised + (1 - SCALE_DECAY) * SCALE_PRIOR
             self._accepted = SCALE_DECAY * self._accepted + (1 - SCALE_DECAY) * SCALE_PRIOR
-        return StepResult(tree, drafts, judged.accepted[: len(judged.new_tokens)], judged.new_tokens,
-                          propose_s=t1 - t0, tree_s=t2 - t1, promised=promised, scale=scale)
+        return StepResult(tree, plan.drafts, judged.accepted[: len(judged.new_tokens)], judged.new_tokens,
+                          propose_s=plan.propose_s, tree_s=plan.tree_s, promised=promised, scale=plan.scale)
 
     @property
     def scale(self) -> float:

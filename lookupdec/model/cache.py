@@ -123,6 +123,73 @@ class SlotStore:
         return self.buffer
 
 
+class BatchStore(SlotStore):
+    """The K/V of up to ``max_rows`` sequences in one buffer ``[layers, 2, max_rows, kv heads,
+    capacity, head dim]``, the batched step's cache (``model/batch.py``). The forward sees the
+    first ``rows`` rows; every row shares the slot count ``lengths[layer]`` (the longest row's),
+    and a shorter row's slots beyond its own length are holes its mask hides. The buffer starts
+    zeroed and only ever holds K/V the model wrote, so a hole is never NaN (an additive mask
+    does not hide a NaN key)."""
+
+    def __init__(self, num_layers: int, max_rows: int) -> None:
+        super().__init__(num_layers)
+        self.max_rows = max_rows
+        self.rows = 0
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.lengths[layer]
+        end = start + keys.shape[-2]
+        self.reserve(end, keys)
+        rows = keys.shape[0]
+        self.buffer[layer, 0, :rows, :, start:end] = keys
+        self.buffer[layer, 1, :rows, :, start:end] = values
+        self.lengths[layer] = end
+        return self.buffer[layer, 0, :rows, :, :end], self.buffer[layer, 1, :rows, :, :end]
+
+    def view(self, layer: int, kind: int) -> torch.Tensor | None:
+        if self.buffer is None:
+            return None
+        return self.buffer[layer, kind, : self.rows, :, : self.lengths[layer]]
+
+    def reserve(self, slots: int, like: torch.Tensor) -> None:
+        """Room for ``slots`` slots in K/V shaped like ``like`` [rows, heads, new, head dim]."""
+        old = self.buffer
+        if old is not None and slots <= old.shape[4]:
+            return
+        _, heads, _, head_dim = like.shape
+        capacity = max(INITIAL_SLOTS, int(slots * GROWTH), int(old.shape[4] * GROWTH) if old is not None else 0)
+        self.buffer = torch.zeros((self.num_layers, 2, self.max_rows, heads, capacity, head_dim), dtype=like.dtype,
+                                  device=like.device)
+        if old is not None:
+            kept = max(self.lengths)
+            self.buffer[..., :kept, :] = old[..., :kept, :]
+
+    def put_row(self, row: int, source: SlotStore, length: int) -> None:
+        """Copy the first ``length`` slots of ``source`` (a one-sequence store) into ``row``; the
+        shared slot count grows to ``length`` if it was shorter."""
+        keys = source.buffer[0, 0, :1, :, :length]
+        self.reserve(length, keys)
+        self.buffer[:, :, row, :, :length] = source.buffer[:, :, 0, :, :length]
+        self.lengths = [max(n, length) for n in self.lengths]
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` slots of row ``src`` to row ``dst``."""
+        self.buffer[:, :, dst, :, :length] = self.buffer[:, :, src, :, :length]
+
+    def gather_row(self, row: int, slots: Sequence[int], start: int) -> None:
+        """Copy ``slots`` of ``row`` (every layer) to ``start, start + 1, ...`` (slots >= their targets)."""
+        if not len(slots):
+            return
+        buf = self.buffer[:, :, row]  # [layers, 2, heads, capacity, head dim]
+        src = torch.from_numpy(np.array(slots, dtype=np.int64)).to(buf.device)
+        buf[:, :, :, start:start + len(slots)] = buf.index_select(3, src)
+
+
+def new_batch_cache(num_layers: int, max_rows: int):
+    """A cache for the batched step: a ``SlotCache`` over a ``BatchStore``."""
+    return _slot_cache_class()(num_layers, BatchStore(num_layers, max_rows))
+
+
 def _slot_cache_class():
     """``SlotCache``, a ``DynamicCache`` whose layers live in one ``SlotStore`` (defined on first
     use: transformers is imported lazily)."""
@@ -160,8 +227,8 @@ def _slot_cache_class():
             self.store.lengths[self.index] = 0
 
     class SlotCache(DynamicCache):
-        def __init__(self, num_layers: int) -> None:
-            self.slot_store = SlotStore(num_layers)
+        def __init__(self, num_layers: int, store: SlotStore | None = None) -> None:
+            self.slot_store = store if store is not None else SlotStore(num_layers)
             Cache.__init__(self, layers=[SlotLayer(self.slot_store, i) for i in range(num_layers)])
 
     _SLOT_CACHE = SlotCache

@@ -1,0 +1,278 @@
+"""Many sequences per forward: the batched step and continuous batching.
+
+``BatchDecoder`` runs up to ``max_batch`` sequences of one ``Engine`` together. Each step:
+
+    admit    waiting sequences join while rows are free (a prefill forward each, ``BatchTarget.add``)
+    plan     every sequence's drafts and merged tree (``StepCore.plan``, no pruning yet)
+    choose   one joint budget: the width ``W`` (nodes per row, root included) maximising the
+             batch's expected tokens per second, sum over rows of ``1 + scale x`` the gains of
+             its ``W - 1`` best nodes, over ``t(rows x W)``, the learnt cost of the batched
+             forward (rows are padded to the widest tree, so within a width every row takes all
+             the nodes it has up to ``W - 1``: padding is computed anyway)
+    verify   one forward for every row's tree (``BatchTarget.verify``)
+    accept   per sequence, exactly as alone (``sampling.accept`` with its own generator), then
+             one KV commit for the batch, observe and learn per sequence (``StepCore.finish``)
+    leave    finished sequences (EOS, length, stop string, cancel) free their rows
+
+Each sequence keeps its own sampling parameters, seed, stop strings and cancel flag; its output
+is the one it would have alone: greedy identical (every row sees exactly its own prefix and
+ancestors), sampled identical for a seed (point-mass drafts consume one draw per emitted token,
+whatever the tree). ``tests/test_batch.py`` checks both. Models without tree masks or with
+sliding windows run their sequences one at a time (``Engine.generate`` each): the reference path.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from lookupdec.budget import CostModel
+from lookupdec.sampling import SamplingParams, accept
+from lookupdec.step import Verdict
+from lookupdec.stops import StopStrings, TextAssembler
+
+
+@dataclass
+class BatchRequest:
+    """One sequence of a batch, with everything ``Engine.generate`` takes."""
+
+    prompt: object  # text or token ids
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: object = None
+    cancel: object = None  # threading.Event or zero-argument callable
+    on_text: Callable[[str], None] | None = None  # called with each new piece of text (streaming)
+    tag: object = None  # the caller's, returned untouched
+
+
+@dataclass
+class _Sequence:
+    request: BatchRequest
+    index: int
+    rid: str
+    context: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    text: TextAssembler
+    cancelled: Callable[[], bool] | None
+    stats: object
+    timer: object
+    started: float
+    seen: set = field(default_factory=set)
+    produced: int = 0
+    row: int = -1
+    finish: str | None = None
+    plan: object = None
+
+
+class BatchDecoder:
+    """Continuous batching over one engine: ``submit`` requests, ``step`` until ``idle``."""
+
+    def __init__(self, engine, max_batch: int) -> None:
+        from lookupdec.model.batch import BatchTarget
+
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch}: must be >= 1")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.target = BatchTarget(engine.target, max_batch)
+        self.waiting: list[_Sequence] = []
+        self.active: list[_Sequence] = []  # by row
+        self.done: list[_Sequence] = []
+        self._count = 0
+        self._costs: dict[tuple[int, int], CostModel] = {}  # (context bucket, rows) -> t(rows x width)
+        self.overhead_s = 0.0  # mean batch step time outside the forward (decayed)
+        self.widths: list[int] = []  # the chosen width of every step (for benchmarks)
+
+    # -- requests --------------------------------------------------------------------------------
+    def submit(self, request: BatchRequest) -> int:
+        """Queue ``request`` (checked now: a bad value raises ``ParamError``); its index."""
+        from lookupdec.engine import GenerationStats, _cancel_check, _Timer
+
+        engine = self.engine
+        ids = engine.check_request(request.prompt, max_new_tokens=request.max_new_tokens,
+                                   temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                   repetition_penalty=request.repetition_penalty, seed=request.seed,
+                                   stop=request.stop)
+        params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                repetition_penalty=request.repetition_penalty)
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=engine.target.device)
+            generator.manual_seed(request.seed) if request.seed is not None else generator.seed()
+        index = self._count
+        self._count += 1
+        seq = _Sequence(request, index, f"batch-{id(self)}-{index}", list(ids), params, generator,
+                        TextAssembler(engine.tokenizer, StopStrings(request.stop)), _cancel_check(request.cancel),
+                        GenerationStats(), _Timer(), time.perf_counter(), seen=set(ids))
+        self.waiting.append(seq)
+        return index
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    def run(self) -> list:
+        """Step until every submitted request is done; their ``Generation``s in submission order."""
+        while not self.idle:
+            self.step()
+        return [self.generation(seq) for seq in sorted(self.done, key=lambda s: s.index)]
+
+    def generation(self, seq: _Sequence):
+        from lookupdec.engine import Engine, Generation
+
+        Engine._finish_stats(seq.stats, seq.timer, time.perf_counter() - seq.started, len(seq.text.output_ids))
+        return Generation(text=seq.text.text, token_ids=seq.text.output_ids, finish_reason=seq.finish,
+                          stats=seq.stats)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[_Sequence]:
+        """One batched step (admitting waiting requests first). Returns the sequences that
+        finished during it."""
+        finished: list[_Sequence] = []
+        self._admit()
+        for seq in list(self.active):
+            if seq.cancelled is not None and seq.cancelled():
+                self._end(seq, "cancelled", finished)
+            elif seq.produced >= seq.request.max_new_tokens or self.engine._room(seq.context) <= 0:
+                self._end(seq, "length", finished)
+        if not self.active:
+            return finished
+        engine, core = self.engine, self.engine.step_core
+        t0 = time.perf_counter()
+        for seq in self.active:
+            seq.plan = core.plan(seq.rid, seq.context, cost=None,
+                                 max_depth=min(engine.config.max_depth, engine._room(seq.context)))
+        trees = self._choose([seq.plan for seq in self.active])
+        t1 = time.perf_counter()
+        logits = self.target.verify(trees)
+        forward = time.perf_counter() - t1 - engine.target.last_prepare_s
+        rows = len(trees)
+        width = logits.shape[1]
+        self.widths.append(width)
+        if engine.config.budget == "auto":
+            self._cost(rows).observe(rows * width, forward)
+        accepted, verdicts = [], []
+        for b, (seq, tree) in enumerate(zip(self.active, trees)):
+            verdicts.append(self._accept(seq, tree, logits[b, : len(tree)]))
+            accepted.append(verdicts[-1][0])
+        self.target.commit(accepted)
+        for seq, tree, (acc, new) in zip(list(self.active), trees, verdicts):
+            seq.plan.tree = tree
+            step = core.finish(seq.rid, seq.plan, Verdict(acc, new))
+            seq.context.extend(step.new_tokens)
+            seq.seen.update(step.new_tokens)
+            seq.produced += len(step.new_tokens)
+            seq.timer.forward += forward
+            engine._count(seq.stats, seq.timer, step, t0)
+            piece = seq.text.add(step.new_tokens)
+            if piece and seq.request.on_text is not None:
+                seq.request.on_text(piece)
+            if seq.text.stopped:
+                self._end(seq, "stop", finished)
+            elif step.new_tokens and step.new_tokens[-1] in engine.eos_token_ids:
+                self._end(seq, "eos", finished)
+            elif seq.produced >= seq.request.max_new_tokens or engine._room(seq.context) <= 0:
+                self._end(seq, "length", finished)
+        elapsed = time.perf_counter() - t0
+        self.overhead_s = 0.8 * self.overhead_s + 0.2 * max(0.0, elapsed - forward) if self.widths[:-1] else \
+            max(0.0, elapsed - forward)
+        return finished
+
+    def _admit(self) -> None:
+        core = self.engine.step_core
+        while self.waiting and len(self.active) < self.max_batch:
+            seq = self.waiting.pop(0)
+            t = time.perf_counter()
+            seq.row = self.target.add(seq.context[:-1])
+            seq.stats.prefill_ms = (time.perf_counter() - t) * 1e3
+            core.start(seq.rid, seq.context, seq.params, seq.request.seed)
+            self.active.append(seq)
+
+    def _end(self, seq: _Sequence, finish: str, finished: list) -> None:
+        seq.finish = finish
+        tail = seq.text.flush()
+        if tail and seq.request.on_text is not None:
+            seq.request.on_text(tail)
+        self.engine.step_core.stop(seq.rid)
+        row = self.active.index(seq)
+        moved = self.target.remove(row)
+        last = self.active.pop()
+        if moved is not None:
+            self.active[row] = last
+            last.row = row
+        self.done.append(seq)
+        finished.append(seq)
+
+    def _accept(self, seq: _Sequence, tree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        engine = self.engine
+        limit = min(seq.request.max_new_tokens - seq.produced, engine._room(seq.context))
+        result = accept(tree, logits, seq.params, generator=seq.generator,
+                        context_ids=engine._seen_ids(seq.seen) if seq.params.uses_prefix else None)
+        if engine.mixture.successor_sinks:
+            from lookupdec.engine import top_tokens
+
+            prev = seq.context[-2] if len(seq.context) > 1 else -1
+            visited = [0, *result.accepted]
+            before = [prev] + [tree.token_ids[tree.parents[u]] for u in result.accepted]
+            tops = top_tokens(logits, visited, engine.config.recycle.successors)
+            engine.mixture.observe_successors([(b, tree.token_ids[u], top) for b, u, top in zip(before, visited, tops)])
+        new = [tree.token_ids[i] for i in result.accepted] + [result.next_token]
+        return result.accepted, engine._clip(new, limit)
+
+    # -- the joint budget ----------------------------------------------------------------------
+    def _cost(self, rows: int) -> CostModel:
+        engine = self.engine
+        longest = max(len(seq.context) for seq in self.active)
+        bucket = engine._cost_bucket(longest)
+        key = (bucket, rows)
+        if key not in self._costs:
+            self._costs[key] = engine.cost_model(bucket).copy()  # one row's curve of n tokens, then learnt
+        return self._costs[key]
+
+    def _choose(self, plans) -> list:
+        """Every row's tree pruned to the joint budget's width (``choose_width``)."""
+        engine = self.engine
+        trees = [plan.tree for plan in plans]
+        if engine.config.budget != "auto":
+            return trees
+        width = choose_width([tree.expected_in_prune_order() for tree in trees], self._cost(len(trees)),
+                             self.overhead_s, engine.config.max_nodes, engine.step_core.scale)
+        out = []
+        for tree in trees:
+            pruned = tree.prune(width - 1)
+            if tree.num_draft_nodes:
+                engine.draft_budget.observe(pruned.num_draft_nodes)
+            out.append(pruned)
+        return out
+
+
+def choose_width(gains: Sequence[Sequence[float]], cost: CostModel, overhead_s: float, max_nodes: int,
+                 scale: float = 1.0) -> int:
+    """The width ``W`` (1..max_nodes + 1) maximising (rows + scale x the sum over rows of the
+    first ``W - 1`` gains) / (t(rows x W) + overhead): the batched forward computes ``rows x
+    W`` tokens whatever each row's tree, so each row takes its best ``W - 1`` nodes.
+
+    >>> cost = CostModel([1, 2, 4, 8], [1.0, 1.0, 1.1, 2.0])
+    >>> choose_width([[0.9, 0.5, 0.1], [0.8]], cost, 0.0, 3)   # 4 tokens cost 1.1: two per row
+    2
+    """
+    rows = len(gains)
+    longest = min(max((len(g) for g in gains), default=0), max_nodes)
+    expected = np.full(longest + 1, float(rows))
+    for g in gains:
+        values = np.asarray(g[:longest], dtype=np.float64)
+        if len(values):
+            sums = np.cumsum(values)
+            expected[1 : len(values) + 1] += scale * sums
+            expected[len(values) + 1 :] += scale * sums[-1]
+    dense = cost.dense(rows * (longest + 1))
+    seconds = np.array([dense[rows * (w + 1)] for w in range(longest + 1)]) + overhead_s
+    return int(np.argmax(expected / seconds)) + 1

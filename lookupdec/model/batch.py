@@ -1,0 +1,135 @@
+"""The target verifying the draft trees of several sequences in one forward.
+
+Cache layout: a ``BatchStore`` (``cache.py``) with one row per running sequence, rows
+``[0, rows)`` in use. Every row shares the slot count ``L`` (the longest row's committed
+length); row ``b`` holds its committed prefix in slots ``[0, length[b])`` and holes after them.
+A verify forward appends ``Q`` slots to every row (``Q`` = the largest tree, smaller trees
+padded with copies of their root that only see themselves): node ``i`` of row ``b`` goes to
+slot ``L + i`` with position ``length[b] + depth[i]``, and its mask row lets it see slots
+``[0, length[b])`` and its ancestors. ``commit`` moves each row's root and accepted nodes to
+``length[b], length[b] + 1, ...`` and sets ``L`` to the new longest row: no compaction is ever
+needed, holes only trail a row.
+
+A sequence joins (``add``) by a prefill forward of its own on a one-row cache, copied into the
+next free row; one leaves (``remove``) by moving the last row into its place. Exactness rests on
+each row seeing exactly its own prefix and ancestors: ``tests/test_batch.py`` compares every
+sequence with its decoding alone.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from lookupdec.model.cache import new_batch_cache, new_cache
+from lookupdec.model.kernels import swapped
+from lookupdec.model.target import TargetModel
+from lookupdec.tree import TokenTree
+
+
+class BatchTarget:
+    """Up to ``max_rows`` sequences of one ``TargetModel``'s model, verified together."""
+
+    def __init__(self, target: TargetModel, max_rows: int) -> None:
+        if not target.tree_mode or target._windows or target._num_layers is None:
+            raise ValueError("batched verification needs a model that takes tree masks, without sliding windows")
+        self.target = target
+        self.max_rows = max_rows
+        self.cache = new_batch_cache(target._num_layers, max_rows)
+        self.store = self.cache.slot_store
+        self.lengths: list[int] = []  # committed slots per row (the root not included)
+        self._fill = torch.finfo(target.dtype).min
+        self._base = 0
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @torch.inference_mode()
+    def add(self, token_ids: Sequence[int]) -> int:
+        """Prefill ``token_ids`` (a sequence's context less its last token, the first root) into a
+        new row; its index."""
+        if self.rows >= self.max_rows:
+            raise ValueError(f"the batch is full ({self.max_rows} rows)")
+        target = self.target
+        if target.body is not None:
+            target.body.refresh()
+        one = new_cache(target._num_layers)
+        if len(token_ids):
+            ids = torch.tensor([list(token_ids)], device=target.device)
+            with swapped(target.model, target.fast_head, body=target.body):
+                target.model(input_ids=ids, past_key_values=one, use_cache=True, logits_to_keep=1)
+            row = self.rows
+            self.store.put_row(row, one.slot_store, len(token_ids))
+        self.lengths.append(len(token_ids))
+        self.store.rows = self.rows
+        return self.rows - 1
+
+    @torch.inference_mode()
+    def remove(self, row: int) -> int | None:
+        """Free ``row``: the last row moves into its place. Returns the index that moved there
+        (the old last row), or None if ``row`` was the last."""
+        last = self.rows - 1
+        moved = None
+        if row != last:
+            self.store.move_row(last, row, self.lengths[last])
+            self.lengths[row] = self.lengths[last]
+            moved = last
+        self.lengths.pop()
+        self.store.rows = self.rows
+        self._set_slots(max(self.lengths, default=0))
+        return moved
+
+    def prepare(self, n: int) -> float:
+        return self.target.prepare(n)
+
+    @torch.inference_mode()
+    def verify(self, trees: Sequence[TokenTree]) -> torch.Tensor:
+        """One forward over every row's tree (``trees[b]`` for row ``b``). Returns logits [rows,
+        Q, vocab] (float32); row ``b``'s first ``len(trees[b])`` are its nodes'."""
+        assert len(trees) == self.rows
+        target = self.target
+        width = max(len(tree) for tree in trees)
+        target.last_prepare_s = target.prepare(width * self.rows)
+        ids, positions, mask = self.inputs(trees, width)
+        with swapped(target.model, target.fast_head, gqa=target._gqa, body=target.body):
+            out = target.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                               past_key_values=self.cache, use_cache=True)
+        return out.logits.float()
+
+    def inputs(self, trees: Sequence[TokenTree], width: int):
+        """``input_ids`` and ``position_ids`` [rows, width] and the additive mask [rows, 1,
+        width, L + width] of one batched verify forward."""
+        rows, slots = self.rows, self.store.lengths[0]
+        self._base = slots  # where the trees' slots begin (commit)
+        lengths = np.array(self.lengths, dtype=np.int64)
+        ids = np.empty((rows, width), dtype=np.int64)
+        positions = np.repeat(lengths[:, None], width, axis=1)
+        allowed = np.zeros((rows, width, slots + width), dtype=bool)
+        allowed[:, :, :slots] = np.arange(slots)[None, None, :] < lengths[:, None, None]
+        diagonal = np.arange(width)
+        allowed[:, diagonal, slots + diagonal] = True  # padding sees itself (a node sees itself anyway)
+        for b, tree in enumerate(trees):
+            n = len(tree)
+            ids[b, :n] = tree.token_ids
+            ids[b, n:] = tree.token_ids[0]
+            positions[b, :n] += np.asarray(tree.depth, dtype=np.int64)
+            allowed[b, :n, slots:slots + n] = tree.ancestor_mask()
+        mask = torch.zeros((rows, 1, width, slots + width), dtype=self.target.dtype)
+        mask.masked_fill_(torch.from_numpy(~allowed)[:, None], self._fill)
+        device = self.target.device
+        return (torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), mask.to(device))
+
+    @torch.inference_mode()
+    def commit(self, accepted: Sequence[Sequence[int]]) -> None:
+        """Row ``b`` keeps its root and ``accepted[b]`` (node indices) after its prefix."""
+        base = self._base
+        for b, nodes in enumerate(accepted):
+            keep = [base + node for node in (0, *nodes)]
+            self.store.gather_row(b, keep, self.lengths[b])
+            self.lengths[b] += len(keep)
+        self._set_slots(max(self.lengths, default=0))
+
+    def _set_slots(self, slots: int) -> None:
+        self.store.lengths = [slots] * len(self.store.lengths)
