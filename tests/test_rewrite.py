@@ -340,12 +340,14 @@ def test_help_explains_inputs_resuming_and_output(capsys):
 
 # -- a kill mid-run -----------------------------------------------------------------------------------
 @needs_stories
-def test_sigkill_mid_run_then_resume_gives_every_record_once(tmp_path, run):
+@pytest.mark.parametrize("batch", ["1", "4"])
+def test_sigkill_mid_run_then_resume_gives_every_record_once(tmp_path, run, batch):
     source = write(tmp_path / "stories.txt", "".join(f"Lily and Tom went to the park, day {i}. They played.\n"
                                                      for i in range(KILL_RECORDS)))
     ids = [f"{source}:{n}" for n in range(1, KILL_RECORDS + 1)]
     killed, reference = str(tmp_path / "killed.jsonl"), str(tmp_path / "reference.jsonl")
-    args = ["--input", source, "--instruction", INSTRUCTION, "--max-new-tokens", "16", "--token-ids"]
+    args = ["--input", source, "--instruction", INSTRUCTION, "--max-new-tokens", "16", "--token-ids",
+            "--batch-size", batch]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     stderr = tmp_path / "stderr.txt"
     with open(stderr, "wb") as err_file:  # a file, not a pipe: a full pipe would block the child
@@ -365,7 +367,7 @@ def test_sigkill_mid_run_then_resume_gives_every_record_once(tmp_path, run):
             proc.wait()
     done_before = lines_of(killed)  # every line whole after SIGKILL
     assert KILL_AFTER_LINES <= len(done_before) < KILL_RECORDS
-    missing = ids[len(done_before)]
+    missing = next(i for i in ids if i not in {line["id"] for line in done_before})
     with open(killed, "ab") as f:  # and a torn line as a crash of the machine could leave
         f.write(json.dumps({"id": missing, "input_hash": "0", "output": "half"}).encode()[:30])
 
@@ -375,9 +377,13 @@ def test_sigkill_mid_run_then_resume_gives_every_record_once(tmp_path, run):
     assert f"already done (of {KILL_RECORDS})" in err
     assert run(*args, "--output", reference)[0] == 0
     got, want = lines_of(killed), lines_of(reference)
-    assert [line["id"] for line in got] == ids  # each exactly once, in input order
+    if batch == "1":
+        assert [line["id"] for line in got] == ids  # each exactly once, in input order
+    else:  # each exactly once, in the order records finished
+        assert sorted(line["id"] for line in got) == sorted(ids) and len(got) == len(ids)
     assert got[: len(done_before)] == done_before
-    assert [(g["output"], g["token_ids"]) for g in got] == [(w["output"], w["token_ids"]) for w in want]
+    outputs = {w["id"]: (w["output"], w["token_ids"]) for w in want}
+    assert all((g["output"], g["token_ids"]) == outputs[g["id"]] for g in got)
 
 
 def _count_lines(path: str) -> int:
@@ -386,3 +392,55 @@ def _count_lines(path: str) -> int:
             return f.read().count(b"\n")
     except FileNotFoundError:
         return 0
+
+
+# -- batching -----------------------------------------------------------------------------------------
+@needs_stories
+@pytest.mark.parametrize("batch", ["3", "auto"])
+def test_batched_run_equals_one_at_a_time(tmp_path, run, batch):
+    """--batch-size N: the same outputs per id as one record at a time; every id exactly once."""
+    source = write(tmp_path / "in.txt", "".join(f"Lily saw {i} big dogs. Tom saw {i % 3} cats.\n" for i in range(10))
+                   + "\n")
+    one, many = str(tmp_path / "one.jsonl"), str(tmp_path / "many.jsonl")
+    args = ["--input", source, "--instruction", INSTRUCTION, "--max-new-tokens", "20", "--token-ids", "--stop", "Tom"]
+    assert run(*args, "--output", one, "--batch-size", "1")[0] == 0
+    code, _, err = run(*args, "--output", many, "--batch-size", batch)
+    assert code == 0, err
+    got, want = lines_of(many), lines_of(one)
+    assert sorted(line["id"] for line in got) == sorted(line["id"] for line in want) and len(got) == 10
+    by_id = {line["id"]: line for line in want}
+    for line in got:
+        assert (line["output"], line["token_ids"], line["finish_reason"]) == (
+            by_id[line["id"]]["output"], by_id[line["id"]]["token_ids"], by_id[line["id"]]["finish_reason"])
+    if batch == "3":
+        assert "batches of 3" in err
+
+
+@needs_stories
+def test_batched_sampling_uses_each_records_seed(tmp_path, run):
+    source = write(tmp_path / "in.txt", "".join(f"Sue had {i} red hats.\n" for i in range(6)))
+    outs = []
+    for batch in ("1", "4"):
+        out = str(tmp_path / f"b{batch}.jsonl")
+        assert run("--input", source, "--output", out, "--instruction", INSTRUCTION, "--max-new-tokens", "12",
+                   "--temperature", "0.8", "--seed", "5", "--token-ids", "--batch-size", batch)[0] == 0
+        outs.append({line["id"]: line["token_ids"] for line in lines_of(out)})
+    assert outs[0] == outs[1]
+
+
+def test_batch_size_option_is_checked(tmp_path, run):
+    source = write(tmp_path / "in.txt", "a\n")
+    for bad_value in ("0", "x", "65"):
+        with pytest.raises(SystemExit) as exc:
+            run("--input", source, "--output", str(tmp_path / "o.jsonl"), "--instruction", "x", "--batch-size",
+                bad_value)
+        assert exc.value.code == 2
+
+
+def test_auto_batch_size_reads_the_cost_curve():
+    from lookupdec.budget import CostModel
+    from lookupdec.pipelines.rewrite import auto_batch_size
+
+    assert auto_batch_size(CostModel([1, 2, 4, 8, 16], [1.0, 1.0, 1.1, 1.3, 2.5])) == 8
+    assert auto_batch_size(CostModel([1, 2, 4, 8, 16], [1.0, 2.0, 4.0, 8.0, 16.0])) == 1  # rows cost all they bring
+    assert auto_batch_size(CostModel([1, 2, 4, 8, 16], [1.0, 1.0, 1.0, 1.0, 1.0])) == 16

@@ -33,6 +33,10 @@ are done again (their error lines are replaced); a line torn by a kill is cut of
 redone. Each line is written whole (one write) and lines are fsync-ed every second: after any
 kill the file holds every finished record exactly once. Only one run may write a file at a time.
 
+batching (--batch-size): several records share each verify forward, a finished record's row
+going to the next; outputs are the same as one at a time, and lines come in the order records
+finish (each keyed by its id).
+
 exit status: 0 every record has a result, 1 some records failed (see their lines), 2 a usage
 error (bad path, template without {text}, ...), 130 interrupted."""
 
@@ -66,10 +70,29 @@ def add_parser(sub) -> None:
     p.add_argument("--chat", action="store_true",
                    help="each prompt is a user message in the model's chat template (instruction models such "
                    "as smollm2); an --instruction prompt then has no 'Output:' cue")
+    p.add_argument("--batch-size", type=batch_size, default="auto", metavar="N|auto",
+                   help="records verified together in each forward (continuous batching; outputs unchanged, lines "
+                   "then in the order records finish). auto (the default): from the model's measured verify cost "
+                   "on this machine, 1 where batching does not pay; 1: one record at a time")
     p.add_argument("--token-ids", action="store_true", help="also write each output's token ids")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary (warnings still)")
     p.add_argument("--json-summary", action="store_true", help="print the summary as one JSON object on stdout")
     p.set_defaults(func=run)
+
+
+def batch_size(text: str):
+    """``--batch-size``: ``auto`` or an integer in [1, MAX_BATCH]."""
+    from lookupdec.pipelines.rewrite import MAX_BATCH
+
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer in [1, {MAX_BATCH}], got {text!r}")
+    return value
 
 
 def run(args) -> int:
@@ -83,7 +106,8 @@ def run(args) -> int:
     if args.chat:
         prompts = prompts.with_chat()
     options = RewriteOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                             stop=tuple(args.stop) if args.stop else None, token_ids=args.token_ids)
+                             stop=tuple(args.stop) if args.stop else None, token_ids=args.token_ids,
+                             batch_size=args.batch_size)
     records, skipped_files = read_records(
         args.input, ReadOptions(field=args.field, split=args.split, lines_per_record=args.lines_per_record),
         ignore=(args.output, args.output + TMP_SUFFIX))

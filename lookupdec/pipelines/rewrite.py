@@ -14,6 +14,13 @@ whose line was torn by a kill; the rest are done in input order. So after any se
 runs and kills the file holds each record exactly once, and a rerun until exit status 0
 leaves no error lines. ``input_hash`` (SHA-256 of the record's text) tells a changed input:
 such a record is still skipped (its old output kept), with a warning.
+
+Batching (``RewriteOptions.batch_size``, ``--batch-size``): up to that many records share each
+verify forward (``lookupdec.batch``), a finished record's row going to the next one. Lines are
+then written in the order records finish, not input order (the id keys every line, and every
+guarantee above is per line). Outputs are the same as one at a time: greedy identical,
+sampled identical for the same seed (each record's seed is its own). ``auto`` picks the size
+from the learnt verify cost (``auto_batch_size``).
 """
 from __future__ import annotations
 
@@ -36,6 +43,9 @@ OUTPUT_CUE = "Output:\n"  # ends an --instruction prompt: where the model's answ
 MAX_WARNINGS = 10  # failed records named on stderr before the rest are only counted
 SEED_BYTES = 8  # bytes of SHA-256(seed, id) forming a record's seed (kept below 2**63)
 STATS_DIGITS = 4  # decimals of the floats in an output line's stats
+MAX_BATCH = 64  # most records per forward (--batch-size)
+AUTO_BATCH_SIZES = (1, 2, 4, 8, 16)  # what --batch-size auto chooses from
+AUTO_BATCH_GAIN = 1.15  # ... the largest size whose plain-decoding throughput beats half its size's by this
 
 
 @dataclass(frozen=True)
@@ -98,14 +108,19 @@ class RewriteOptions:
     seed: int | None = None  # sampling: each record's seed is derived from this and its id
     stop: tuple[str, ...] | None = None  # outputs end before the first of these strings
     token_ids: bool = False  # also write the generated token ids in each line
+    batch_size: int | str = 1  # records per verify forward; "auto": from the cost curve (auto_batch_size)
 
     def __post_init__(self) -> None:
         """The checks ``Engine.check_request`` runs on these values (``ParamError`` naming the
         field), before any record is read or any model loaded."""
         from lookupdec.validate import check_generation
 
+        from lookupdec.validate import bad
+
         check_generation(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
                          stop=self.stop)
+        if self.batch_size != "auto" and not (isinstance(self.batch_size, int) and 1 <= self.batch_size <= MAX_BATCH):
+            raise bad("batch_size", self.batch_size, f"expected 'auto' or an integer in [1, {MAX_BATCH}]")
 
     def record_seed(self, record_id: str) -> int | None:
         """Per record, so that an output does not depend on which records ran before it."""
@@ -155,7 +170,8 @@ class RewriteSummary:
     failed: int = 0  # error lines written by this run
     new_tokens: int = 0
     steps: int = 0  # target forwards
-    seconds: float = 0.0  # generation wall time, summed over records
+    seconds: float = 0.0  # the run's wall time (records in a batch overlap)
+    batch_size: int = 1  # records per forward (--batch-size, resolved)
     output: str = ""
 
     @property
@@ -172,7 +188,8 @@ class RewriteSummary:
     def line(self) -> str:
         return (f"{self.done} records rewritten, {self.failed} failed, {self.skipped} already done "
                 f"(of {self.records}); {self.new_tokens} tokens in {self.seconds:.1f} s, "
-                f"{self.tokens_per_s:.1f} tokens/s, {self.mean_accepted:.2f} tokens/step -> {self.output}")
+                f"{self.tokens_per_s:.1f} tokens/s, {self.mean_accepted:.2f} tokens/step"
+                + (f", batches of {self.batch_size}" if self.batch_size > 1 else "") + f" -> {self.output}")
 
 
 def rewrite(engine, work: Plan, prompts: PromptFormat, results: ResultsFile, options: RewriteOptions, *,
@@ -187,19 +204,122 @@ def rewrite(engine, work: Plan, prompts: PromptFormat, results: ResultsFile, opt
     results.drop(work.redo)
     total = records if records is not None else len(work.to_do) + work.skipped
     summary = RewriteSummary(records=total, skipped=work.skipped, output=results.path)
+    batch = resolve_batch_size(engine, options.batch_size) if work.needs_model else 1
+    start = time.perf_counter()
     with tqdm(total=total, initial=work.skipped, unit="rec", desc="rewrite", disable=not progress,
               dynamic_ncols=True) as bar, (logging_redirect_tqdm() if progress else contextlib.nullcontext()):
-        for record in work.to_do:
-            line = result_line(engine, record, prompts, options)
+        def write(line: dict) -> None:
             results.append(line)
             _count(summary, line)
+            summary.seconds = time.perf_counter() - start
             bar.update(1)
             bar.set_postfix_str(f"{summary.tokens_per_s:.0f} tok/s, {summary.mean_accepted:.2f} tok/step"
                                 + (f", {summary.failed} failed" if summary.failed else ""), refresh=False)
+
+        if batch > 1 and engine.batchable:
+            _rewrite_batched(engine, work.to_do, prompts, options, batch, write)
+        else:
+            for record in work.to_do:
+                write(result_line(engine, record, prompts, options))
+    summary.seconds = time.perf_counter() - start
+    summary.batch_size = batch
     if summary.failed > MAX_WARNINGS:
         log.warning("... and %d more failed records (their lines in %s say why)", summary.failed - MAX_WARNINGS,
                     results.path)
     return summary
+
+
+def resolve_batch_size(engine, batch_size: int | str) -> int:
+    """``batch_size``, or for ``"auto"`` the one ``auto_batch_size`` reads off the engine's cost
+    curve (1 where the model cannot batch)."""
+    if batch_size != "auto":
+        return int(batch_size)
+    if not engine.batchable:
+        return 1
+    return auto_batch_size(engine.cost_model())
+
+
+def auto_batch_size(cost) -> int:
+    """The largest size in ``AUTO_BATCH_SIZES`` whose plain-decoding throughput, size / t(size),
+    is at least ``AUTO_BATCH_GAIN`` times that of half its size: beyond it, rows cost nearly
+    what they bring. One row's curve of n tokens stands for n rows of one token.
+
+    >>> from lookupdec.budget import CostModel
+    >>> auto_batch_size(CostModel([1, 2, 4, 8, 16], [1.0, 1.0, 1.1, 1.3, 2.5]))
+    8
+    """
+    dense = cost.dense(max(AUTO_BATCH_SIZES))
+    best = 1
+    for size in AUTO_BATCH_SIZES[1:]:
+        if size / dense[size] >= AUTO_BATCH_GAIN * (size // 2) / dense[size // 2]:
+            best = size
+        else:
+            break
+    return best
+
+
+def _rewrite_batched(engine, records: Sequence[Record], prompts: PromptFormat, options: RewriteOptions,
+                     batch: int, write) -> None:
+    """``records`` through a ``BatchDecoder`` of ``batch`` rows, each line written as its record
+    finishes. A record the engine rejects gets its error line; if a batched step itself fails,
+    the records in flight are done again one at a time (their lines say what failed, if it fails again)."""
+    from lookupdec.batch import BatchDecoder, BatchRequest
+
+    decoder = BatchDecoder(engine, batch)
+    todo = iter(records)
+    started: dict[int, float] = {}
+    exhausted = False
+    while True:
+        while not exhausted and len(decoder.waiting) + len(decoder.active) < batch:
+            record = next(todo, None)
+            if record is None:
+                exhausted = True
+                break
+            if record.error is not None:
+                write(result_line(engine, record, prompts, options))
+                continue
+            try:
+                index = decoder.submit(BatchRequest(
+                    prompts.engine_prompt(engine, record), options.max_new_tokens, temperature=options.temperature,
+                    seed=options.record_seed(record.id), stop=list(options.stop) if options.stop else None,
+                    tag=record))
+            except Exception as exc:  # noqa: BLE001 -- as result_line: the record's line says why
+                write(_error_line(record, exc))
+                continue
+            started[index] = time.perf_counter()
+        if decoder.idle:
+            return
+        try:
+            finished = decoder.step()
+        except Exception:  # noqa: BLE001 -- redo what was in flight alone: a failure then names its record
+            log.warning("a batched step failed; its %d records are done one at a time", len(decoder.active)
+                        + len(decoder.waiting), exc_info=log.isEnabledFor(logging.DEBUG))
+            for seq in decoder.active + decoder.waiting:
+                engine.step_core.stop(seq.rid)
+                write(result_line(engine, seq.request.tag, prompts, options))
+            decoder = BatchDecoder(engine, batch)
+            continue
+        for seq in finished:
+            gen = decoder.generation(seq)
+            write(_result(seq.request.tag, gen, time.perf_counter() - started.pop(seq.index), options))
+
+
+def _error_line(record: Record, exc: Exception) -> dict:
+    log.debug("record %s failed", record.id, exc_info=True)
+    message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    return {"id": record.id, "input_hash": record.input_hash, "error": f"{record.where}: {message}"}
+
+
+def _result(record: Record, gen, seconds: float, options: RewriteOptions) -> dict:
+    stats = gen.stats
+    line = {"id": record.id, "input_hash": record.input_hash, "output": gen.text, "finish_reason": gen.finish_reason,
+            "stats": {"new_tokens": stats.new_tokens, "steps": stats.steps,
+                      "mean_accepted": round(stats.mean_accepted, STATS_DIGITS),
+                      "tokens_per_s": round(stats.new_tokens / seconds, STATS_DIGITS) if seconds else 0.0,
+                      "seconds": round(seconds, STATS_DIGITS)}}
+    if options.token_ids:
+        line["token_ids"] = gen.token_ids
+    return line
 
 
 def result_line(engine, record: Record, prompts: PromptFormat, options: RewriteOptions) -> dict:
@@ -213,19 +333,8 @@ def result_line(engine, record: Record, prompts: PromptFormat, options: RewriteO
                               temperature=options.temperature, seed=options.record_seed(record.id),
                               stop=list(options.stop) if options.stop else None)
     except Exception as exc:  # noqa: BLE001 -- a failed record is reported in its line; the run goes on
-        log.debug("record %s failed", record.id, exc_info=True)
-        message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        return {**base, "error": f"{record.where}: {message}"}
-    seconds = time.perf_counter() - start
-    stats = gen.stats
-    line = {**base, "output": gen.text, "finish_reason": gen.finish_reason,
-            "stats": {"new_tokens": stats.new_tokens, "steps": stats.steps,
-                      "mean_accepted": round(stats.mean_accepted, STATS_DIGITS),
-                      "tokens_per_s": round(stats.new_tokens / seconds, STATS_DIGITS) if seconds else 0.0,
-                      "seconds": round(seconds, STATS_DIGITS)}}
-    if options.token_ids:
-        line["token_ids"] = gen.token_ids
-    return line
+        return _error_line(record, exc)
+    return _result(record, gen, time.perf_counter() - start, options)
 
 
 def _count(summary: RewriteSummary, line: dict) -> None:
@@ -237,7 +346,6 @@ def _count(summary: RewriteSummary, line: dict) -> None:
     summary.done += 1
     summary.new_tokens += line["stats"]["new_tokens"]
     summary.steps += line["stats"]["steps"]
-    summary.seconds += line["stats"]["seconds"]
 
 
 def _warn_plan(work: Plan, path: str) -> None:
