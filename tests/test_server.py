@@ -8,6 +8,7 @@ vocabulary, so that an uncancelled generation is long and always runs to max_tok
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -78,15 +79,19 @@ def fim_model(tmp_path_factory) -> str:
     return str(folder)
 
 
-@pytest.fixture(scope="module")
-def server(chat_model):
-    with running_server("--model", chat_model) as proc:
+# Every test runs against a server taking requests one at a time and one batching them.
+BATCHING = pytest.fixture(scope="module", params=["1", "4"], ids=["one-at-a-time", "max-batch-4"])
+
+
+@BATCHING
+def server(chat_model, request):
+    with running_server("--model", chat_model, "--max-batch", request.param) as proc:
         yield proc
 
 
-@pytest.fixture(scope="module")
-def fim_server(fim_model):
-    with running_server("--model", fim_model) as proc:
+@BATCHING
+def fim_server(fim_model, request):
+    with running_server("--model", fim_model, "--max-batch", request.param) as proc:
         yield proc
 
 
@@ -405,6 +410,27 @@ def test_disconnect_cancels_generation(fim_server):
     assert health["completed"] == before["completed"], "no cancelled request may run to its end"
     short = httpx.post(fim_server.api + "/completions", json={"prompt": "Once", "max_tokens": 4}, timeout=60)
     assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 4
+
+
+def test_health_shows_the_running_batch(fim_server):
+    """Two long streams at once with --max-batch 4: both run in one batch (/health says 2 of
+    4); one at a time, a single stream shows a batch of 1 of 1. Closing cancels them."""
+    long = {"model": "tiny-fim", "prompt": "Once", "max_tokens": LONG_MAX_TOKENS, "temperature": 1.0, "stream": True}
+    batching = fim_server.health()["batch"]["max"] > 1
+    lines = []  # kept: a discarded line iterator would close its connection
+    with contextlib.ExitStack() as streams:
+        for seed in (1, 2) if batching else (1,):
+            response = streams.enter_context(httpx.stream("POST", fim_server.api + "/completions",
+                                                          json=long | {"seed": seed}, timeout=120))
+            lines.append(response.iter_lines())
+            assert next(lines[-1]).startswith("data: ")  # generating now
+        if batching:
+            health = wait_for(fim_server, lambda h: h["batch"]["running"] == 2, "two requests in the batch")
+            assert health["batch"]["max"] == 4 and health["running"] == 2 and health["queued"] == 0
+        else:
+            health = fim_server.health()
+            assert health["batch"] == {"running": 1, "max": 1} and health["running"] == 1
+    wait_for(fim_server, lambda h: h["running"] == 0 and h["batch"]["running"] == 0, "the streams cancelled")
 
 
 # -- the example --------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from lookupdec.cli.options import (CliError, add_engine_options, check_engine_options, engine_config, engine_kwargs,
-                                   non_negative_int)
+                                   non_negative_int, positive_int)
 
 
 def add_parser(sub) -> None:
@@ -10,8 +10,9 @@ def add_parser(sub) -> None:
         "serve",
         help="OpenAI-compatible HTTP server (completions, chat, streaming)",
         description="Serve POST /v1/completions, POST /v1/chat/completions, GET /v1/models and "
-        "GET /health. Requests run one at a time in arrival order; a client that disconnects "
-        "cancels its generation; the suffix cache learns across requests. Needs the server "
+        "GET /health. Requests run in arrival order, up to --max-batch of them sharing each verify "
+        "forward (continuous batching); a client that disconnects cancels its generation; the suffix "
+        "cache learns across requests. Needs the server "
         'extra (pip install "lookupdec[server]"). Never downloads.',
     )
     add_engine_options(p)
@@ -23,6 +24,9 @@ def add_parser(sub) -> None:
                    "$LOOKUPDEC_API_KEY if set, else no key; the variable keeps the key out of `ps`)")
     p.add_argument("--max-request-bytes", type=non_negative_int, default=4 << 20, metavar="N",
                    help="larger request bodies are refused with 413 before they are read (4194304 = 4 MiB; 0 = no limit)")
+    p.add_argument("--max-batch", type=positive_int, default=1, metavar="N",
+                   help="requests verified together in each forward (1 = one at a time); they join and leave "
+                   "the batch between steps, outputs unchanged; /health shows the running batch")
     p.add_argument("--openapi", action="store_true",
                    help="also serve the OpenAPI schema at /openapi.json (off by default; no /docs pages)")
     p.set_defaults(func=run)
@@ -38,5 +42,6 @@ def run(args) -> int:
         raise CliError(f"--port {args.port}: expected 0 to 65535")
     serve(args.model, host=args.host, port=args.port, model_name=args.model_name,
           **engine_kwargs(args, engine_config(args)), log_level="info" if args.verbose else "warning",
-          api_key=args.api_key, max_request_bytes=args.max_request_bytes, openapi=args.openapi)
+          api_key=args.api_key, max_request_bytes=args.max_request_bytes, openapi=args.openapi,
+          max_batch=args.max_batch)
     return 0

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lookupdec.server import protocol
 from lookupdec.server.protocol import ChatRequest, CompletionRequest, RequestError, error_body
-from lookupdec.server.worker import EngineWorker, Job
+from lookupdec.server.worker import BatchingWorker, EngineWorker, Job
 
 
 HTTP_BAD_REQUEST = 400
@@ -218,12 +218,14 @@ class Api:
 
 
 def create_app(engine, model_name: str, *, api_key: str | None = None,
-               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, openapi: bool = False):
+               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, openapi: bool = False, max_batch: int = 1):
     """The OpenAI-compatible app serving ``engine`` under the id ``model_name``, behind
     ``RequestGuard`` (``api_key``: required on every path but /health; ``max_request_bytes``:
     larger bodies are a 413; None or 0: no limit). ``openapi``: also serve ``/openapi.json``.
-    No docs pages (/docs, /redoc): FastAPI's load their scripts from a CDN."""
-    worker = EngineWorker(engine)
+    No docs pages (/docs, /redoc): FastAPI's load their scripts from a CDN. ``max_batch`` > 1:
+    up to that many requests share each verify forward (``BatchingWorker``) where the model can
+    batch; else requests run one at a time."""
+    worker = BatchingWorker(engine, max_batch) if max_batch > 1 and engine.batchable else EngineWorker(engine)
     api = Api(worker, model_name)
 
     @asynccontextmanager
@@ -271,7 +273,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           index=None, draft_model=None, device=None, dtype=None, config=None, log_level: str = "info",
           api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
-          openapi: bool = False) -> None:
+          openapi: bool = False, max_batch: int = 1) -> None:
     """Load the engine (never downloads), bind ``host:port`` (0: a free port) and serve until
     interrupted. Prints ``lookupdec: serving NAME at http://HOST:PORT`` on stderr once listening.
     ``api_key`` (default: ``$LOOKUPDEC_API_KEY``; "" for none): required as a Bearer token on
@@ -300,7 +302,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
         sock.close()
         raise ValueError(f"--host {host} --port {port}: cannot listen ({exc.strerror})") from None
     sock.listen()
-    app = create_app(engine, name, api_key=api_key, max_request_bytes=max_request_bytes, openapi=openapi)
+    app = create_app(engine, name, api_key=api_key, max_request_bytes=max_request_bytes, openapi=openapi,
+                     max_batch=max_batch)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     if not api_key and host not in ("127.0.0.1", "localhost", "::1"):

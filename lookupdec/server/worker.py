@@ -11,11 +11,18 @@ which runs ``Engine.stream`` with the job's ``cancel`` event and posts events ba
 queued. Setting ``job.cancel`` (the client disconnected) ends the generation before its next step
 and frees the engine for the next job. The counters of ``/health`` are updated before a job's
 last event is posted, so a client that has its answer never sees its request still running.
+
+``BatchingWorker`` (``serve --max-batch N``, N > 1) replaces the one-at-a-time engine thread by a
+loop over a ``BatchDecoder`` (``lookupdec.batch``): requests join the running batch at step
+boundaries while rows are free and leave it when done, each with its own sampling values, seed,
+stop strings and cancel event (checked before every step); pieces are posted as each step
+produces them. The events, counters and stats are the same; ``/health`` adds the running batch.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -94,7 +101,8 @@ class EngineWorker:
 
     def health(self) -> dict:
         ended = sum(self.ended.values())
-        return {"queued": self.submitted - self.started, "running": self.started - ended, **self.ended}
+        return {"queued": self.submitted - self.started, "running": self.started - ended, **self.ended,
+                "batch": {"running": int(self._current is not None), "max": 1}}
 
     def shutdown(self) -> None:
         job = self._current
@@ -138,3 +146,106 @@ class EngineWorker:
         job.engine_ms = (time.perf_counter() - start) * 1e3
         generation = stream.generation
         return ("cancelled" if generation.finish_reason == "cancelled" else "completed"), ("done", generation)
+
+
+class BatchingWorker(EngineWorker):
+    """Continuous batching: one engine thread steps a ``BatchDecoder`` of up to ``max_batch`` rows."""
+
+    IDLE_WAIT_S = 0.05  # the engine thread's wait for a request when nothing runs
+
+    def __init__(self, engine, max_batch: int) -> None:
+        super().__init__(engine)
+        self.max_batch = max_batch
+        self._incoming: queue.Queue = queue.Queue()
+        self._stopping = threading.Event()
+        self._jobs: dict[int, tuple[Job, object, float]] = {}  # decoder index -> (job, request, start)
+        self.batch_rows = 0  # sequences in the last step (/health)
+        self._thread = threading.Thread(target=self._loop, name="lookupdec-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: Prompt, request) -> Job:
+        job = Job(asyncio.get_running_loop(), streaming=request.stream)
+        self.submitted += 1
+        self._incoming.put((job, prompt, request))
+        return job
+
+    def health(self) -> dict:
+        return {**super().health(), "batch": {"running": self.batch_rows, "max": self.max_batch}}
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        for job, _, _ in list(self._jobs.values()):
+            job.cancel.set()
+        self._prompt_executor.shutdown(wait=False, cancel_futures=True)
+        self._thread.join()
+        self._executor.shutdown(wait=False)
+
+    # -- on the engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        from lookupdec.batch import BatchDecoder
+
+        decoder = BatchDecoder(self.engine, self.max_batch)
+        while not self._stopping.is_set():
+            self._take(decoder, block=decoder.idle)
+            if decoder.idle:
+                continue
+            try:
+                finished = decoder.step()
+            except Exception as exc:  # a bug, not a bad request: every request in flight gets a 500
+                log.exception("batched generation failed")
+                for seq in decoder.active + decoder.waiting:
+                    self.engine.step_core.stop(seq.rid)
+                    self._end(seq.index, "failed", ("error", exc))
+                decoder = BatchDecoder(self.engine, self.max_batch)
+                continue
+            self.batch_rows = len(decoder.active) + len(finished)
+            for seq in finished:
+                generation = decoder.generation(seq)
+                job = self._jobs[seq.index][0]
+                job.engine_ms = (time.perf_counter() - self._jobs[seq.index][2]) * 1e3
+                self._end(seq.index, "cancelled" if generation.finish_reason == "cancelled" else "completed",
+                          ("done", generation))
+            if decoder.idle:
+                self.batch_rows = 0
+        for index in list(self._jobs):  # shutting down: whatever still runs is cancelled
+            self._end(index, "cancelled", ("cancelled", None))
+
+    def _take(self, decoder, *, block: bool) -> None:
+        """Move queued requests into the decoder while rows are free (waiting up to
+        ``IDLE_WAIT_S`` for the first one if ``block``)."""
+        from lookupdec.batch import BatchRequest
+
+        while len(decoder.active) + len(decoder.waiting) < self.max_batch:
+            try:
+                job, prompt, request = self._incoming.get(timeout=self.IDLE_WAIT_S) if block \
+                    else self._incoming.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            self.started += 1
+            job.queue_ms = (time.perf_counter() - job.submitted) * 1e3
+            if job.cancel.is_set():
+                self.ended["cancelled"] += 1
+                job.post("cancelled", None)
+                continue
+            kwargs = request.engine_kwargs(prompt.max_new_tokens)
+            on_text = (lambda piece, job=job: job.post("piece", piece)) if job.streaming else None
+            try:
+                index = decoder.submit(BatchRequest(prompt.token_ids, cancel=job.cancel, on_text=on_text, **kwargs))
+            except ParamError as exc:
+                self.ended["failed"] += 1
+                job.post("error", request_error(exc, request))
+                continue
+            except ValueError as exc:
+                self.ended["failed"] += 1
+                job.post("error", RequestError(str(exc), None))
+                continue
+            self._jobs[index] = (job, request, time.perf_counter())
+            job.prompt_tokens = len(prompt.token_ids)
+            if job.streaming:
+                job.post("start", job.prompt_tokens)
+
+    def _end(self, index: int, outcome: str, event: tuple) -> None:
+        job = self._jobs.pop(index)[0]
+        self.ended[outcome] += 1  # before the last event: once answered, a request is not "running"
+        job.post(*event)
