@@ -24,7 +24,7 @@ import torch
 
 from lookupdec.model.cache import new_batch_cache, new_cache
 from lookupdec.model.kernels import swapped
-from lookupdec.model.target import TargetModel
+from lookupdec.model.target import TargetModel, tree_inputs
 from lookupdec.tree import TokenTree
 
 
@@ -103,6 +103,9 @@ class BatchTarget:
         width, L + width] of one batched verify forward."""
         rows, slots = self.rows, self.store.lengths[0]
         self._base = slots  # where the trees' slots begin (commit)
+        if rows == 1 and self.lengths[0] == slots and len(trees[0]) == width:  # no holes, no padding:
+            return tree_inputs(trees[0], slots, device=self.target.device, dtype=self.target.dtype,
+                               tree_mode=True)  # the one-sequence path (compiled; no mask for a chain)
         lengths = np.array(self.lengths, dtype=np.int64)
         ids = np.empty((rows, width), dtype=np.int64)
         positions = np.repeat(lengths[:, None], width, axis=1)

@@ -178,6 +178,10 @@ class BatchStore(SlotStore):
 
     def gather_row(self, row: int, slots: Sequence[int], start: int) -> None:
         """Copy ``slots`` of ``row`` (every layer) to ``start, start + 1, ...`` (slots >= their targets)."""
+        skip = 0  # slots already in place (the root; often the accepted path's first nodes)
+        while skip < len(slots) and slots[skip] == start + skip:
+            skip += 1
+        slots, start = slots[skip:], start + skip
         if not len(slots):
             return
         buf = self.buffer[:, :, row]  # [layers, 2, heads, capacity, head dim]

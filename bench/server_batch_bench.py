@@ -1,0 +1,163 @@
+"""Concurrent clients against ``lookupdec serve``: continuous batching (``--max-batch N``) against
+the server taking requests one at a time, on SmolLM2-135M-Instruct (float32, CPU, loopback).
+
+Two real server processes run side by side (an idle one costs nothing): ``--max-batch 1`` and
+``--max-batch N``. Both get the same requests, in an order rotated per measurement:
+
+* ``single``   -- one client alone, one request after another: latency per request
+* ``C clients`` -- C threads, each with its own official ``openai`` client, each sending its
+  share of the prompts one after another (bounded loops); aggregate completion tokens/s over
+  the wall time from the first request to the last answer
+
+Every answer is greedy and checked against the other server's answer to the same prompt (equal
+text). Prompts: log lines to JSON and code edits in the chat template (``real_model.py``), sent
+as token ids to ``/v1/completions``.
+
+    python bench/server_batch_bench.py                # 16 prompts, 64 tokens, 8 and 16 clients, 1 thread
+    python bench/server_batch_bench.py --clients 8 --prompts 8 --max-tokens 32     # a quick look
+
+Writes ``bench/results/server_batch.json`` (``--out``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO_ROOT, RESULTS_DIR, format_table, run_metadata, write_result  # noqa: E402
+from real_model import build_workloads  # noqa: E402
+
+START_TIMEOUT_S = 300
+LISTENING = re.compile(r"lookupdec: serving \S+ at (http://[\d.]+:\d+)")
+
+
+def start_server(model: str, threads: int, max_batch: int) -> tuple[subprocess.Popen, str]:
+    log_fd, log_path = tempfile.mkstemp(prefix="lookupdec-serve-", suffix=".log")
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "lookupdec", "serve", "--model", model, "--port", "0",
+                             "--model-name", "m", "--max-batch", str(max_batch)], cwd=REPO_ROOT, env=env,
+                            stdout=log_fd, stderr=log_fd, stdin=subprocess.DEVNULL)
+    os.close(log_fd)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        match = LISTENING.search(Path(log_path).read_text(errors="replace"))
+        if match:
+            return proc, match.group(1) + "/v1"
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"server did not start:\n{Path(log_path).read_text(errors='replace')[-2000:]}")
+
+
+def ask(client, prompt: list[int], max_tokens: int) -> tuple[str, int, float]:
+    start = time.perf_counter()
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return r.choices[0].text, r.usage.completion_tokens, time.perf_counter() - start
+
+
+def single(api: str, prompts, max_tokens: int) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=api, api_key="x", max_retries=0, timeout=600)
+    texts, tokens, latencies = [], 0, []
+    for p in prompts:
+        text, n, seconds = ask(client, p, max_tokens)
+        texts.append(text)
+        tokens += n
+        latencies.append(seconds)
+    return {"texts": texts, "tokens": tokens, "seconds": sum(latencies), "latencies": latencies}
+
+
+def concurrent(api: str, prompts, max_tokens: int, clients: int) -> dict:
+    import openai
+
+    shares = [prompts[i::clients] for i in range(clients)]
+
+    def run(share):
+        client = openai.OpenAI(base_url=api, api_key="x", max_retries=0, timeout=600)
+        return [(p, *ask(client, p, max_tokens)) for p in share]
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        answers = [a for share in pool.map(run, shares) for a in share]
+    seconds = time.perf_counter() - start
+    by_prompt = {tuple(p): text for p, text, _, _ in answers}
+    return {"texts": [by_prompt[tuple(p)] for p in prompts], "tokens": sum(n for _, _, n, _ in answers),
+            "seconds": seconds, "latencies": [s for _, _, _, s in answers]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts (half log lines, half code edits; 16)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--clients", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--max-batch", type=int, default=16, help="the batching server's --max-batch (16)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of each server (1)")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "server_batch.json")
+    args = ap.parse_args(argv)
+
+    from lookupdec import Engine
+
+    meta = run_metadata()
+    loader = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
+    workloads = build_workloads(loader, args.prompts // 2 + 1, 1024)
+    prompts = [p for pair in zip(workloads["log_to_json"], workloads["code_edit"]) for p in pair][: args.prompts]
+    del loader
+    servers = {"one-at-a-time": start_server(args.model, args.threads, 1),
+               f"max-batch-{args.max_batch}": start_server(args.model, args.threads, args.max_batch)}
+    names = list(servers)
+    rows, mismatches = [], 0
+    try:
+        for name in names:  # warm-up: kernels, cost curve seed; a prompt no measurement uses
+            single(servers[name][1], [prompts[0][:64]], 8)
+        measurements = [("single", None)] + [(f"{c} clients", c) for c in args.clients]
+        for k, (what, clients) in enumerate(measurements):
+            results = {}
+            for name in names[k % 2:] + names[: k % 2]:
+                api = servers[name][1]
+                results[name] = (single(api, prompts, args.max_tokens) if clients is None
+                                 else concurrent(api, prompts, args.max_tokens, clients))
+            a, b = (results[n]["texts"] for n in names)
+            diff = sum(x != y for x, y in zip(a, b))
+            mismatches += diff
+            base = results[names[0]]
+            for name in names:
+                r = results[name]
+                rows.append({"measure": what, "server": name, "requests": len(prompts), "tokens": r["tokens"],
+                             "seconds": round(r["seconds"], 2), "tokens_per_s": round(r["tokens"] / r["seconds"], 2),
+                             "vs_one_at_a_time": round((r["tokens"] / r["seconds"]) / (base["tokens"] / base["seconds"]), 3),
+                             "median_latency_s": round(statistics.median(r["latencies"]), 3),
+                             "texts_differing": diff})
+            print("  " + "  ".join(f"{r['measure']} {r['server']}: {r['tokens_per_s']:.1f} tok/s "
+                                   f"({r['vs_one_at_a_time']:.2f}x), median latency {r['median_latency_s']:.2f} s"
+                                   for r in rows[-2:]) + (f"  {diff} texts differ" if diff else ""), flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
+    alone = {r["server"]: r["tokens_per_s"] for r in rows if r["measure"] == "single"}
+    for r in rows:
+        r["vs_single_client_alone"] = round(r["tokens_per_s"] / alone[r["server"]], 3)
+    print()
+    print(format_table(rows, [("measure", "measure", ""), ("server", "server", ""), ("tokens_per_s", "tokens/s", ".1f"),
+                              ("vs_one_at_a_time", "x one-at-a-time", ".2f"),
+                              ("vs_single_client_alone", "x one client alone", ".2f"),
+                              ("median_latency_s", "median latency s", ".2f"), ("texts_differing", "differ", "d")]))
+    write_result(args.out, "server_batch", {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                 rows, meta=meta, mismatches=mismatches)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
