@@ -127,8 +127,9 @@ class EngineConfig:
     recycle: RecycleConfig = field(default_factory=RecycleConfig)  # used when "recycle" is a proposer
     draft: DraftConfig = field(default_factory=DraftConfig)  # used when the engine has a draft model
     verify: str = "auto"  # "auto" (probe tree masks), "tree", or "chain" (one path per step)
-    fast_kernels: bool = True  # CPU: the output projection by the fastest product form per row
-    #                            count, grouped K/V heads not copied in attention (model/kernels.py);
+    fast_kernels: bool = True  # CPU float32: linear layers on oneDNN-prepacked weights, the output
+    #                            projection by the fastest product form per row count, grouped K/V
+    #                            heads not copied in attention (model/kernels.py);
     #                            same logits up to float rounding (greedy identity is tested)
 
     def __post_init__(self) -> None:

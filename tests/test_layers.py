@@ -19,7 +19,8 @@ LAYERS = [
     ("index", ["lookupdec.index"]),
     ("model", ["lookupdec.model", "lookupdec.sampling"]),
     ("proposers", ["lookupdec.proposers"]),
-    ("engine", ["lookupdec.budget", "lookupdec.mixture", "lookupdec.step", "lookupdec.engine", "lookupdec.simulate"]),
+    ("engine", ["lookupdec.budget", "lookupdec.mixture", "lookupdec.step", "lookupdec.engine", "lookupdec.batch",
+                "lookupdec.simulate"]),
     ("faces", ["lookupdec", "lookupdec.cli", "lookupdec.server", "lookupdec.pipelines", "lookupdec.demo.data",
                "lookupdec.demo.train"]),
 ]
