@@ -382,3 +382,41 @@ def test_extreme_values_give_the_limit_distribution_not_nan(params, want):
     assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-6
     expected = {"argmax": [0, 1, 0, 0], "uniform": [0.25] * 4, "seen": [0.5, 0, 0, 0.5]}[want]
     assert probs.tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_monte_carlo_first_two_tokens_in_batches():
+    """The Monte Carlo check above through ``Engine.generate_batch``: 8 seeds of the prompt per
+    batch, beside rows of another prompt of another length, the same tree source and bound."""
+    model = cached_tiny("llama")
+    prompt, other = [11, 23, 35, 47, 59, 71], [5, 6, 7, 5, 6, 7, 5, 6, 7, 8, 9]
+    params = SamplingParams(**E2E_PARAMS)
+    with torch.inference_mode():
+        first_logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+        batch = torch.tensor([prompt + [t] for t in range(first_logits.numel())])
+        second_logits = model(input_ids=batch).logits[:, -1].float()
+    p1 = plain_probs(first_logits, prompt, params)
+    exact = {}
+    for t1 in p1.nonzero().flatten().tolist():
+        if t1 == EOS:
+            exact[(t1,)] = float(p1[t1])
+            continue
+        p2 = plain_probs(second_logits[t1], prompt + [t1], params)
+        for t2 in p2.nonzero().flatten().tolist():
+            exact[(t1, t2)] = float(p1[t1] * p2[t2])
+    likely = p1.topk(2).indices.tolist()
+    children = {t: plain_probs(second_logits[t], prompt + [t], params).topk(2).indices.tolist() for t in likely}
+    engine = Engine(model, FakeTokenizer(), EngineConfig(proposers=(), budget="fixed"),
+                    proposers=[FixedTreeProposer(prompt, children)])
+    per_batch = 8
+    counts, two_in_one_step = Counter(), 0
+    for start in range(0, E2E_SEEDS, per_batch):
+        seeds = list(range(start, start + per_batch))
+        gens = engine.generate_batch([prompt] * per_batch + [other, other], max_new_tokens=2, max_batch=10,
+                                     seed=seeds + [start, start + 1], **E2E_PARAMS)
+        for gen in gens[:per_batch]:
+            counts[tuple(gen.token_ids)] += 1
+            two_in_one_step += gen.stats.steps == 1 and len(gen.token_ids) == 2
+    tv = total_variation(counts, exact, E2E_SEEDS)
+    bound = tv_bound(exact.values(), E2E_SEEDS, E2E_FAILURE_PROB)
+    assert tv <= bound, f"TV {tv:.4f} > bound {bound:.4f} (N={E2E_SEEDS}, K={len(exact)})"
+    assert two_in_one_step > E2E_SEEDS // 5, "the tree was hardly used: the test would not exercise it"
