@@ -7,8 +7,8 @@ For each torch thread setting, workload and batch size B, side by side in an ord
   left-padded (its batch runs until the longest row ends)
 * ``lookupdec``     -- ``Engine.generate_batch(records, max_batch=B)``, the default configuration
   (joint budget, continuous batching), a fresh engine per run so that its suffix cache has not
-  seen these records' outputs before
-* ``sequential``    -- (B = 1 only) ``Engine.generate`` one record at a time: the pipeline before batching
+  seen these records' outputs before; at B = 1 ``Engine.generate`` one record at a time (what
+  ``rewrite --batch-size 1`` does)
 * ``fixedN``        -- (``--fixed-batch`` only) lookupdec with ``budget="fixed", max_nodes=N``
   per sequence: the joint budget's distance to the best fixed setting
 
@@ -92,7 +92,7 @@ def bench(threads: int, model, tokenizer, workloads, args) -> list[dict]:
     for workload, prompts in workloads.items():
         reference = None
         for batch in args.batch_sizes:
-            methods = ["transformers", "lookupdec"] + (["sequential"] if batch == 1 else [])
+            methods = ["transformers", "lookupdec"]
             if batch in args.fixed_batch:
                 methods += [f"fixed{n}" for n in args.fixed]
             k = args.batch_sizes.index(batch) % len(methods)
@@ -100,12 +100,11 @@ def bench(threads: int, model, tokenizer, workloads, args) -> list[dict]:
             for method in methods[k:] + methods[:k]:
                 if method == "transformers":
                     outs, seconds, info = tf_batched(model, prompts, batch, args.max_new_tokens, pad_id, eos)
-                elif method == "sequential":
-                    outs, seconds, info = ld_batched(model, tokenizer, prompts, 1, args.max_new_tokens, sequential=True)
                 else:
                     config = (EngineConfig(budget="fixed", max_nodes=int(method[5:])) if method.startswith("fixed")
                               else None)
-                    outs, seconds, info = ld_batched(model, tokenizer, prompts, batch, args.max_new_tokens, config)
+                    outs, seconds, info = ld_batched(model, tokenizer, prompts, batch, args.max_new_tokens, config,
+                                                     sequential=batch == 1)
                 results[method] = (outs, seconds, info)
             if batch == 1:
                 reference = results["transformers"][0]
