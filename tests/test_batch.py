@@ -17,7 +17,7 @@ import torch
 from conftest import cached_references, cached_tiny
 from helpers import FakeTokenizer, first_difference
 from lookupdec import Engine, EngineConfig
-from lookupdec.batch import BatchDecoder, BatchRequest, choose_width
+from lookupdec.batch import BatchDecoder, BatchRequest, WidthCosts, choose_width
 from lookupdec.budget import CostModel
 from lookupdec.model.cache import BatchStore, SlotStore
 from tiny_models import FAMILIES
@@ -123,11 +123,27 @@ def test_batch_store_rows():
 
 
 def test_choose_width():
-    cost = CostModel([1, 2, 4, 8, 16], [1.0, 1.0, 1.05, 1.1, 3.0])
+    cost = WidthCosts(CostModel([1, 2, 4, 8, 16], [1.0, 1.0, 1.05, 1.1, 3.0]), rows=2)
     assert choose_width([[0.9, 0.9, 0.9], [0.9, 0.9, 0.9]], cost, 0.0, 8) == 4  # 8 tokens for 1.1
-    assert choose_width([[0.01, 0.01], [0.01]], CostModel([1, 2, 4], [1.0, 1.5, 2.0]), 0.0, 8) == 1
+    assert choose_width([[0.01, 0.01], [0.01]], WidthCosts(CostModel([1, 2, 4], [1.0, 1.5, 2.0]), 2), 0.0, 8) == 1
     assert choose_width([[], []], cost, 0.0, 8) == 1
-    assert choose_width([[0.9] * 10], cost, 0.0, 3) <= 4  # max_nodes caps the width
+    assert choose_width([[0.9] * 10], WidthCosts(cost.seed, 1), 0.0, 3) <= 4  # max_nodes caps the width
+
+
+def test_width_costs_learn_and_move_on():
+    """A width estimated too cheap is timed once and dropped: no envelope keeps it cheap."""
+    cost = WidthCosts(CostModel([1, 64], [1.0, 4.0]), rows=4)
+    assert cost(4) == pytest.approx(1.0 + 3.0 * 15 / 63)
+    cost.observe(4, 3.0)  # the first timed forward: every unseen width scales by 3 / seed(16)
+    ratio = 3.0 / (1.0 + 3.0 * 15 / 63)
+    assert cost(4) == 3.0 and cost(2) == pytest.approx(ratio * (1.0 + 3.0 * 7 / 63))
+    gains = [[0.9, 0.9, 0.9, 0.9, 0.9]] * 4
+    first = choose_width(gains, cost, 0.0, 8)
+    cost.observe(first, 50.0)  # far dearer than estimated
+    assert cost(first) == 50.0 and choose_width(gains, cost, 0.0, 8) != first
+    for _ in range(20):
+        cost.observe(4, 1.0)
+    assert cost(4) < 1.1
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
