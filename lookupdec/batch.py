@@ -38,6 +38,7 @@ from lookupdec.step import Verdict
 from lookupdec.stops import StopStrings, TextAssembler
 
 
+WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65)  # the widths a batch chooses from (root included): each is tried, then learnt
 WIDTH_COST_RATE = 0.2  # how far each timed batched forward moves its width's estimate (after the first few)
 WIDTH_COST_SPIKE = 2.0  # an observation above this many times the estimate counts as this many times
 
@@ -153,6 +154,8 @@ class BatchDecoder:
         if not self.active:
             return finished
         engine, core = self.engine, self.engine.step_core
+        if engine.config.budget == "auto":
+            self._cost(len(self.active))  # a first cost curve may take a few forwards: not the step's overhead
         t0 = time.perf_counter()
         for seq in self.active:
             seq.plan = core.plan(seq.rid, seq.context, cost=None,
@@ -160,7 +163,8 @@ class BatchDecoder:
         trees = self._choose([seq.plan for seq in self.active])
         t1 = time.perf_counter()
         logits = self.target.verify(trees)
-        forward = time.perf_counter() - t1 - engine.target.last_prepare_s
+        t2 = time.perf_counter()
+        forward = t2 - t1 - engine.target.last_prepare_s
         rows = len(trees)
         width = logits.shape[1]
         self.widths.append(width)
@@ -188,9 +192,8 @@ class BatchDecoder:
                 self._end(seq, "eos", finished)
             elif seq.produced >= seq.request.max_new_tokens or engine._room(seq.context) <= 0:
                 self._end(seq, "length", finished)
-        elapsed = time.perf_counter() - t0
-        self.overhead_s = 0.8 * self.overhead_s + 0.2 * max(0.0, elapsed - forward) if self.widths[:-1] else \
-            max(0.0, elapsed - forward)
+        outside = (t1 - t0) + (time.perf_counter() - t2)  # the step outside its forward
+        self.overhead_s = outside if len(self.widths) == 1 else 0.8 * self.overhead_s + 0.2 * outside
         return finished
 
     def _admit(self) -> None:
@@ -262,7 +265,9 @@ class BatchDecoder:
 class WidthCosts:
     """The cost of a batched forward of ``rows`` rows by tree width, learnt from the batch's own
     timed forwards. A width never timed: ``seed(rows x W)`` (a one-sequence curve of that many
-    tokens) times the ratio the first timed forward of any width showed against its seed. No
+    tokens), scaled down by the ratio timed forwards show against their seeds (decayed) where the
+    batch is cheaper than the seed, never up: an untried width looks at most as dear as its seed,
+    so each candidate width (``WIDTHS``) is tried once before it is judged. No
     envelope over larger widths (unlike ``CostModel.dense``): a width estimated too cheap is
     tried, its time replaces the estimate, and the choice moves on."""
 
@@ -274,11 +279,12 @@ class WidthCosts:
 
     def __call__(self, width: int) -> float:
         known = self.seconds.get(width)
-        return known if known is not None else self.ratio * self.seed(self.rows * width)
+        # untried: never dearer than the seed (optimistic), so that every candidate width gets tried
+        return known if known is not None else min(self.ratio, 1.0) * self.seed(self.rows * width)
 
     def observe(self, width: int, seconds: float) -> None:
-        if not self.counts:
-            self.ratio = seconds / max(self.seed(self.rows * width), 1e-9)
+        ratio = seconds / max(self.seed(self.rows * width), 1e-9)
+        self.ratio = ratio if not self.counts else (1 - WIDTH_COST_RATE) * self.ratio + WIDTH_COST_RATE * ratio
         old = self(width)
         count = self.counts.get(width, 0) + 1
         self.counts[width] = count
@@ -291,7 +297,7 @@ class WidthCosts:
 
 def choose_width(gains: Sequence[Sequence[float]], cost, overhead_s: float, max_nodes: int,
                  scale: float = 1.0) -> int:
-    """The width ``W`` (1..max_nodes + 1) maximising (rows + scale x the sum over rows of the
+    """The width ``W`` (of ``WIDTHS``, or every row's whole tree if narrower) maximising (rows + scale x the sum over rows of the
     first ``W - 1`` gains) / (t(rows x W) + overhead): the batched forward computes ``rows x
     W`` tokens whatever each row's tree, so each row takes its best ``W - 1`` nodes.
     ``cost(W)``: the forward's seconds at width W (``WidthCosts``); ``overhead``: what the
@@ -310,5 +316,6 @@ def choose_width(gains: Sequence[Sequence[float]], cost, overhead_s: float, max_
             sums = np.cumsum(values)
             expected[1 : len(values) + 1] += scale * sums
             expected[len(values) + 1 :] += scale * sums[-1]
-    seconds = np.array([cost(w + 1) for w in range(longest + 1)]) + overhead_s
-    return int(np.argmax(expected / seconds)) + 1
+    widths = [w for w in WIDTHS if w <= longest + 1] + ([longest + 1] if longest + 1 not in WIDTHS else [])
+    rates = [expected[w - 1] / (cost(w) + overhead_s) for w in widths]
+    return widths[int(np.argmax(rates))]
