@@ -6,12 +6,9 @@
     plan     every sequence's drafts and merged tree (``StepCore.plan``, no pruning yet)
     choose   one joint budget: the width ``W`` (nodes per row, root included) maximising the
              batch's expected tokens per second, sum over rows of ``1 + scale x`` the gains of
-             its ``W - 1`` best nodes, over the batched forward's cost ``T(rows, W)`` (rows are
-             padded to the widest tree, so within a width every row takes all the nodes it has
-             up to ``W - 1``: padding is computed anyway). ``T`` (``WidthCosts``) is learnt
-             per row count and width from the batch's own timed forwards; a width never timed
-             is the engine's one-sequence cost of ``rows x W`` tokens, scaled by how far the
-             first timed batch forward was from it (a batch also reads every row's own K/V)
+             its ``W - 1`` best nodes, over ``t(rows x W)``, the learnt cost of the batched
+             forward (rows are padded to the widest tree, so within a width every row takes all
+             the nodes it has up to ``W - 1``: padding is computed anyway)
     verify   one forward for every row's tree (``BatchTarget.verify``)
     accept   per sequence, exactly as alone (``sampling.accept`` with its own generator), then
              one KV commit for the batch, observe and learn per sequence (``StepCore.finish``)
@@ -36,11 +33,6 @@ from lookupdec.budget import CostModel
 from lookupdec.sampling import SamplingParams, accept
 from lookupdec.step import Verdict
 from lookupdec.stops import StopStrings, TextAssembler
-
-
-WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65)  # the widths a batch chooses from (root included): each is tried, then learnt
-WIDTH_COST_RATE = 0.2  # how far each timed batched forward moves its width's estimate (after the first few)
-WIDTH_COST_SPIKE = 2.0  # an observation above this many times the estimate counts as this many times
 
 
 @dataclass
@@ -95,7 +87,7 @@ class BatchDecoder:
         self.active: list[_Sequence] = []  # by row
         self.done: list[_Sequence] = []
         self._count = 0
-        self._costs: dict[int, WidthCosts] = {}  # rows -> the batched forward's cost per width, learnt
+        self._costs: dict[tuple[int, int], CostModel] = {}  # (context bucket, rows) -> t(rows x width)
         self.overhead_s = 0.0  # mean batch step time outside the forward (decayed)
         self.widths: list[int] = []  # the chosen width of every step (for benchmarks)
 
@@ -169,7 +161,7 @@ class BatchDecoder:
         width = logits.shape[1]
         self.widths.append(width)
         if engine.config.budget == "auto":
-            self._cost(rows).observe(width, forward)
+            self._cost(rows).observe(rows * width, forward)
         accepted, verdicts = [], []
         for b, (seq, tree) in enumerate(zip(self.active, trees)):
             verdicts.append(self._accept(seq, tree, logits[b, : len(tree)]))
@@ -238,12 +230,14 @@ class BatchDecoder:
         return result.accepted, engine._clip(new, limit)
 
     # -- the joint budget ----------------------------------------------------------------------
-    def _cost(self, rows: int) -> "WidthCosts":
-        if rows not in self._costs:
-            engine = self.engine
-            bucket = engine._cost_bucket(max(len(seq.context) for seq in self.active))
-            self._costs[rows] = WidthCosts(engine.cost_model(bucket), rows)
-        return self._costs[rows]
+    def _cost(self, rows: int) -> CostModel:
+        engine = self.engine
+        longest = max(len(seq.context) for seq in self.active)
+        bucket = engine._cost_bucket(longest)
+        key = (bucket, rows)
+        if key not in self._costs:
+            self._costs[key] = engine.cost_model(bucket).copy()  # one row's curve of n tokens, then learnt
+        return self._costs[key]
 
     def _choose(self, plans) -> list:
         """Every row's tree pruned to the joint budget's width (``choose_width``)."""
@@ -262,48 +256,13 @@ class BatchDecoder:
         return out
 
 
-class WidthCosts:
-    """The cost of a batched forward of ``rows`` rows by tree width, learnt from the batch's own
-    timed forwards. A width never timed: ``seed(rows x W)`` (a one-sequence curve of that many
-    tokens), scaled down by the ratio timed forwards show against their seeds (decayed) where the
-    batch is cheaper than the seed, never up: an untried width looks at most as dear as its seed,
-    so each candidate width (``WIDTHS``) is tried once before it is judged. No
-    envelope over larger widths (unlike ``CostModel.dense``): a width estimated too cheap is
-    tried, its time replaces the estimate, and the choice moves on."""
-
-    def __init__(self, seed: CostModel, rows: int) -> None:
-        self.seed, self.rows = seed, rows
-        self.ratio = 1.0  # first timed forward / its seed
-        self.seconds: dict[int, float] = {}
-        self.counts: dict[int, int] = {}
-
-    def __call__(self, width: int) -> float:
-        known = self.seconds.get(width)
-        # untried: never dearer than the seed (optimistic), so that every candidate width gets tried
-        return known if known is not None else min(self.ratio, 1.0) * self.seed(self.rows * width)
-
-    def observe(self, width: int, seconds: float) -> None:
-        ratio = seconds / max(self.seed(self.rows * width), 1e-9)
-        self.ratio = ratio if not self.counts else (1 - WIDTH_COST_RATE) * self.ratio + WIDTH_COST_RATE * ratio
-        old = self(width)
-        count = self.counts.get(width, 0) + 1
-        self.counts[width] = count
-        if count == 1:
-            self.seconds[width] = min(seconds, WIDTH_COST_SPIKE * old) if width in self.seconds else seconds
-            return
-        rate = max(WIDTH_COST_RATE, 1.0 / count)
-        self.seconds[width] = old + rate * (min(seconds, WIDTH_COST_SPIKE * old) - old)
-
-
-def choose_width(gains: Sequence[Sequence[float]], cost, overhead_s: float, max_nodes: int,
+def choose_width(gains: Sequence[Sequence[float]], cost: CostModel, overhead_s: float, max_nodes: int,
                  scale: float = 1.0) -> int:
-    """The width ``W`` (of ``WIDTHS``, or every row's whole tree if narrower) maximising (rows + scale x the sum over rows of the
+    """The width ``W`` (1..max_nodes + 1) maximising (rows + scale x the sum over rows of the
     first ``W - 1`` gains) / (t(rows x W) + overhead): the batched forward computes ``rows x
     W`` tokens whatever each row's tree, so each row takes its best ``W - 1`` nodes.
-    ``cost(W)``: the forward's seconds at width W (``WidthCosts``); ``overhead``: what the
-    step costs outside the forward.
 
-    >>> cost = WidthCosts(CostModel([1, 2, 4, 8], [1.0, 1.0, 1.1, 2.0]), rows=2)
+    >>> cost = CostModel([1, 2, 4, 8], [1.0, 1.0, 1.1, 2.0])
     >>> choose_width([[0.9, 0.5, 0.1], [0.8]], cost, 0.0, 3)   # 4 tokens cost 1.1: two per row
     2
     """
@@ -316,6 +275,6 @@ def choose_width(gains: Sequence[Sequence[float]], cost, overhead_s: float, max_
             sums = np.cumsum(values)
             expected[1 : len(values) + 1] += scale * sums
             expected[len(values) + 1 :] += scale * sums[-1]
-    widths = [w for w in WIDTHS if w <= longest + 1] + ([longest + 1] if longest + 1 not in WIDTHS else [])
-    rates = [expected[w - 1] / (cost(w) + overhead_s) for w in widths]
-    return widths[int(np.argmax(rates))]
+    dense = cost.dense(rows * (longest + 1))
+    seconds = np.array([dense[rows * (w + 1)] for w in range(longest + 1)]) + overhead_s
+    return int(np.argmax(expected / seconds)) + 1

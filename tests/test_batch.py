@@ -17,7 +17,7 @@ import torch
 from conftest import cached_references, cached_tiny
 from helpers import FakeTokenizer, first_difference
 from lookupdec import Engine, EngineConfig
-from lookupdec.batch import BatchDecoder, BatchRequest, WidthCosts, choose_width
+from lookupdec.batch import BatchDecoder, BatchRequest, choose_width
 from lookupdec.budget import CostModel
 from lookupdec.model.cache import BatchStore, SlotStore
 from tiny_models import FAMILIES
@@ -123,28 +123,46 @@ def test_batch_store_rows():
 
 
 def test_choose_width():
-    cost = WidthCosts(CostModel([1, 2, 4, 8, 16], [1.0, 1.0, 1.05, 1.1, 3.0]), rows=2)
+    cost = CostModel([1, 2, 4, 8, 16], [1.0, 1.0, 1.05, 1.1, 3.0])
     assert choose_width([[0.9, 0.9, 0.9], [0.9, 0.9, 0.9]], cost, 0.0, 8) == 4  # 8 tokens for 1.1
-    assert choose_width([[0.01, 0.01], [0.01]], WidthCosts(CostModel([1, 2, 4], [1.0, 1.5, 2.0]), 2), 0.0, 8) == 1
+    assert choose_width([[0.01, 0.01], [0.01]], CostModel([1, 2, 4], [1.0, 1.5, 2.0]), 0.0, 8) == 1
     assert choose_width([[], []], cost, 0.0, 8) == 1
-    assert choose_width([[0.9] * 10], WidthCosts(cost.seed, 1), 0.0, 3) <= 4  # max_nodes caps the width
+    assert choose_width([[0.9] * 10], cost, 0.0, 3) <= 4  # max_nodes caps the width
 
 
-def test_width_costs_learn_and_move_on():
-    """An untried width is never dearer than its seed (so each gets tried); a timed width keeps
-    its own estimate, and one estimated too cheap is dropped once timed (no envelope)."""
-    cost = WidthCosts(CostModel([1, 64], [1.0, 4.0]), rows=4)
-    seed16 = 1.0 + 3.0 * 15 / 63
-    assert cost(4) == pytest.approx(seed16)
-    cost.observe(4, 3.0)  # dearer than the seed: untried widths stay at their seeds
-    assert cost(4) == 3.0 and cost(2) == pytest.approx(1.0 + 3.0 * 7 / 63)
-    cheap = WidthCosts(CostModel([1, 64], [1.0, 4.0]), rows=4)
-    cheap.observe(4, seed16 / 2)  # cheaper than the seed: untried widths scale down with it
-    assert cheap(2) == pytest.approx((1.0 + 3.0 * 7 / 63) / 2)
-    gains = [[0.9] * 40] * 4
-    first = choose_width(gains, cost, 0.0, 64)
-    cost.observe(first, 500.0)  # far dearer than estimated
-    assert cost(first) == 500.0 and choose_width(gains, cost, 0.0, 64) != first
-    for _ in range(20):
-        cost.observe(4, 1.0)
-    assert cost(4) < 1.1
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_each_row_sees_the_distributions_of_its_sequence_alone(family):
+    """The lemma every exactness claim rests on: a batched forward gives each row's nodes the
+    logits that row's tree gets alone (float rounding apart), whatever the other rows' lengths
+    and trees; acceptance per row then runs on the same distributions as alone (the closed-form
+    and Monte Carlo tests of test_sampling.py hold for it unchanged)."""
+    from lookupdec.model.batch import BatchTarget
+    from lookupdec.model.target import TargetModel
+    from lookupdec.tree import TokenTree
+
+    model = cached_tiny(family)
+    target = TargetModel(model)
+    contexts = [[3, 4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
+    trees = [TokenTree(token_ids=[9, 1, 2, 3, 4], parents=[-1, 0, 0, 1, 3]),
+             TokenTree(token_ids=[11], parents=[-1]),
+             TokenTree(token_ids=[22, 5, 6, 7], parents=[-1, 0, 1, 0])]
+    alone = []
+    for context, tree in zip(contexts, trees):
+        target.prefill(context[:-1])
+        alone.append(target.verify(tree))
+    batch = BatchTarget(target, max_rows=3)
+    for context in contexts:
+        batch.add(context[:-1])
+    got = batch.verify(trees)
+    for b, (tree, want) in enumerate(zip(trees, alone)):
+        assert torch.allclose(got[b, : len(tree)], want, rtol=1e-4, atol=1e-4), f"row {b}"
+    # after a commit (row 0 keeps nodes 1, 3; row 2 keeps node 3) the rows go on as alone
+    batch.commit([[1, 3], [], [3]])
+    nxt = [TokenTree(token_ids=[3, 8], parents=[-1, 0]), TokenTree(token_ids=[0], parents=[-1]),
+           TokenTree(token_ids=[7, 1, 2], parents=[-1, 0, 0])]
+    got = batch.verify(nxt)
+    for b, (context, kept, tree) in enumerate(zip(contexts, [[1, 3], [], [3]], nxt)):
+        prefix = context + [trees[b].token_ids[i] for i in kept]
+        target.prefill(prefix)
+        want = target.verify(tree)
+        assert torch.allclose(got[b, : len(tree)], want, rtol=1e-4, atol=1e-4), f"row {b} after commit"
