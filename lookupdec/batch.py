@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from lookupdec.budget import CostModel
-from lookupdec.sampling import SamplingParams, accept
+from lookupdec.sampling import SamplingParams
 from lookupdec.step import Verdict
 from lookupdec.stops import StopStrings, TextAssembler
 
@@ -138,11 +138,9 @@ class BatchDecoder:
         finished during it."""
         finished: list[_Sequence] = []
         self._admit()
-        for seq in list(self.active):
+        for seq in list(self.active):  # (length, EOS and stops end a sequence in the step that reaches them)
             if seq.cancelled is not None and seq.cancelled():
                 self._end(seq, "cancelled", finished)
-            elif seq.produced >= seq.request.max_new_tokens or self.engine._room(seq.context) <= 0:
-                self._end(seq, "length", finished)
         if not self.active:
             return finished
         engine, core = self.engine, self.engine.step_core
@@ -216,18 +214,8 @@ class BatchDecoder:
     def _accept(self, seq: _Sequence, tree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         engine = self.engine
         limit = min(seq.request.max_new_tokens - seq.produced, engine._room(seq.context))
-        result = accept(tree, logits, seq.params, generator=seq.generator,
-                        context_ids=engine._seen_ids(seq.seen) if seq.params.uses_prefix else None)
-        if engine.mixture.successor_sinks:
-            from lookupdec.engine import top_tokens
-
-            prev = seq.context[-2] if len(seq.context) > 1 else -1
-            visited = [0, *result.accepted]
-            before = [prev] + [tree.token_ids[tree.parents[u]] for u in result.accepted]
-            tops = top_tokens(logits, visited, engine.config.recycle.successors)
-            engine.mixture.observe_successors([(b, tree.token_ids[u], top) for b, u, top in zip(before, visited, tops)])
-        new = [tree.token_ids[i] for i in result.accepted] + [result.next_token]
-        return result.accepted, engine._clip(new, limit)
+        prev = seq.context[-2] if len(seq.context) > 1 else -1
+        return engine._accept(tree, logits, seq.params, seq.generator, seq.seen, limit, prev)
 
     # -- the joint budget ----------------------------------------------------------------------
     def _cost(self, rows: int) -> CostModel:

@@ -375,6 +375,16 @@ class Engine:
         timer.prepare += self.target.last_prepare_s
         if cost is not None:
             cost.observe(len(tree), seconds)
+        accepted, new = self._accept(tree, logits, params, generator, seen, limit, prev)
+        self.target.commit(tree, accepted)
+        return Verdict(accepted, new)
+
+    def _accept(self, tree: TokenTree, logits: torch.Tensor, params, generator, seen: set, limit: int,
+                prev: int) -> tuple[list[int], list[int]]:
+        """Exact acceptance of ``tree`` against its ``logits`` (the KV commit is the caller's, one
+        sequence or a batch), the target's top tokens at the visited nodes handed to token
+        recycling (``prev``: the token before the root); returns the accepted nodes and the new
+        tokens cut to ``limit`` and after the first EOS."""
         result = accept(tree, logits, params, generator=generator,
                         context_ids=self._seen_ids(seen) if params.uses_prefix else None)
         if self.mixture.successor_sinks:
@@ -382,9 +392,8 @@ class Engine:
             before = [prev] + [tree.token_ids[tree.parents[u]] for u in result.accepted]
             tops = top_tokens(logits, visited, self.config.recycle.successors)
             self.mixture.observe_successors([(b, tree.token_ids[u], top) for b, u, top in zip(before, visited, tops)])
-        self.target.commit(tree, result.accepted)
         new = [tree.token_ids[i] for i in result.accepted] + [result.next_token]
-        return Verdict(result.accepted, self._clip(new, limit))
+        return result.accepted, self._clip(new, limit)
 
     def _cost_bucket(self, context_tokens: int) -> int:
         """The context-length bucket of a request (a power of 2, at least 64, at most half the

@@ -52,16 +52,10 @@ class BatchTarget:
         new row; its index."""
         if self.rows >= self.max_rows:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
-        target = self.target
-        if target.body is not None:
-            target.body.refresh()
-        one = new_cache(target._num_layers)
+        one = new_cache(self.target._num_layers)
+        self.target.fill(one, token_ids)
         if len(token_ids):
-            ids = torch.tensor([list(token_ids)], device=target.device)
-            with swapped(target.model, target.fast_head, body=target.body):
-                target.model(input_ids=ids, past_key_values=one, use_cache=True, logits_to_keep=1)
-            row = self.rows
-            self.store.put_row(row, one.slot_store, len(token_ids))
+            self.store.put_row(self.rows, one.slot_store, len(token_ids))
         self.lengths.append(len(token_ids))
         self.store.rows = self.rows
         return self.rows - 1

@@ -59,13 +59,20 @@ class TargetModel:
     def prefill(self, token_ids: Sequence[int]) -> None:
         """Put ``token_ids`` in a fresh cache (everything but the root)."""
         self.reset()
+        self.fill(self.cache, token_ids)
+        self.n_cached = len(token_ids)
+
+    @torch.inference_mode()
+    def fill(self, cache, token_ids: Sequence[int]) -> None:
+        """One forward appending ``token_ids`` to ``cache`` (this model's own, or a batch row's
+        one-sequence cache, ``model/batch.py``); weights changed since the last request are
+        packed again first."""
         if self.body is not None:
-            self.body.refresh()  # weights changed since the last request are packed again
+            self.body.refresh()
         if len(token_ids):
             ids = torch.tensor([list(token_ids)], device=self.device)
             with swapped(self.model, self.fast_head, body=self.body):
-                self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-            self.n_cached = len(token_ids)
+                self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
     def prepare(self, n: int) -> float:
         """Get ready for forwards of ``n`` tokens (``FastHead.prepare``); the seconds it took."""
