@@ -6,8 +6,8 @@ import json
 import logging
 import sys
 
-from lookupdec.cli.options import (add_engine_options, add_sampling_options, check_engine_options, engine_config,
-                                   load_engine, positive_int)
+from lookupdec.cli.options import (CliError, add_engine_options, add_sampling_options, check_engine_options,
+                                   engine_config, engine_kwargs, load_engine, positive_int)
 
 REWRITE_HELP = """\
 Rewrite many records with one model: each record's text goes into a prompt (--instruction or
@@ -36,6 +36,14 @@ kill the file holds every finished record exactly once. Only one run may write a
 batching (--batch-size): several records share each verify forward, a finished record's row
 going to the next; outputs are the same as one at a time, and lines come in the order records
 finish (each keyed by its id).
+
+Ray (--ray [ADDRESS], the extra: pip install "lookupdec[ray]"): records are shared among Ray
+workers, one engine each (--ray-workers, --ray-cpus-per-worker, --ray-gpus-per-worker); this
+process alone writes --output, so every guarantee above holds. Records of one input file (or
+one --group-by value) go to the same worker, whose cache then learns from similar records. A
+worker that dies has its records redone by another. --ray or --ray auto: ray.init()'s choice
+(RAY_ADDRESS, a cluster started on this machine with `ray start`, else a new local instance);
+--ray HOST:PORT: that cluster (every node needs lookupdec installed and the --model path).
 
 exit status: 0 every record has a result, 1 some records failed (see their lines), 2 a usage
 error (bad path, template without {text}, ...), 130 interrupted."""
@@ -75,6 +83,21 @@ def add_parser(sub) -> None:
                    "then in the order records finish). auto (the default): from the model's measured verify cost "
                    "on this machine, 1 where batching does not pay; 1: one record at a time")
     p.add_argument("--token-ids", action="store_true", help="also write each output's token ids")
+    ray = p.add_argument_group("Ray (pip install \"lookupdec[ray]\")")
+    ray.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                     help="run on Ray workers: no value or 'auto' as ray.init() (a local instance unless a "
+                     "cluster is found), else the cluster at ADDRESS")
+    ray.add_argument("--ray-workers", type=positive_int, default=None, metavar="N",
+                     help="Ray workers, one engine each (default: as many as the cluster's resources hold)")
+    ray.add_argument("--ray-cpus-per-worker", type=non_negative_float, default=1.0, metavar="N",
+                     help="CPUs per worker, also its torch threads (1)")
+    ray.add_argument("--ray-gpus-per-worker", type=non_negative_float, default=0.0, metavar="N",
+                     help="GPUs per worker; fractions share a GPU (0)")
+    ray.add_argument("--ray-sharding", default="affinity", choices=("affinity", "spread"),
+                     help="affinity: a group's records to one worker (its cache learns the group); "
+                     "spread: records to whichever worker has room (affinity)")
+    ray.add_argument("--group-by", default=None, metavar="FIELD",
+                     help=".jsonl: the field whose value groups records for --ray affinity (default: the input file)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary (warnings still)")
     p.add_argument("--json-summary", action="store_true", help="print the summary as one JSON object on stdout")
     p.set_defaults(func=run)
@@ -95,11 +118,38 @@ def batch_size(text: str):
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{value:g} must be >= 0")
+    return value
+
+
+def ray_rewrite(args):
+    """The ``RayRewrite`` that ``--ray`` asks for, or None (checked before any input is read:
+    ``--ray`` without the package is a one-line usage error)."""
+    if args.ray is None:
+        for flag in ("ray_workers", "group_by"):
+            if getattr(args, flag) is not None:
+                raise CliError(f"--{flag.replace('_', '-')} needs --ray")
+        return None
+    from lookupdec.pipelines.cluster import EngineSpec, RayOptions, RayRewrite
+
+    options = RayOptions(address=args.ray, workers=args.ray_workers, cpus_per_worker=args.ray_cpus_per_worker,
+                         gpus_per_worker=args.ray_gpus_per_worker, sharding=args.ray_sharding)
+    return RayRewrite(EngineSpec.of(args.model, **engine_kwargs(args, engine_config(args))), options)
+
+
 def run(args) -> int:
     from lookupdec.pipelines import PromptFormat, ReadOptions, ResultsFile, RewriteOptions, plan, read_records, rewrite
     from lookupdec.pipelines.results import TMP_SUFFIX
 
-    check_engine_options(args)  # before reading inputs: a device this machine lacks is a usage error
+    cluster = ray_rewrite(args)
+    if cluster is None:  # before reading inputs: a device this machine lacks is a usage error
+        check_engine_options(args)  # (with --ray the workers' machines are the ones that count)
     config = engine_config(args)
     prompts = (PromptFormat.from_instruction(args.instruction) if args.instruction is not None
                else PromptFormat.from_file(args.template))
@@ -109,7 +159,8 @@ def run(args) -> int:
                              stop=tuple(args.stop) if args.stop else None, token_ids=args.token_ids,
                              batch_size=args.batch_size)
     records, skipped_files = read_records(
-        args.input, ReadOptions(field=args.field, split=args.split, lines_per_record=args.lines_per_record),
+        args.input, ReadOptions(field=args.field, split=args.split, lines_per_record=args.lines_per_record,
+                                group_by=args.group_by),
         ignore=(args.output, args.output + TMP_SUFFIX))
     if skipped_files:
         logging.getLogger("lookupdec").warning("skipped %d files that are not text: %s", len(skipped_files),
@@ -120,10 +171,10 @@ def run(args) -> int:
             logging.getLogger("lookupdec").warning("%s", results.repaired)
         work = plan(records, results)
         engine = None
-        if work.needs_model:
+        if work.needs_model and cluster is None:
             engine = load_engine(args, config)
         summary = rewrite(engine, work, prompts, results, options, records=len(records),
-                          progress=not args.quiet and sys.stderr.isatty())
+                          progress=not args.quiet and sys.stderr.isatty(), cluster=cluster)
     if args.json_summary:
         json.dump(summary.to_dict(), sys.stdout)
         sys.stdout.write("\n")

@@ -28,7 +28,7 @@ import fnmatch
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
 
 from lookupdec.index.corpus import BINARY_SNIFF_BYTES, DEFAULT_EXCLUDE
@@ -52,6 +52,7 @@ class Record:
     text: str  # the record's text ("" for a record that failed to read)
     where: str  # PATH:LINE (or PATH) where the record starts, for messages
     error: str | None = None  # why the record cannot be run (bad JSON line, ...), else None
+    group: str | None = None  # records that belong together (the file, or --group-by's value): Ray affinity
 
     @property
     def input_hash(self) -> str:
@@ -65,6 +66,7 @@ class ReadOptions:
     field: str = "text"  # .jsonl: the object field holding the text
     split: str = "lines"  # other text files: "lines", "paragraphs" or "file"
     lines_per_record: int = 1  # split="lines": non-blank lines per record
+    group_by: str | None = None  # .jsonl: the field whose value groups records (default: the file)
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -73,6 +75,8 @@ class ReadOptions:
             raise ValueError(f"lines_per_record={self.lines_per_record!r}: must be an integer >= 1")
         if not self.field:
             raise ValueError("field='': must name the .jsonl field holding the text")
+        if self.group_by == "":
+            raise ValueError("group_by='': must name a .jsonl field (or be None: records grouped by file)")
 
 
 @dataclass
@@ -104,7 +108,7 @@ class RecordReader:
             raise InputError(f"{record.where}: id {record.id!r} is used twice, and so is {record.where!r}; "
                              "give the records unique ids")
         return Record(record.where, record.text, record.where,
-                      f"{record.where}: duplicate id {record.id!r} (first at {first_at[record.id]})")
+                      f"{record.where}: duplicate id {record.id!r} (first at {first_at[record.id]})", record.group)
 
     def _records(self) -> Iterator[Record]:
         ignored = {os.path.realpath(p) for p in self.ignore}
@@ -132,6 +136,11 @@ class RecordReader:
         yield from sorted(found, key=lambda path: path.split(os.sep))  # a/z.md before b.txt, as `find | sort`
 
     def _file(self, path: str, *, in_folder: bool) -> Iterator[Record]:
+        """The file's records, each in the file's group unless ``group_by`` gave it another."""
+        for record in self._file_records(path, in_folder=in_folder):
+            yield record if record.group is not None else replace(record, group=path)
+
+    def _file_records(self, path: str, *, in_folder: bool) -> Iterator[Record]:
         text = self._text(path, in_folder=in_folder)
         if text is None:
             return
@@ -182,7 +191,10 @@ class RecordReader:
             if isinstance(rid, bool) or not isinstance(rid, (str, int)):
                 yield Record(where, line, where, f"{where}: \"id\" must be a string or an integer, not {rid!r}")
                 continue
-            yield Record(str(rid), obj[name], where)
+            group = obj.get(self.options.group_by) if self.options.group_by else None
+            if group is not None and not isinstance(group, str):
+                group = json.dumps(group, ensure_ascii=False, sort_keys=True)
+            yield Record(str(rid), obj[name], where, group=group)
 
     def _blocks(self, path: str, text: str) -> Iterator[Record]:
         """split="lines" (groups of non-blank lines) or "paragraphs" (runs of non-blank lines)."""

@@ -171,7 +171,8 @@ class RewriteSummary:
     new_tokens: int = 0
     steps: int = 0  # target forwards
     seconds: float = 0.0  # the run's wall time (records in a batch overlap)
-    batch_size: int = 1  # records per forward (--batch-size, resolved)
+    batch_size: int = 1  # records per forward (--batch-size, resolved; with Ray, the largest of any worker)
+    workers: int = 0  # Ray workers that ran records (0: this process alone)
     output: str = ""
 
     @property
@@ -189,14 +190,16 @@ class RewriteSummary:
         return (f"{self.done} records rewritten, {self.failed} failed, {self.skipped} already done "
                 f"(of {self.records}); {self.new_tokens} tokens in {self.seconds:.1f} s, "
                 f"{self.tokens_per_s:.1f} tokens/s, {self.mean_accepted:.2f} tokens/step"
-                + (f", batches of {self.batch_size}" if self.batch_size > 1 else "") + f" -> {self.output}")
+                + (f", batches of {self.batch_size}" if self.batch_size > 1 else "")
+                + (f", on {self.workers} Ray workers" if self.workers else "") + f" -> {self.output}")
 
 
 def rewrite(engine, work: Plan, prompts: PromptFormat, results: ResultsFile, options: RewriteOptions, *,
-            records: int | None = None, progress: bool = False) -> RewriteSummary:
-    """Do ``work`` (from ``plan``) with ``engine`` (None only when ``not work.needs_model``),
-    appending one line per record to ``results``. ``records``: the input's size, for the
-    progress bar and summary (default: to-do + skipped)."""
+            records: int | None = None, progress: bool = False, cluster=None) -> RewriteSummary:
+    """Do ``work`` (from ``plan``) with ``engine``, appending one line per record to ``results``;
+    or with ``cluster`` (a ``pipelines.cluster.RayRewrite``), whose workers each hold an engine
+    (``engine`` is then None, as it may be when ``not work.needs_model``). ``records``: the
+    input's size, for the progress bar and summary (default: to-do + skipped)."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -204,7 +207,7 @@ def rewrite(engine, work: Plan, prompts: PromptFormat, results: ResultsFile, opt
     results.drop(work.redo)
     total = records if records is not None else len(work.to_do) + work.skipped
     summary = RewriteSummary(records=total, skipped=work.skipped, output=results.path)
-    batch = resolve_batch_size(engine, options.batch_size) if work.needs_model else 1
+    batch = resolve_batch_size(engine, options.batch_size) if work.needs_model and cluster is None else 1
     start = time.perf_counter()
     with tqdm(total=total, initial=work.skipped, unit="rec", desc="rewrite", disable=not progress,
               dynamic_ncols=True) as bar, (logging_redirect_tqdm() if progress else contextlib.nullcontext()):
@@ -216,11 +219,11 @@ def rewrite(engine, work: Plan, prompts: PromptFormat, results: ResultsFile, opt
             bar.set_postfix_str(f"{summary.tokens_per_s:.0f} tok/s, {summary.mean_accepted:.2f} tok/step"
                                 + (f", {summary.failed} failed" if summary.failed else ""), refresh=False)
 
-        if batch > 1 and engine.batchable:
-            _rewrite_batched(engine, work.to_do, prompts, options, batch, write)
+        if cluster is not None and work.needs_model:
+            batch, summary.workers = cluster.run(work.to_do, prompts, options, write)
         else:
-            for record in work.to_do:
-                write(result_line(engine, record, prompts, options))
+            todo = iter(work.to_do)
+            run_records(engine, lambda wait: next(todo, None), prompts, options, batch, write)
     summary.seconds = time.perf_counter() - start
     summary.batch_size = batch
     if summary.failed > MAX_WARNINGS:
@@ -258,22 +261,21 @@ def auto_batch_size(cost) -> int:
     return best
 
 
-def _rewrite_batched(engine, records: Sequence[Record], prompts: PromptFormat, options: RewriteOptions,
-                     batch: int, write) -> None:
-    """``records`` through a ``BatchDecoder`` of ``batch`` rows, each line written as its record
-    finishes. A record the engine rejects gets its error line; if a batched step itself fails,
-    the records in flight are done again one at a time (their lines say what failed, if it fails again)."""
+def _rewrite_batched(engine, take, prompts: PromptFormat, options: RewriteOptions, batch: int, write) -> None:
+    """Records from ``take`` through a ``BatchDecoder`` of ``batch`` rows, each line written as its
+    record finishes. ``take(wait)`` gives the next record, or None: none yet (``wait`` False: the
+    batch goes on with the rows it has) or none ever (``wait`` True, asked only when the batch is
+    empty: the loop ends). A record the engine rejects gets its error line; if a batched step
+    itself fails, the records in flight are done again one at a time (their lines say what
+    failed, if it fails again)."""
     from lookupdec.batch import BatchDecoder, BatchRequest
 
     decoder = BatchDecoder(engine, batch)
-    todo = iter(records)
     started: dict[int, float] = {}
-    exhausted = False
     while True:
-        while not exhausted and len(decoder.waiting) + len(decoder.active) < batch:
-            record = next(todo, None)
+        while len(decoder.waiting) + len(decoder.active) < batch:
+            record = take(decoder.idle)
             if record is None:
-                exhausted = True
                 break
             if record.error is not None:
                 write(result_line(engine, record, prompts, options))
@@ -302,6 +304,17 @@ def _rewrite_batched(engine, records: Sequence[Record], prompts: PromptFormat, o
         for seq in finished:
             gen = decoder.generation(seq)
             write(_result(seq.request.tag, gen, time.perf_counter() - started.pop(seq.index), options))
+
+
+def run_records(engine, take, prompts: PromptFormat, options: RewriteOptions, batch: int, write) -> None:
+    """Every record ``take`` gives (see ``_rewrite_batched``) through ``engine``, one line each to
+    ``write``: batched when ``batch`` > 1 and the engine can batch, else one at a time. The loop
+    of a single-process run and of each Ray worker (``pipelines.cluster``)."""
+    if batch > 1 and engine.batchable:
+        _rewrite_batched(engine, take, prompts, options, batch, write)
+        return
+    while (record := take(True)) is not None:
+        write(result_line(engine, record, prompts, options))
 
 
 def _error_line(record: Record, exc: Exception) -> dict:
