@@ -261,20 +261,22 @@ class RayRewrite:
         self.ray = import_ray()
         self._actor_class = None
 
-    def run(self, records: Sequence[Record], prompts, options, write) -> tuple[int, int]:
-        """Every record through the workers; returns (largest batch size, workers that ran records)."""
+    def run(self, records: Sequence[Record], prompts, options, write) -> tuple[int, int, float]:
+        """Every record through the workers; returns (largest batch size, workers that ran records,
+        seconds until the first workers were ready: Ray's start and the engines' loads)."""
         for record in records:
             if record.error is not None:
                 write({"id": record.id, "input_hash": record.input_hash, "error": record.error})
         records = [r for r in records if r.error is None]
         if not records:
-            return 1, 0
+            return 1, 0, 0.0
         ray = self.ray
+        start = time.perf_counter()
         started_here = not ray.is_initialized()
         if started_here:
             self._init()
         try:
-            return self._run(records, prompts, options, write)
+            return self._run(records, prompts, options, write, start)
         finally:
             if started_here:
                 ray.shutdown()
@@ -307,13 +309,14 @@ class RayRewrite:
         threads = int(self.options.cpus_per_worker) or 1
         return _Worker(number, self._actor_class.remote(self.spec, prompts, options, threads))
 
-    def _run(self, records: Sequence[Record], prompts, options, write) -> tuple[int, int]:
+    def _run(self, records: Sequence[Record], prompts, options, write, start: float) -> tuple[int, int, float]:
         ray = self.ray
         count = self.worker_count(len(records))
         restarts = count if self.options.max_restarts is None else self.options.max_restarts
         shards = Shards(records, self.options.sharding)
         attempts: dict[str, int] = {}
         workers = self._start_workers(count, prompts, options)
+        startup = time.perf_counter() - start
         used: set[int] = set()
         number = count
         try:
@@ -353,7 +356,7 @@ class RayRewrite:
         finally:
             for w in workers:
                 _kill(ray, w.actor)
-        return max([w.batch for w in workers] or [1]), len(used)
+        return max([w.batch for w in workers] or [1]), len(used), startup
 
     def _start_workers(self, count: int, prompts, options, *, first: int = 0) -> list[_Worker]:
         ray = self.ray

@@ -173,6 +173,7 @@ class RewriteSummary:
     seconds: float = 0.0  # the run's wall time (records in a batch overlap)
     batch_size: int = 1  # records per forward (--batch-size, resolved; with Ray, the largest of any worker)
     workers: int = 0  # Ray workers that ran records (0: this process alone)
+    startup_seconds: float = 0.0  # of ``seconds``: Ray's start and the workers' engine loads
     output: str = ""
 
     @property
@@ -191,7 +192,8 @@ class RewriteSummary:
                 f"(of {self.records}); {self.new_tokens} tokens in {self.seconds:.1f} s, "
                 f"{self.tokens_per_s:.1f} tokens/s, {self.mean_accepted:.2f} tokens/step"
                 + (f", batches of {self.batch_size}" if self.batch_size > 1 else "")
-                + (f", on {self.workers} Ray workers" if self.workers else "") + f" -> {self.output}")
+                + (f", on {self.workers} Ray workers (started in {self.startup_seconds:.1f} s)" if self.workers else "")
+                + f" -> {self.output}")
 
 
 def rewrite(engine, work: Plan, prompts: PromptFormat, results: ResultsFile, options: RewriteOptions, *,
@@ -220,7 +222,7 @@ def rewrite(engine, work: Plan, prompts: PromptFormat, results: ResultsFile, opt
                                 + (f", {summary.failed} failed" if summary.failed else ""), refresh=False)
 
         if cluster is not None and work.needs_model:
-            batch, summary.workers = cluster.run(work.to_do, prompts, options, write)
+            batch, summary.workers, summary.startup_seconds = cluster.run(work.to_do, prompts, options, write)
         else:
             todo = iter(work.to_do)
             run_records(engine, lambda wait: next(todo, None), prompts, options, batch, write)
