@@ -9,6 +9,7 @@ the loghub workload's instruction. Every configuration is the real command line 
 subprocess (`--json-summary`), on the same files, so the same ids:
 
 - ``single``: one process, one torch thread (``OMP_NUM_THREADS=1``), ``--batch-size`` as given;
+- ``single-2t``: the same with two torch threads (both cores to one engine);
 - ``ray1``, ``ray2``: ``--ray --ray-workers 1|2 --ray-cpus-per-worker 1`` (one torch thread
   per worker), a local Ray instance started by the command, records to workers by affinity;
 - ``ray2-spread``: 2 workers, ``--ray-sharding spread`` (records to whichever worker has room,
@@ -42,8 +43,9 @@ from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_re
 
 from lookupdec.workloads import LOG_INSTRUCTION  # noqa: E402
 
-CONFIGS = {
+CONFIGS = {  # name -> (extra flags, torch threads of the command's own process)
     "single": [],
+    "single-2t": [],
     "ray1": ["--ray", "--ray-workers", "1", "--ray-cpus-per-worker", "1"],
     "ray2": ["--ray", "--ray-workers", "2", "--ray-cpus-per-worker", "1"],
     "ray2-spread": ["--ray", "--ray-workers", "2", "--ray-cpus-per-worker", "1", "--ray-sharding", "spread"],
@@ -68,7 +70,7 @@ def run_cli(name: str, args, inputs: list[str], folder: str, extra=()) -> dict:
     argv = [sys.executable, "-m", "lookupdec", "rewrite", "--model", args.model, "--input", *inputs, "--output", out,
             "--instruction", LOG_INSTRUCTION, "--max-new-tokens", str(args.max_new_tokens), "--batch-size",
             str(args.batch_size), "--quiet", "--json-summary", *CONFIGS.get(name, []), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="2" if name.endswith("-2t") else "1")
     start = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
