@@ -17,7 +17,10 @@ subprocess (`--json-summary`), on the same files, so the same ids:
 - ``transformers``: plain greedy ``generate``, one record at a time, one thread, in this
   process (first round only): the reference for speed and for output identity.
 
-Rounds rotate the order of the configurations. Per configuration: median over rounds of the
+Every run starts from the same verify-cost curves: a warm-up (all records, 16 tokens, at one
+and at two threads) measures them into a file of its own, copied afresh for each run
+(``LOOKUPDEC_COST_CACHE``), so no run learns from another's timings, and a run starts only
+once the previous run's Ray processes are gone. Rounds rotate the order of the configurations. Per configuration: median over rounds of the
 whole command's wall time, the summary's ``seconds`` and ``startup_seconds`` (Ray's start and
 the workers' engine loads), tokens/s over the records phase (``seconds - startup_seconds``) and
 over the whole command, accepted tokens per step. Derived: Ray's overhead per record at this
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,12 +69,39 @@ def make_inputs(folder: str, per_system: int) -> list[str]:
     return paths
 
 
-def run_cli(name: str, args, inputs: list[str], folder: str, extra=()) -> dict:
+def ray_processes() -> int:
+    """Processes a local Ray instance left running (its workers and agents are named ray::...)."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        count += cmd.startswith(b"ray::") or b"raylet" in cmd.split(b"\0")[0] or b"gcs_server" in cmd.split(b"\0")[0]
+    return count
+
+
+def quiet_machine(timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(1.0)
+
+
+def run_cli(name: str, args, inputs: list[str], folder: str, extra=(), *, max_new_tokens=None,
+            cost_cache: str | None = None) -> dict:
     out = os.path.join(folder, f"{name}-{time.monotonic_ns()}.jsonl")
     argv = [sys.executable, "-m", "lookupdec", "rewrite", "--model", args.model, "--input", *inputs, "--output", out,
-            "--instruction", LOG_INSTRUCTION, "--max-new-tokens", str(args.max_new_tokens), "--batch-size",
-            str(args.batch_size), "--quiet", "--json-summary", *CONFIGS.get(name, []), *extra]
+            "--instruction", LOG_INSTRUCTION, "--max-new-tokens", str(max_new_tokens or args.max_new_tokens),
+            "--batch-size", str(args.batch_size), "--quiet", "--json-summary", *CONFIGS.get(name, []), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="2" if name.endswith("-2t") else "1")
+    warm = os.path.join(folder, "cost_curves.json")
+    if cost_cache is None:  # a fresh copy of the warm-up's curves
+        cost_cache = os.path.join(folder, "run_cost_curves.json")
+        shutil.copyfile(warm, cost_cache)
+    env["LOOKUPDEC_COST_CACHE"] = cost_cache
+    quiet_machine()
     start = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
@@ -124,8 +155,10 @@ def main(argv=None) -> int:
     meta = run_metadata(threads_set_by_benchmark=True)
     folder = tempfile.mkdtemp(prefix="ray-bench-")
     inputs = make_inputs(folder, args.records_per_system)
-    print("warm-up (model file cache, cost curve) ...", flush=True)
-    run_cli("single", args, [inputs[0]], folder)
+    print("warm-up (model file cache, cost curves at 1 and 2 threads) ...", flush=True)
+    warm = os.path.join(folder, "cost_curves.json")
+    run_cli("single", args, inputs, folder, max_new_tokens=16, cost_cache=warm)
+    run_cli("single-2t", args, inputs, folder, max_new_tokens=16, cost_cache=warm)
     runs: dict[str, list] = {name: [] for name in CONFIGS}
     names = list(CONFIGS)
     for r in range(args.rounds):

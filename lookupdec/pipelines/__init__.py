@@ -2,7 +2,7 @@
 
 ``inputs`` reads records from ``.jsonl`` files, text files and folders; ``results`` is the
 output file (whole lines, one per id, repaired after a kill); ``rewrite`` runs one engine over
-the records still to do.
+the records still to do; ``cluster`` shares them among Ray workers (``--ray``, imported only then).
 """
 from lookupdec.pipelines.inputs import InputError, ReadOptions, Record, read_records
 from lookupdec.pipelines.results import ResultsFile, ResultsFileError, read_results
