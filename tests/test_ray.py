@@ -163,11 +163,12 @@ def test_two_workers_equal_the_single_engine_run(ray_local, inputs, reference, t
     assert summary["done"] == FILES * PER_FILE and summary["workers"] == 2 and summary["batch_size"] == 4
 
 
-@needs_stories
-def test_a_worker_killed_midway_has_its_records_redone(ray_local, inputs, reference, tmp_path, caplog):
-    from lookupdec.pipelines.cluster import EngineSpec, RayOptions, RayRewrite
+def rewrite_killing_a_worker(inputs, out: str, options, after_lines: int = KILL_AFTER_LINES):
+    """``rewrite`` on Ray with ``options``; the first worker to start is SIGKILLed (as the OOM
+    killer does) once ``after_lines`` lines are written. Returns (summary, workers started, lines
+    written at the kill)."""
+    from lookupdec.pipelines.cluster import EngineSpec, RayRewrite
 
-    out = str(tmp_path / "out.jsonl")
     started: list[dict] = []
     killed: list[int] = []
 
@@ -175,8 +176,8 @@ def test_a_worker_killed_midway_has_its_records_redone(ray_local, inputs, refere
         deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
         while time.monotonic() < deadline:
             lines = sum(1 for _ in open(out, "rb")) if os.path.exists(out) else 0
-            if lines >= KILL_AFTER_LINES and len(started) >= 2:
-                os.kill(started[0]["pid"], signal.SIGKILL)  # as the OOM killer does
+            if lines >= after_lines and started:
+                os.kill(started[0]["pid"], signal.SIGKILL)
                 killed.append(lines)
                 return
             time.sleep(0.002)
@@ -184,12 +185,41 @@ def test_a_worker_killed_midway_has_its_records_redone(ray_local, inputs, refere
     watcher = threading.Thread(target=kill_one_worker_midway, daemon=True)
     watcher.start()
     todo = read_records(inputs)[0]
-    cluster = RayRewrite(EngineSpec.of(STORIES), RayOptions(workers=2), on_start=started.append)
-    with ResultsFile.open(out) as results, caplog.at_level(logging.WARNING, "lookupdec"):
+    with ResultsFile.open(out) as results:
         summary = rewrite(None, plan(todo, results), PromptFormat.from_instruction(INSTRUCTION), results,
-                          RewriteOptions(max_new_tokens=MAX_NEW_TOKENS, batch_size=2), cluster=cluster)
+                          RewriteOptions(max_new_tokens=MAX_NEW_TOKENS, batch_size=2),
+                          cluster=RayRewrite(EngineSpec.of(STORIES), options, on_start=started.append))
     watcher.join(timeout=5)
     assert killed and killed[0] < FILES * PER_FILE - 20, "the kill came too late to test anything"
+    return summary, started
+
+
+@needs_stories
+def test_the_last_worker_dying_ends_the_run_with_error_lines_and_a_rerun_finishes(ray_local, inputs, reference,
+                                                                                   tmp_path, capsys):
+    from lookupdec.pipelines.cluster import RayOptions
+
+    out = str(tmp_path / "out.jsonl")
+    summary, started = rewrite_killing_a_worker(inputs, out, RayOptions(workers=1, max_restarts=0))
+    assert len(started) == 1
+    assert summary.failed > 0 and summary.done + summary.failed == FILES * PER_FILE  # ended, every id has a line
+    lines = [json.loads(line) for line in open(out, encoding="utf-8")]
+    assert len({line["id"] for line in lines}) == len(lines) == FILES * PER_FILE
+    assert all("every Ray worker died" in line["error"] for line in lines if "error" in line)
+    # the rerun redoes the failed records only
+    assert main(ray_argv(inputs, out, "--ray-workers", "2", "--batch-size", "2", "--json-summary")) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["done"] == summary.failed and again["skipped"] == summary.done
+    assert outputs(out) == reference
+
+
+@needs_stories
+def test_a_worker_killed_midway_has_its_records_redone(ray_local, inputs, reference, tmp_path, caplog):
+    from lookupdec.pipelines.cluster import RayOptions
+
+    out = str(tmp_path / "out.jsonl")
+    with caplog.at_level(logging.WARNING, "lookupdec"):
+        summary, started = rewrite_killing_a_worker(inputs, out, RayOptions(workers=2))
     assert f"Ray worker {started[0]['number']} stopped" in caplog.text
     assert len(started) == 3  # a replacement joined
     assert summary.done == FILES * PER_FILE and summary.failed == 0

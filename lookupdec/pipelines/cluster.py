@@ -343,7 +343,10 @@ class RayRewrite:
                     self._lost(w, exc, shards, attempts, write)
                     if restarts > 0 and (len(shards) or any(x.in_flight for x in workers)):
                         restarts -= 1
-                        workers += self._start_workers(1, prompts, options, first=number)
+                        try:
+                            workers += self._start_workers(1, prompts, options, first=number)
+                        except RuntimeError as start_failed:  # the others (if any) go on
+                            log.warning("no replacement Ray worker: %s", start_failed)
                         number += 1
                     if not workers:
                         self._give_up(shards, "every Ray worker died", write)
