@@ -208,7 +208,8 @@ def test_the_last_worker_dying_ends_the_run_with_error_lines_and_a_rerun_finishe
     assert all("every Ray worker died" in line["error"] for line in lines if "error" in line)
     # the rerun redoes the failed records only
     assert main(ray_argv(inputs, out, "--ray-workers", "2", "--batch-size", "2", "--json-summary")) == 0
-    again = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    again = json.loads(printed.strip().splitlines()[-1])
     assert again["done"] == summary.failed and again["skipped"] == summary.done
     assert outputs(out) == reference
 
