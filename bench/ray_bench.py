@@ -12,8 +12,8 @@ subprocess (`--json-summary`), on the same files, so the same ids:
 - ``single-2t``: the same with two torch threads (both cores to one engine);
 - ``ray1``, ``ray2``: ``--ray --ray-workers 1|2 --ray-cpus-per-worker 1`` (one torch thread
   per worker), a local Ray instance started by the command, records to workers by affinity;
-- ``ray2-spread``: 2 workers, ``--ray-sharding spread`` (records to whichever worker has room,
-  ignoring groups): what affinity is worth;
+- ``ray2-spread``, ``ray2-random``: 2 workers, ``--ray-sharding spread`` / ``random`` (records,
+  in input order / shuffled, to whichever worker has room, ignoring groups): what affinity is worth;
 - ``transformers``: plain greedy ``generate``, one record at a time, one thread, in this
   process (first round only): the reference for speed and for output identity.
 
@@ -53,6 +53,7 @@ CONFIGS = {  # name -> (extra flags, torch threads of the command's own process)
     "ray1": ["--ray", "--ray-workers", "1", "--ray-cpus-per-worker", "1"],
     "ray2": ["--ray", "--ray-workers", "2", "--ray-cpus-per-worker", "1"],
     "ray2-spread": ["--ray", "--ray-workers", "2", "--ray-cpus-per-worker", "1", "--ray-sharding", "spread"],
+    "ray2-random": ["--ray", "--ray-workers", "2", "--ray-cpus-per-worker", "1", "--ray-sharding", "random"],
 }
 
 
@@ -212,9 +213,13 @@ def main(argv=None) -> int:
     overhead_ms = (by["ray1"]["records_s"] - by["single"]["records_s"]) / records * 1000 if "ray1" in by else None
     # the same, free of the two runs' different budget choices: time outside generating, per record
     outside_ms = (by["ray1"]["outside_ms_per_record"] - by["single"]["outside_ms_per_record"]) if "ray1" in by else None
-    affinity = ({"tokens_per_s": by["ray2"]["tokens_per_s"] / by["ray2-spread"]["tokens_per_s"],
-                 "mean_accepted": (by["ray2"]["mean_accepted"], by["ray2-spread"]["mean_accepted"])}
-                if "ray2" in by and "ray2-spread" in by else None)
+    rival = next((n for n in ("ray2-spread", "ray2-random") if n in by), None)
+    affinity = ({"against": rival, "tokens_per_s": by["ray2"]["tokens_per_s"] / by[rival]["tokens_per_s"],
+                 "mean_accepted": (by["ray2"]["mean_accepted"], by[rival]["mean_accepted"])}
+                if "ray2" in by and rival else None)
+    if "ray2" in by and "ray2-random" in by:
+        affinity["random"] = {"tokens_per_s": by["ray2"]["tokens_per_s"] / by["ray2-random"]["tokens_per_s"],
+                              "mean_accepted": (by["ray2"]["mean_accepted"], by["ray2-random"]["mean_accepted"])}
     if not args.no_transformers:
         print("transformers greedy, one record at a time ...", flush=True)
         texts, seconds, tokens = transformers_greedy(args, inputs)
@@ -230,8 +235,9 @@ def main(argv=None) -> int:
         print(f"Ray overhead per record (batch {args.batch_size}): {overhead_ms:.1f} ms from the records phases, "
               f"{outside_ms:.1f} ms outside generation")
     if affinity is not None:
-        print(f"affinity vs spread at 2 workers: {affinity['tokens_per_s']:.2f}x tokens/s, tokens/step "
-              f"{affinity['mean_accepted'][0]:.2f} vs {affinity['mean_accepted'][1]:.2f}")
+        for name, a in [(affinity["against"], affinity)] + [("ray2-random", affinity["random"])] * ("random" in affinity):
+            print(f"affinity vs {name} at 2 workers: {a['tokens_per_s']:.2f}x tokens/s, tokens/step "
+                  f"{a['mean_accepted'][0]:.2f} vs {a['mean_accepted'][1]:.2f}")
     path = write_result(args.out, "ray", vars(args), rows, threads_set_by_benchmark=True, meta=meta,
                         ray_overhead_ms_per_record=overhead_ms, ray_outside_ms_per_record=outside_ms,
                         affinity=affinity)

@@ -143,6 +143,13 @@ def test_shards_spread_ignores_groups():
     assert ids(shards.take(0, 2)) == ["b2"]
 
 
+def test_shards_random_is_a_seeded_shuffle_of_every_record():
+    rs = records(("a", 20), ("b", 20))
+    taken = [ids(Shards(rs, "random").take(w, 40)) for w in (0, 1)]
+    assert taken[0] == taken[1] != ids(rs)  # the same order every time, not the input's
+    assert sorted(taken[0]) == sorted(ids(rs))
+
+
 def test_records_are_grouped_by_file_or_by_a_jsonl_field(tmp_path):
     log = tmp_path / "a.log"
     log.write_text("x\ny\n")

@@ -93,9 +93,10 @@ def add_parser(sub) -> None:
                      help="CPUs per worker, also its torch threads (1)")
     ray.add_argument("--ray-gpus-per-worker", type=non_negative_float, default=0.0, metavar="N",
                      help="GPUs per worker; fractions share a GPU (0)")
-    ray.add_argument("--ray-sharding", default="affinity", choices=("affinity", "spread"),
+    ray.add_argument("--ray-sharding", default="affinity", choices=("affinity", "spread", "random"),
                      help="affinity: a group's records to one worker (its cache learns the group); "
-                     "spread: records to whichever worker has room (affinity)")
+                     "spread: records in input order to whichever worker has room; random: the same, shuffled "
+                     "(affinity)")
     ray.add_argument("--group-by", default=None, metavar="FIELD",
                      help=".jsonl: the field whose value groups records for --ray affinity (default: the input file)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary (warnings still)")

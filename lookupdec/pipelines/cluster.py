@@ -20,7 +20,8 @@ group's first record while that worker lives, so each engine's suffix cache lear
 similar records as a single engine's does. A worker with room and no group of its own takes a
 new group, else the tail of the group with the most records still pending (no worker idles
 while another has a queue). ``sharding="spread"``: records in input order to whichever worker
-has room (the comparison point of ``bench/ray_bench.py``).
+has room; ``"random"``: the same in a shuffled order (seeded): the comparison points of
+``bench/ray_bench.py``.
 
 Faults: a worker that dies (killed, out of memory, its node lost) is seen when its ``take``
 fails; its records in flight go back to the front of their groups and another worker (a
@@ -38,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import socket
 import threading
 import time
@@ -50,7 +52,8 @@ from lookupdec.pipelines.inputs import Record
 log = logging.getLogger("lookupdec")
 
 RAY_HINT = 'pip install "lookupdec[ray]"'
-SHARDINGS = ("affinity", "spread")
+SHARDINGS = ("affinity", "spread", "random")
+RANDOM_SHARDING_SEED = 0  # sharding="random": the records' order is shuffled with this seed
 WINDOW = 2  # records in flight per worker: this many times its batch size (its inbox never runs dry)
 TAKE_WAIT_S = 1.0  # a worker's take() returns after this long even with no line finished
 MAX_ATTEMPTS = 2  # dying workers a record may be in flight on before it gets an error line
@@ -178,10 +181,13 @@ class RewriteWorker:
 # -- the driver ----------------------------------------------------------------------------------------
 class Shards:
     """The records not yet sent, per group, and which worker owns which group (see the module
-    docstring). ``sharding="spread"``: one queue, in input order, no owners."""
+    docstring). ``sharding="spread"`` / ``"random"``: one queue (input order / shuffled), no owners."""
 
     def __init__(self, records: Sequence[Record], sharding: str) -> None:
         self.sharding = sharding
+        if sharding == "random":
+            records = list(records)
+            random.Random(RANDOM_SHARDING_SEED).shuffle(records)
         self.order = {r.id: i for i, r in enumerate(records)}
         self.groups: OrderedDict[str, deque] = OrderedDict()
         for record in records:
@@ -216,7 +222,7 @@ class Shards:
     def _pick(self, worker: int) -> str | None:
         if not self.groups:
             return None
-        if self.sharding == "spread":
+        if self.sharding != "affinity":
             return next(iter(self.groups))
         for key in self.groups:
             if self.owner.get(key) == worker:
