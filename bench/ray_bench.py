@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     affinity = ({"against": rival, "tokens_per_s": by["ray2"]["tokens_per_s"] / by[rival]["tokens_per_s"],
                  "mean_accepted": (by["ray2"]["mean_accepted"], by[rival]["mean_accepted"])}
                 if "ray2" in by and rival else None)
-    if "ray2" in by and "ray2-random" in by:
+    if "ray2" in by and "ray2-random" in by and rival != "ray2-random":
         affinity["random"] = {"tokens_per_s": by["ray2"]["tokens_per_s"] / by["ray2-random"]["tokens_per_s"],
                               "mean_accepted": (by["ray2"]["mean_accepted"], by["ray2-random"]["mean_accepted"])}
     if not args.no_transformers:
