@@ -221,6 +221,16 @@ def test_the_last_worker_dying_ends_the_run_with_error_lines_and_a_rerun_finishe
     assert outputs(out) == reference
 
 
+def test_workers_that_cannot_load_the_model_are_a_one_line_error(ray_local, inputs, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    code = main(["rewrite", "--model", str(tmp_path / "no-model"), "--input", inputs[0], "--output", str(out),
+                 "--instruction", INSTRUCTION, "--quiet", "--ray", "--ray-workers", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no Ray worker could start" in err and "no-model" in err, err
+    assert "Traceback" not in err
+    assert out.read_text() == ""  # nothing written; a rerun with the right model does every record
+
+
 @needs_stories
 def test_a_worker_killed_midway_has_its_records_redone(ray_local, inputs, reference, tmp_path, caplog):
     from lookupdec.pipelines.cluster import RayOptions

@@ -64,6 +64,10 @@ class RayUnavailable(ValueError):
     """``--ray`` without the ``ray`` package (a usage error: one line naming the extra)."""
 
 
+class RayStartError(ValueError):
+    """No Ray worker could start (a model path missing on the nodes, ...): one line, the first reason."""
+
+
 def import_ray():
     try:
         import ray
@@ -253,14 +257,13 @@ class _Worker:
     batch: int = 1
     in_flight: dict = field(default_factory=dict)  # record id -> Record
     take_ref: object = None
-    lines: int = 0
 
 
 class RayRewrite:
     """``rewrite(..., cluster=RayRewrite(spec, ray_options))``: ``run`` does the records on Ray
     workers and calls ``write`` with each line, in the driver."""
 
-    def __init__(self, spec: EngineSpec, options: RayOptions, *, on_start: Callable[[list], None] | None = None):
+    def __init__(self, spec: EngineSpec, options: RayOptions, *, on_start: Callable[[dict], None] | None = None):
         self.spec = spec
         self.options = options
         self.on_start = on_start  # called with the workers' ready() dicts once they are up (tests, logs)
@@ -351,7 +354,7 @@ class RayRewrite:
                         restarts -= 1
                         try:
                             workers += self._start_workers(1, prompts, options, first=number)
-                        except RuntimeError as start_failed:  # the others (if any) go on
+                        except RayStartError as start_failed:  # the others (if any) go on
                             log.warning("no replacement Ray worker: %s", start_failed)
                         number += 1
                     if not workers:
@@ -393,7 +396,7 @@ class RayRewrite:
             if self.on_start is not None:
                 self.on_start(dict(info, number=w.number))
         if failures and not started:
-            raise RuntimeError(f"no Ray worker could start: {failures[0]}")
+            raise RayStartError(f"--ray: no Ray worker could start: {failures[0]}")
         for failure in failures:
             log.warning("a Ray worker did not start: %s", failure)
         return started
@@ -422,8 +425,25 @@ class RayRewrite:
 
 
 def _reason(exc: BaseException) -> str:
-    """The first line of a Ray error, without its traceback."""
-    text = str(exc).strip().splitlines()
+    """Why a worker failed, in one line: the innermost error a Ray error carries, or for a worker
+    that failed to start the last line of the traceback it carries (the exception raised in the
+    worker, e.g. the model that would not load), else the error's own first line."""
+    seen = set()
+    inner = exc
+    while id(inner) not in seen:
+        seen.add(id(inner))
+        cause = getattr(inner, "cause", None)
+        if not isinstance(cause, BaseException):
+            cause = inner.__cause__
+        if not isinstance(cause, BaseException):
+            break
+        inner = cause
+    if inner is not exc and not type(inner).__module__.startswith("ray"):
+        lines = str(inner).strip().splitlines()
+        return f"{type(inner).__name__}: {lines[0]}" if lines else type(inner).__name__
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if getattr(exc, "actor_init_failed", False) and len(text) > 1:  # its text ends with the worker's traceback
+        return text[-1]
     return text[0] if text else type(exc).__name__
 
 
