@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from lookupdec.pipelines.inputs import Record
+from lookupdec.pipelines.rewrite import error_line, result_line
 
 log = logging.getLogger("lookupdec")
 
@@ -108,7 +109,7 @@ class RayOptions:
     workers: int | None = None  # None: as many as the cluster's CPUs (and GPUs) hold
     cpus_per_worker: float = 1.0  # Ray resources per worker; also its torch threads (at least 1)
     gpus_per_worker: float = 0.0
-    sharding: str = "affinity"  # or "spread"
+    sharding: str = "affinity"  # or "spread", "random" (SHARDINGS)
     max_restarts: int | None = None  # replacement workers for dead ones (None: as many as workers)
 
     def __post_init__(self) -> None:
@@ -116,10 +117,9 @@ class RayOptions:
 
         if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
             raise bad("ray_workers", self.workers, "expected an integer >= 1")
-        if not self.cpus_per_worker >= 0 or not self.gpus_per_worker >= 0:
-            raise bad("ray_cpus_per_worker" if not self.cpus_per_worker >= 0 else "ray_gpus_per_worker",
-                      self.cpus_per_worker if not self.cpus_per_worker >= 0 else self.gpus_per_worker,
-                      "expected a number >= 0")
+        for name in ("cpus_per_worker", "gpus_per_worker"):
+            if not getattr(self, name) >= 0:  # (NaN too)
+                raise bad(f"ray_{name}", getattr(self, name), "expected a number >= 0")
         if self.cpus_per_worker == 0 and self.gpus_per_worker == 0:
             raise bad("ray_cpus_per_worker", 0, "a worker needs some CPUs or GPUs")
         if self.sharding not in SHARDINGS:
@@ -274,8 +274,8 @@ class RayRewrite:
         """Every record through the workers; returns (largest batch size, workers that ran records,
         seconds until the first workers were ready: Ray's start and the engines' loads)."""
         for record in records:
-            if record.error is not None:
-                write({"id": record.id, "input_hash": record.input_hash, "error": record.error})
+            if record.error is not None:  # a record that failed to read: its line, no worker
+                write(result_line(None, record, prompts, options))
         records = [r for r in records if r.error is None]
         if not records:
             return 1, 0, 0.0
@@ -409,9 +409,8 @@ class RayRewrite:
         for rid, record in w.in_flight.items():
             attempts[rid] = attempts.get(rid, 0) + 1
             if attempts[rid] >= MAX_ATTEMPTS:
-                write({"id": record.id, "input_hash": record.input_hash,
-                       "error": f"{record.where}: {attempts[rid]} Ray workers stopped while running it "
-                                f"(last: {_reason(exc)})"})
+                write(error_line(record, f"{attempts[rid]} Ray workers stopped while running it "
+                                         f"(last: {_reason(exc)})"))
             else:
                 again.append(record)
         shards.give_back(again, w.number)
@@ -421,7 +420,7 @@ class RayRewrite:
     def _give_up(shards: Shards, why: str, write) -> None:
         while len(shards):
             for record in shards.take(-1, len(shards)):
-                write({"id": record.id, "input_hash": record.input_hash, "error": f"{record.where}: {why}"})
+                write(error_line(record, why))
 
 
 def _reason(exc: BaseException) -> str:

@@ -319,10 +319,14 @@ def run_records(engine, take, prompts: PromptFormat, options: RewriteOptions, ba
         write(result_line(engine, record, prompts, options))
 
 
+def error_line(record: Record, why: str) -> dict:
+    """A failed record's output line: ``why`` after the record's ``PATH:LINE``."""
+    return {"id": record.id, "input_hash": record.input_hash, "error": f"{record.where}: {why}"}
+
+
 def _error_line(record: Record, exc: Exception) -> dict:
     log.debug("record %s failed", record.id, exc_info=True)
-    message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-    return {"id": record.id, "input_hash": record.input_hash, "error": f"{record.where}: {message}"}
+    return error_line(record, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
 
 
 def _result(record: Record, gen, seconds: float, options: RewriteOptions) -> dict:
