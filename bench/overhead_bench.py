@@ -11,9 +11,11 @@ the verify forward, in µs per step:
              (timed; the verified tree stays the fixed budget's, as with ``budget="fixed"``)
     inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]
     accept   ``sampling.accept`` (greedy) on logits [1+n, 49152] (SmolLM2's vocabulary) whose
-             argmax follows the recorded response along the tree: the walk the target makes
-    recycle  the engine's hand-off to the token-recycling proposer: ``engine.top_tokens`` of the
-             visited rows and ``Mixture.observe_successors``
+             argmax follows the recorded response along the tree: the walk the target makes; on
+             the fast paths with ``top_k`` (as the engine calls it), so each visited row is read
+             once for its argmax and the recycling table's top tokens
+    recycle  the engine's hand-off to the token-recycling proposer: the reference's
+             ``top_tokens_reference`` of the visited rows, and ``Mixture.observe_successors``
     commit   ``model.commit_accepted`` on a KV cache of SmolLM2-135M's shape (30 layers of
              [1, 3, ctx+1+n, 64] float32 keys and values): the engine's ``SlotCache`` (fast) or
              transformers' ``DynamicCache`` (reference)
@@ -60,6 +62,7 @@ from lookupdec.model import (commit_accepted, load_tokenizer, new_cache, tree_in
                              tree_inputs_reference)
 from lookupdec.proposers import build_proposers  # noqa: E402
 from lookupdec.proposers.ngram import NgramProposer  # noqa: E402
+from lookupdec.proposers.recycle import RecycleProposer  # noqa: E402
 from lookupdec.proposers.suffix import SuffixProposer  # noqa: E402
 from lookupdec.sampling import SamplingParams, accept, accept_reference  # noqa: E402
 from lookupdec.simulate import accepted_path, tokenize_record  # noqa: E402
@@ -130,6 +133,9 @@ class Mode:
                 proposer.drafting = paths.drafting
             elif isinstance(proposer, NgramProposer) and paths.drafting == "reference":
                 proposer.backend = "reference"
+        if paths.drafting == "reference":  # the recycling table's pure-Python definition
+            proposers = [RecycleProposer(p.config, backend="reference") if isinstance(p, RecycleProposer) else p
+                         for p in proposers]
         return cls(paths, Mixture(proposers), AcceptanceCalibrator())
 
 
@@ -234,16 +240,20 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             logits = walk.set_walk(tree, rest)  # what the forward would return (untimed)
             cache = kv.after_forward(n_cached + len(tree))
             marks.append(_now())
-            result = paths.accept(tree, logits, greedy)
+            # the engine's accept(top_k=...) reads each visited row once for the argmax and the
+            # recycling table's top tokens; the reference takes them apart (top_tokens_reference)
+            fused = RECYCLE_SUCCESSORS if mixture.successor_sinks and paths.name == "fast" else 0
+            result = paths.accept(tree, logits, greedy, top_k=fused) if fused else paths.accept(tree, logits, greedy)
             new_tokens = ([tree.token_ids[i] for i in result.accepted] + [result.next_token])[: len(rest)]
             accepted = result.accepted[: len(new_tokens)]
             marks.append(_now())
             if mixture.successor_sinks:  # as Engine._verdict
                 visited = [0, *result.accepted]
-                before = [context[-2] if len(context) > 1 else -1] + [tree.token_ids[tree.parents[u]]
-                                                                     for u in result.accepted]
-                tops = paths.top_tokens(logits, visited, RECYCLE_SUCCESSORS)
-                mixture.observe_successors([(b, tree.token_ids[u], top) for b, u, top in zip(before, visited, tops)])
+                tops = result.tops if result.tops is not None else paths.top_tokens(logits, visited,
+                                                                                     RECYCLE_SUCCESSORS)
+                tokens = [tree.token_ids[u] for u in visited]
+                prev = context[-2] if len(context) > 1 else -1
+                mixture.observe_successors(list(zip([prev, *tokens[:-1]], tokens, tops)))
             marks.append(_now())
             commit_accepted(cache, n_cached, accepted)
             marks.append(_now())

@@ -385,13 +385,14 @@ class Engine:
         sequence or a batch), the target's top tokens at the visited nodes handed to token
         recycling (``prev``: the token before the root); returns the accepted nodes and the new
         tokens cut to ``limit`` and after the first EOS."""
+        recycle = self.config.recycle.successors if self.mixture.successor_sinks else 0
         result = accept(tree, logits, params, generator=generator,
-                        context_ids=self._seen_ids(seen) if params.uses_prefix else None)
-        if self.mixture.successor_sinks:
+                        context_ids=self._seen_ids(seen) if params.uses_prefix else None, top_k=recycle)
+        if recycle:
             visited = [0, *result.accepted]
-            before = [prev] + [tree.token_ids[tree.parents[u]] for u in result.accepted]
-            tops = top_tokens(logits, visited, self.config.recycle.successors)
-            self.mixture.observe_successors([(b, tree.token_ids[u], top) for b, u, top in zip(before, visited, tops)])
+            tops = result.tops if result.tops is not None else top_tokens(logits, visited, recycle)
+            tokens = [tree.token_ids[u] for u in visited]
+            self.mixture.observe_successors(list(zip([prev, *tokens[:-1]], tokens, tops)))
         new = [tree.token_ids[i] for i in result.accepted] + [result.next_token]
         return result.accepted, self._clip(new, limit)
 

@@ -118,6 +118,9 @@ class Acceptance:
     accepted: list[int]  # accepted node indices, root's child first (root excluded)
     next_token: int  # the bonus or recovered token emitted after them
     bonus: bool  # True: next_token is a bonus token (emitted at a leaf); else recovered
+    # with ``accept(top_k=k)`` on the compiled greedy path: the k best token ids of every row the
+    # walk visited (the root's, then each accepted node's), best first; else None
+    tops: list | None = None
 
 
 def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -207,6 +210,7 @@ def accept(
     *,
     context_ids: torch.Tensor | None = None,  # [c] unique committed ids (for repetition penalty)
     generator: torch.Generator | None = None,
+    top_k: int = 0,
 ) -> Acceptance:
     """Walk the tree from the root, keeping draft tokens the target agrees with.
 
@@ -214,8 +218,12 @@ def accept(
     the CPU (a row is 20-40x cheaper than the whole tensor, and the walk visits the accepted
     nodes plus one), in one call into the compiled core for float32 logits
     (``TokenTree.greedy_walk``); on an accelerator, one argmax over every row and one transfer.
-    ``accept_reference`` takes every row's argmax first; both give the same result."""
-    return _accept(tree, logits, params, context_ids=context_ids, generator=generator, all_rows=False)
+    ``accept_reference`` takes every row's argmax first; both give the same result.
+
+    ``top_k`` > 0 asks for the ``top_k`` best tokens of every visited row too (token recycling's
+    input), read in the walk's own pass over each row: ``Acceptance.tops`` where the compiled
+    greedy walk ran, else None (the caller then takes them itself, ``engine.top_tokens``)."""
+    return _accept(tree, logits, params, context_ids=context_ids, generator=generator, all_rows=False, top_k=top_k)
 
 
 def accept_reference(tree: TokenTree, logits: torch.Tensor, params: SamplingParams, *,
@@ -247,10 +255,11 @@ def _greedy_rows(logits: torch.Tensor, all_rows: bool):
 
 
 def _accept(tree: TokenTree, logits: torch.Tensor, params: SamplingParams, *, context_ids, generator,
-            all_rows: bool) -> Acceptance:
+            all_rows: bool, top_k: int = 0) -> Acceptance:
     if (not all_rows and params.greedy and not params.uses_prefix and logits.device.type == "cpu"
             and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1):
-        walked = tree.greedy_walk(logits.detach().numpy())  # one call, the argmax of each visited row
+        # one call, one pass over each visited row (its argmax, or its top_k whose first is that)
+        walked = tree.greedy_walk(logits.detach().numpy(), top_k)
         if walked is not None:
             return Acceptance(*walked)
     probs_cache: dict[int, torch.Tensor] = {}

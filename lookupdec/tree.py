@@ -594,16 +594,18 @@ class TokenTree:
             return None
         return _core.tree_inputs(self.token_ids, self.parents, n_cached, fill)
 
-    def greedy_walk(self, logits: np.ndarray):
+    def greedy_walk(self, logits: np.ndarray, top_k: int = 0):
         """The compiled core's greedy acceptance walk over float32 ``logits`` [>= 1+n, vocab]
         (rows contiguous): ``(accepted nodes, next token, bonus)`` as ``sampling.accept``
-        defines them, or None without the core."""
+        defines them, or None without the core. With ``top_k`` > 0 a fourth item: the ``top_k``
+        best token ids of every visited row (the root's, then each accepted node's), from the
+        same single pass over the row (``engine.top_tokens``' order)."""
         core = self.__dict__.get("_core")
         if core is not None:
-            return core.greedy_walk(logits)
+            return core.greedy_walk(logits, top_k)
         if _core is None:
             return None
-        return _core.greedy_walk(logits, self.token_ids, self.parents)
+        return _core.greedy_walk(logits, self.token_ids, self.parents, top_k)
 
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""

@@ -9,6 +9,7 @@ import torch
 from conftest import cached_tiny
 from helpers import FakeTokenizer
 from lookupdec import Engine, EngineConfig
+from lookupdec.automaton import compiled_available
 from lookupdec.config import RecycleConfig
 from lookupdec.engine import top_tokens
 from lookupdec.proposers.recycle import PAIR_MATCH, RANK_PRIOR, TOKEN_MATCH, RecycleProposer
@@ -40,11 +41,38 @@ def test_token_table_is_the_fallback_and_limits_hold():
     assert len(p.propose("r", [4, 2], 2)[0].token_ids) == 2
 
 
-def test_pair_table_is_bounded():
-    p = RecycleProposer(RecycleConfig(max_entries=3))
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_pair_table_is_bounded(backend):
+    p = RecycleProposer(RecycleConfig(max_entries=3), backend=backend)
     for i in range(10):
         p.observe_successors([(i, i + 1, [1])])
-    assert len(p.by_pair) <= 4
+        assert p.num_pairs <= 4
+    assert p.num_pairs < 4 or p.propose("r", [0, 1], 8) == []  # (0, 1) went with the first clear
+
+
+@pytest.mark.skipif(not compiled_available(), reason="compiled core not built")
+@pytest.mark.parametrize("seed", range(6))
+def test_compiled_table_drafts_equal_the_reference(seed):
+    """Random visits (small vocabulary: pairs and tokens recur, entries are overwritten, the pair
+    table is cleared) and random configs: every draft identical, scores bit for bit."""
+    rng = np.random.default_rng(seed)
+    config = RecycleConfig(successors=int(rng.integers(1, 6)), max_nodes=int(rng.integers(1, 40)),
+                           max_depth=int(rng.integers(1, 10)), max_entries=int(rng.integers(1, 60)))
+    ref, fast = RecycleProposer(config, backend="reference"), RecycleProposer(config, backend="compiled")
+    vocab = int(rng.integers(3, 30))
+    for _ in range(80):
+        visits = [(int(rng.integers(-1, vocab)), int(rng.integers(0, vocab)),
+                   [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(0, 8)))])
+                  for _ in range(int(rng.integers(0, 6)))]
+        ref.observe_successors(visits)
+        fast.observe_successors(visits)
+        assert fast.num_pairs == ref.num_pairs
+        context = [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(1, 4)))]
+        budget = int(rng.integers(0, 48))
+        want, got = ref.propose("r", context, budget), fast.propose("r", context, budget)
+        assert [(d.token_ids, d.parents, d.scores, d.match_length, d.source) for d in got] == \
+               [(d.token_ids, d.parents, d.scores, d.match_length, d.source) for d in want]
+        assert all(d.packed() == w.packed() for d, w in zip(got, want))
 
 
 @pytest.mark.parametrize("rows", [[0], [0, 2, 3]])
@@ -53,6 +81,35 @@ def test_top_tokens_equal_topk(rows):
     want = logits[rows].topk(4, dim=-1).indices.tolist()
     assert top_tokens(logits, rows, 4) == want
     assert np.isfinite(logits.numpy()).all()  # the rows were copied, not overwritten
+
+
+@pytest.mark.skipif(not compiled_available(), reason="compiled core not built")
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_walk_top_k_is_the_walk_and_top_tokens_of_its_rows(seed):
+    """``accept(top_k=k)``: the walk's one pass over each visited row gives the same accepted
+    nodes as ``accept_reference`` and the same top tokens as ``top_tokens_reference`` (ties,
+    NaN and -inf rows included)."""
+    from lookupdec.engine import top_tokens_reference
+    from lookupdec.sampling import SamplingParams, accept, accept_reference
+    from lookupdec.tree import TokenTree
+
+    rng = np.random.default_rng(seed)
+    vocab, n = 40, 12
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    tokens = [0] + [parents[1:i].count(parents[i]) for i in range(1, n)]  # siblings distinct: 0, 1, 2, ...
+    tree = TokenTree(token_ids=tokens, parents=parents)
+    logits = torch.from_numpy(rng.integers(0, 3, size=(n, vocab)).astype(np.float32))  # many ties
+    logits[:, :2] += 5.0  # the walk goes deep
+    if seed == 1:
+        logits[0, 7] = float("nan")
+    if seed == 2:
+        logits[0] = float("-inf")
+    for k in (1, 3, 4):
+        got = accept(tree, logits, SamplingParams(), top_k=k)
+        want = accept_reference(tree, logits, SamplingParams())
+        assert (got.accepted, got.next_token, got.bonus) == (want.accepted, want.next_token, want.bonus)
+        assert got.tops == top_tokens_reference(logits, [0, *got.accepted], k)
+    assert accept(tree, logits, SamplingParams()).tops is None
 
 
 def test_engine_with_recycling_is_exact_and_uses_it():

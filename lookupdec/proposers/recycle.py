@@ -14,7 +14,9 @@ every draft node is a point mass that acceptance verifies like any lookup's.
 
 The table is the engine's, shared by all requests (a token's likely successors do not depend on
 the request much), and bounded (``RecycleConfig.max_entries``: past it, the pair table starts
-over). Paper: Luo et al., "Turning Trash into Treasure: Accelerating Inference of Large Language
+over). The table and the draft live in the compiled core (``_core.RecycleTable``) when it is
+built; ``backend="reference"`` runs the pure-Python definition here, which tests compare it
+with draft for draft. Paper: Luo et al., "Turning Trash into Treasure: Accelerating Inference of Large Language
 Models with Token Recycling" (arXiv 2408.08696), which keeps one adjacency row per token.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
+from lookupdec.automaton import compiled_available
 from lookupdec.config import RecycleConfig
 from lookupdec.proposers.base import Draft
 
@@ -34,10 +37,27 @@ class RecycleProposer:
     name = "recycle"
     wants_successors = True  # the engine hands it the target's top tokens (``observe_successors``)
 
-    def __init__(self, config: RecycleConfig | None = None) -> None:
+    def __init__(self, config: RecycleConfig | None = None, *, backend: str = "auto") -> None:
+        """``backend``: "auto" (the compiled table when built, else the reference), "compiled"
+        (an error without it) or "reference"."""
+        if backend not in ("auto", "compiled", "reference"):
+            raise ValueError(f"backend must be 'auto', 'compiled' or 'reference', got {backend!r}")
+        if backend == "compiled" and not compiled_available():
+            raise ImportError("lookupdec.automaton._core is not built: run `pip install -e .`")
         self.config = config or RecycleConfig()
+        self.backend = "compiled" if backend != "reference" and compiled_available() else "reference"
         self.by_pair: dict[tuple[int, int], tuple[int, ...]] = {}  # (previous, token) -> successors, best first
         self.by_token: dict[int, tuple[int, ...]] = {}  # token -> successors, best first
+        self._table = None
+        if self.backend == "compiled":
+            from lookupdec.automaton import _core
+
+            self._table = _core.RecycleTable(self.config.successors, self.config.max_entries, list(RANK_PRIOR))
+
+    @property
+    def num_pairs(self) -> int:
+        """(previous, token) entries held (bounded by ``RecycleConfig.max_entries``, plus one step's)."""
+        return self._table.num_pairs() if self._table is not None else len(self.by_pair)
 
     # -- lifecycle: the table is not per request --------------------------------------------------
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
@@ -52,6 +72,10 @@ class RecycleProposer:
     def observe_successors(self, entries: Sequence[tuple[int, int, Sequence[int]]]) -> None:
         """``(previous token, token, the target's top tokens after them, best first)`` for every
         node the acceptance walk visited in a verify forward."""
+        if self._table is not None:
+            previous, tokens, successors = zip(*entries) if entries else ((), (), ())
+            self._table.observe(previous, tokens, successors)
+            return
         if len(self.by_pair) > self.config.max_entries:
             self.by_pair.clear()
         for prev, token, successors in entries:
@@ -60,7 +84,7 @@ class RecycleProposer:
             self.by_token[token] = successors
 
     def successors(self, prev: int, token: int) -> tuple[tuple[int, ...], int]:
-        """The recorded successors of ``token`` after ``prev`` and the match length they rest on
+        """(The reference's table.) The recorded successors of ``token`` after ``prev`` and the match length they rest on
         (``PAIR_MATCH``, ``TOKEN_MATCH``, or 0 with none)."""
         found = self.by_pair.get((prev, token))
         if found is not None:
@@ -73,6 +97,11 @@ class RecycleProposer:
         if limit <= 0 or not context:
             return []
         root, prev = context[-1], (context[-2] if len(context) > 1 else -1)
+        if self._table is not None:
+            tokens, parents, scores, match = self._table.propose(prev, root, limit, self.config.max_depth)
+            if not tokens:
+                return []
+            return [Draft._trusted(None, None, None, self.name, match, packed=(tokens, parents, scores))]
         first, match = self.successors(prev, root)
         if not first:
             return []

@@ -15,6 +15,7 @@
 
 #include "automaton.hpp"
 #include "ngram.hpp"
+#include "recycle.hpp"
 #include "suffix_drafts.hpp"
 #include "tree.hpp"
 
@@ -278,8 +279,10 @@ void observe_draft(nb::bytes tokens, nb::bytes parents, nb::bytes scores, const 
   lookupdec::observe_draft(t, p, s, n, committed, reached.data(), predicted.data(), matched.data(), reached.stride(0));
 }
 
-// (accepted nodes, next token, bonus): lookupdec.sampling.accept's greedy walk.
-nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents) {
+// (accepted nodes, next token, bonus): lookupdec.sampling.accept's greedy walk; with top_k > 0
+// a fourth item, the top_k token ids of every visited row (one list per row, best first).
+nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
+                      int32_t top_k) {
   size_t n = token_ids.size();
   if (n == 0 || parents.size() != n || parents[0] != -1) throw std::invalid_argument("greedy_walk: bad tree");
   for (size_t i = 1; i < n; ++i)
@@ -289,9 +292,13 @@ nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, co
     throw std::invalid_argument("greedy_walk: logits need a row per node and contiguous rows");
   int64_t next_token = 0;
   bool bonus = false;
+  std::vector<std::vector<int32_t>> tops;
   std::vector<int32_t> accepted = lookupdec::greedy_walk(logits.data(), logits.stride(0), logits.shape(1), token_ids,
-                                                         parents, &next_token, &bonus);
-  return nb::make_tuple(int_list(accepted), next_token, bonus);
+                                                         parents, &next_token, &bonus, top_k, &tops);
+  if (top_k <= 0) return nb::make_tuple(int_list(accepted), next_token, bonus);
+  nb::list rows;
+  for (const auto& row : tops) rows.append(int_list(row));
+  return nb::make_tuple(int_list(accepted), next_token, bonus, rows);
 }
 
 // One tuple per draft: (token_ids, parents, scores, match_length, chain, chain_cond): the arrays
@@ -304,6 +311,16 @@ nb::list ngram_propose(const lookupdec::NgramIndex& index, int32_t max_draft_tok
     out.append(nb::make_tuple(to_bytes(d.token_ids), to_bytes(d.parents), to_bytes(d.scores), d.match_length,
                               int_list(d.token_ids), float_list(d.chain_cond)));
   return out;
+}
+
+// (token_ids, parents, scores as bytes, match length): RecycleProposer's draft (Draft.packed()).
+nb::tuple recycle_propose(const lookupdec::RecycleTable& table, int32_t prev, int32_t root, int32_t limit,
+                          int32_t max_depth) {
+  std::vector<int32_t> tokens, parents;
+  std::vector<double> scores;
+  int32_t match = 0;
+  table.propose(prev, root, limit, max_depth, &tokens, &parents, &scores, &match);
+  return nb::make_tuple(to_bytes(tokens), to_bytes(parents), to_bytes(scores), match);
 }
 
 }  // namespace
@@ -324,9 +341,16 @@ NB_MODULE(_core, m) {
       })
       .def("size", &lookupdec::NgramIndex::size)
       .def("propose", &ngram_propose);
+  nb::class_<lookupdec::RecycleTable>(m, "RecycleTable")
+      .def(nb::init<int32_t, int64_t, std::vector<double>>())
+      .def("observe", &lookupdec::RecycleTable::observe)
+      .def("propose", &recycle_propose)
+      .def("num_pairs", &lookupdec::RecycleTable::num_pairs)
+      .def("num_tokens", &lookupdec::RecycleTable::num_tokens);
   m.def("ancestor_mask", &ancestor_mask);
   m.def("tree_inputs", &tree_inputs<int64_t>);
-  m.def("greedy_walk", &greedy_walk);
+  m.def("greedy_walk", &greedy_walk, nb::arg("logits"), nb::arg("token_ids"), nb::arg("parents"),
+        nb::arg("top_k") = 0);
   m.def("observe_draft", &observe_draft);
   m.def("top_tokens", &top_tokens);
   nb::class_<CoreTree>(m, "Tree")
@@ -350,9 +374,9 @@ NB_MODULE(_core, m) {
       .def("inputs", [](const CoreTree& t, int64_t n_cached, nb::bytes fill) {
         return tree_inputs(t.tree.token_ids, t.tree.parents, n_cached, fill);
       })
-      .def("greedy_walk", [](const CoreTree& t, LogitsIn logits) {
-        return greedy_walk(logits, t.tree.token_ids, t.tree.parents);
-      });
+      .def("greedy_walk", [](const CoreTree& t, LogitsIn logits, int32_t top_k) {
+        return greedy_walk(logits, t.tree.token_ids, t.tree.parents, top_k);
+      }, nb::arg("logits"), nb::arg("top_k") = 0);
   nb::class_<Automaton>(m, "Automaton")
       .def(nb::init<>())
       .def("extend", [](Automaton& a, TokensIn t) { a.extend(t.data(), t.shape(0)); })

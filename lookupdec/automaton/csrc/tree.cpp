@@ -566,7 +566,8 @@ void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out) {
 
 std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
                                  const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
-                                 int64_t* next_token, bool* bonus) {
+                                 int64_t* next_token, bool* bonus, int32_t top_k,
+                                 std::vector<std::vector<int32_t>>* tops) {
   size_t n = token_ids.size();
   std::vector<int32_t> first(n + 1, 0), kids(n > 0 ? n - 1 : 0);  // children of each node
   for (size_t i = 1; i < n; ++i) ++first[parents[i] + 1];
@@ -576,7 +577,14 @@ std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_
   std::vector<int32_t> accepted;
   int32_t node = 0;
   for (;;) {
-    int64_t token = row_argmax(logits + node * row_stride, vocab);
+    int64_t token;
+    if (top_k > 0) {  // one pass over the row: its top k, whose first is its argmax
+      tops->emplace_back();
+      row_topk(logits + node * row_stride, vocab, top_k, &tops->back());
+      token = tops->back()[0];
+    } else {
+      token = row_argmax(logits + node * row_stride, vocab);
+    }
     int32_t child = -1;
     for (int32_t k = first[node]; k < first[node + 1]; ++k)
       if (token_ids[kids[k]] == token) child = kids[k];

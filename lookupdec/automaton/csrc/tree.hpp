@@ -87,9 +87,12 @@ void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out);
 // root, follow the child whose token is the argmax of the node's row of `logits` ([rows,
 // vocab], rows >= nodes, row r at logits + r * row_stride); stop at the first node without
 // such a child. Returns the accepted nodes; *next_token is that node's argmax, *bonus whether
-// it has no children at all.
+// it has no children at all. With top_k > 0, each visited row is read once for its top_k
+// (row_topk, appended to *tops in visiting order: the root's row, then each accepted node's),
+// whose first is the argmax: what token recycling keeps, without a second pass.
 std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
                                  const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
-                                 int64_t* next_token, bool* bonus);
+                                 int64_t* next_token, bool* bonus, int32_t top_k = 0,
+                                 std::vector<std::vector<int32_t>>* tops = nullptr);
 
 }  // namespace lookupdec
