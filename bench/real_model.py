@@ -8,6 +8,8 @@ The methods decode the same prompts, greedy, side by side, in an order rotated p
   configuration, one engine per thread setting kept across prompts as a server keeps it
 * ``fixedN``    -- the same with ``EngineConfig(budget="fixed", max_nodes=N)`` (``--fixed``, at
   ``--fixed-threads``): how far the default's per-step choice is from the best fixed budget
+* ``all-logits`` -- the default with ``EngineConfig(partial_logits=False)`` (``--all-logits``):
+  the verify forward projects every node's hidden state, not only the likely ones
 
 Workloads, every prompt in the model's chat template: the six Spec-Bench categories (first turn
 of multi-turn chat, translation, CNN/DM summarization, QA, GSM8K math, RAG), real code edits
@@ -139,16 +141,20 @@ def ld_run(engine, prompt, max_new) -> tuple[list[int], dict]:
         "seconds": seconds, "steps": s.steps, "mean_accepted": s.mean_accepted, "overhead_us": s.overhead_us,
         "draft_us": s.draft_us, "forward_ms": s.forward_ms, "prefill_ms": s.prefill_ms,
         "mean_tree_nodes": s.mean_tree_nodes, "predicted_accepted": s.predicted_accepted,
-        "realised_accepted": s.realised_accepted, "accepted_by_source": dict(s.accepted_by_source)}
+        "realised_accepted": s.realised_accepted, "accepted_by_source": dict(s.accepted_by_source),
+        "logit_rows": s.logit_rows, "logit_misses": s.logit_misses}
 
 
-def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed: list[int]) -> tuple[dict, list[dict]]:
+def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed: list[int],
+                  all_logits: bool = False) -> tuple[dict, list[dict]]:
     from lookupdec import Engine, EngineConfig
 
     torch.set_num_threads(threads)
     engines = {"lookupdec": Engine(model, tokenizer, EngineConfig())}
     for n in fixed:
         engines[f"fixed{n}"] = Engine(model, tokenizer, EngineConfig(budget="fixed", max_nodes=n))
+    if all_logits:
+        engines["all-logits"] = Engine(model, tokenizer, EngineConfig(partial_logits=False))
     methods = ["greedy", "pld", *engines]
     info = {"threads": threads, "methods": methods, "cost_curve": cost_curve(engines["lookupdec"]),
             "load_average_before": load_average()}
@@ -220,6 +226,8 @@ def summarize_runs(runs: list[dict]) -> list[dict]:
                "lookupdec_realised": sum(r["realised_accepted"] * r["steps"] for r in ld) / steps,
                "lookupdec_overhead_us": sum(r["overhead_us"] * r["steps"] for r in ld) / steps,
                "lookupdec_forward_ms": sum(r["forward_ms"] * r["steps"] for r in ld) / steps,
+               "lookupdec_logit_rows": sum(r.get("logit_rows", 0.0) * r["steps"] for r in ld) / steps,
+               "lookupdec_logit_misses": sum(r.get("logit_misses", 0) for r in ld),
                "identical": f"{sum(r['identical_to_greedy'] for r in group)}/{len(group)}"}
         fixed = [m for m in methods if m.startswith("fixed")]
         for m in fixed:
@@ -228,6 +236,8 @@ def summarize_runs(runs: list[dict]) -> list[dict]:
             best = max(fixed, key=lambda m: total[m])
             row["best_fixed"] = best
             row["lookupdec/best_fixed"] = total["lookupdec"] / total[best]
+        if "all-logits" in total:
+            row["lookupdec/all-logits"] = total["lookupdec"] / total["all-logits"]
         rows.append(row)
     return rows
 
@@ -240,6 +250,7 @@ TABLE = [("model", "run", ""), ("workload", "workload", ""), ("prompts", "n", "d
          ("lookupdec_mean_accepted", "MAT", ".2f"), ("lookupdec_tree_nodes", "nodes", ".1f"),
          ("lookupdec_predicted", "pred acc", ".2f"), ("lookupdec_realised", "real acc", ".2f"),
          ("lookupdec_overhead_us", "ovh us", ".0f"), ("lookupdec_forward_ms", "fwd ms", ".1f"),
+         ("lookupdec_logit_rows", "rows", ".1f"), ("lookupdec/all-logits", "ld/all-logits", ".2f"),
          ("identical", "identical", "")]
 
 
@@ -256,6 +267,8 @@ def main(argv=None) -> int:
     p.add_argument("--fixed-threads", type=int, nargs="*", default=[1], metavar="T",
                    help="thread settings that run the fixed budgets (1)")
     p.add_argument("--workloads", nargs="+", default=None, help="only these workloads")
+    p.add_argument("--all-logits", action="store_true",
+                   help="also run the default with EngineConfig(partial_logits=False): every node's logits computed")
     p.add_argument("--prompt-offset", type=int, default=0, metavar="K", help="skip the first K prompts of each workload")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "real_model.json", help="result JSON (and .png)")
     args = p.parse_args(argv)
@@ -277,7 +290,8 @@ def main(argv=None) -> int:
     infos, runs = [], []
     for threads in args.threads:
         fixed = args.fixed if threads in args.fixed_threads else []
-        info, r = bench_threads(threads, model, tokenizer, workloads, args.max_new_tokens, fixed)
+        info, r = bench_threads(threads, model, tokenizer, workloads, args.max_new_tokens, fixed,
+                                all_logits=args.all_logits)
         infos.append(info)
         runs.extend(r)
         report(args, argv, meta, workloads, load_s, infos, runs)  # after each setting: a cut run keeps its part

@@ -131,6 +131,9 @@ class EngineConfig:
     #                            projection by the fastest product form per row count, grouped K/V
     #                            heads not copied in attention (model/kernels.py);
     #                            same logits up to float rounding (greedy identity is tested)
+    partial_logits: bool = True  # greedy on CPU: the verify forward projects only the hidden states of
+    #                              the nodes likely to be accepted; any other the walk reaches is
+    #                              projected then (sampling.PartialLogits). Exact: the same rows
 
     def __post_init__(self) -> None:
         _require(self.max_nodes >= 0, "max_nodes", self.max_nodes, "must be >= 0")

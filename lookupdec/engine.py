@@ -21,7 +21,7 @@ from lookupdec.config import EngineConfig
 from lookupdec.mixture import Mixture
 from lookupdec.model_files import DEFAULT_MODEL
 from lookupdec.proposers import Proposer, build_proposers
-from lookupdec.sampling import SamplingParams, accept, top_tokens_compiled
+from lookupdec.sampling import HEAD_MIN_ROWS, PartialLogits, SamplingParams, accept, head_rows, top_tokens_compiled
 from lookupdec.step import StepCore, StepResult, Verdict
 from lookupdec.stops import StopStrings, TextAssembler
 from lookupdec.tree import TokenTree
@@ -42,6 +42,8 @@ class GenerationStats:
     draft_us: float = 0.0  # per step: proposers' time
     overhead_us: float = 0.0  # per step: drafting + tree + acceptance + KV commit + observe
     forward_ms: float = 0.0  # per step: the verify forward
+    logit_rows: float = 0.0  # per step: tree nodes whose logits the forward computed (greedy: the likely ones)
+    logit_misses: int = 0  # steps whose walk reached a node without logits (computed then)
     prefill_ms: float = 0.0  # the prompt's forward
     tokens_per_s: float = 0.0  # new tokens / (prefill + all steps)
 
@@ -105,6 +107,7 @@ class _Timer:
         self.nodes = self.steps = 0
         self.predicted = 0.0
         self.accepted = 0
+        self.head_rows = self.head_misses = 0  # logits rows computed; walks that reached a row not computed
 
     def overhead_s(self) -> float:
         """Mean time per step outside the verify forward, so far (0 before the first step)."""
@@ -131,7 +134,8 @@ class Engine:
         sources, scripted ones in tests); the draft model, if any, still comes after them."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
-        self.target = model_lib.TargetModel(model, verify=self.config.verify, fast_head=self.config.fast_kernels)
+        self.target = model_lib.TargetModel(model, verify=self.config.verify, fast_head=self.config.fast_kernels,
+                                            partial_head=self.config.partial_logits)
         self.eos_token_ids = model_lib.tokenizer_info(tokenizer)["eos_token_ids"]
         self.calibrator = AcceptanceCalibrator()
         self.draft_budget = DraftBudget()  # budget="auto": nodes asked of the proposers
@@ -367,17 +371,32 @@ class Engine:
         """The target's verdict on ``tree``: one verify forward (timed into ``cost``), exact
         acceptance, KV commit; the new tokens cut to ``limit`` and after the first EOS."""
         t = time.perf_counter()
-        logits = self.target.verify(tree)  # [1 + n, vocab]
+        rows = self._head_rows(tree, params)
+        logits = self.target.verify(tree, rows)  # [1 + n, vocab], or PartialLogits for those rows
         if cost is not None and self._timed_sync:
             self.target.sync()
         seconds = time.perf_counter() - t - self.target.last_prepare_s
-        timer.forward += seconds
         timer.prepare += self.target.last_prepare_s
+        accepted, new = self._accept(tree, logits, params, generator, seen, limit, prev)
+        if isinstance(logits, PartialLogits):  # rows computed on demand belong to the forward's cost
+            seconds += logits.extra_s
+            timer.head_rows += logits.computed
+            timer.head_misses += logits.misses
+        else:
+            timer.head_rows += len(tree)
+        timer.forward += seconds
         if cost is not None:
             cost.observe(len(tree), seconds)
-        accepted, new = self._accept(tree, logits, params, generator, seen, limit, prev)
         self.target.commit(tree, accepted)
         return Verdict(accepted, new)
+
+    def _head_rows(self, tree: TokenTree, params) -> list[int] | None:
+        """The nodes whose logits the verify forward computes up front (``sampling.head_rows``),
+        or None for all: greedy acceptance on the compiled walk needs only the root's and the
+        accepted nodes' rows, and asks for any other it reaches (``PartialLogits``)."""
+        if not (self.target.partial_head and params.greedy and not params.uses_prefix) or len(tree) <= HEAD_MIN_ROWS:
+            return None
+        return head_rows(range(len(tree)), tree.expected)
 
     def _accept(self, tree: TokenTree, logits: torch.Tensor, params, generator, seen: set, limit: int,
                 prev: int) -> tuple[list[int], list[int]]:
@@ -491,4 +510,6 @@ class Engine:
             stats.draft_us = timer.draft / stats.steps * 1e6
             stats.overhead_us = timer.overhead_s() * 1e6
             stats.forward_ms = timer.forward / stats.steps * 1e3
+            stats.logit_rows = timer.head_rows / stats.steps
+            stats.logit_misses = timer.head_misses
         stats.tokens_per_s = n_tokens / elapsed if elapsed > 0 else 0.0

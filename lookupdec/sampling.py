@@ -35,8 +35,10 @@ continues into the child carrying the emitted token if the tree has one, else st
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lookupdec.tree import TokenTree
@@ -245,6 +247,81 @@ def top_tokens_compiled(logits: torch.Tensor, rows, k: int) -> list[list[int]] |
     return _core.top_tokens(logits.detach().numpy(), list(rows), k)
 
 
+HEAD_MIN_ROWS = 8  # rows the output projection computes as fast as one on a CPU (its weights' read dominates)
+HEAD_ROW_THRESHOLD = 0.1  # a node's row is computed up front when the walk reaches it this likely
+
+
+class PartialLogits:
+    """A verify forward's logits for some of the tree's nodes, the rest computed on demand.
+
+    The output projection is a sixth of SmolLM2's forward, and a verify forward needs the row of
+    only the root and the nodes accepted. ``TargetModel.verify(tree, rows=...)`` computes the
+    rows of the nodes likeliest to be reached (``head_rows``) and keeps the final hidden states,
+    so the walk can ask for any other row (``fill``), the same projection of the same hidden
+    state. ``accept`` walks these directly (greedy, compiled); any other path takes ``dense()``.
+    """
+
+    def __init__(self, tree: TokenTree, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor, head) -> None:
+        self.tree = tree
+        self.hidden = hidden  # [1 + n, d] final hidden states (after the model's last norm)
+        self.head = head  # hidden rows [m, d] -> (float32 logits [m, vocab], seconds of it spent preparing)
+        self.logits = logits.contiguous()  # [len(rows), vocab] (the walk reads rows as arrays)
+        self.row_of = np.full(len(tree), -1, dtype=np.int32)
+        self.row_of[rows] = np.arange(len(rows), dtype=np.int32)
+        self.misses = 0  # walks that reached a node without a row
+        self.extra_s = 0.0  # seconds spent computing rows on demand
+
+    @property
+    def computed(self) -> int:
+        return len(self.logits)
+
+    def fill(self, nodes) -> None:
+        """Compute the rows of ``nodes`` (those not computed yet)."""
+        nodes = [u for u in nodes if self.row_of[u] < 0]
+        if not nodes:
+            return
+        t = time.perf_counter()
+        extra, prepared = self.head(self.hidden[nodes])
+        self.row_of[nodes] = np.arange(len(self.logits), len(self.logits) + len(nodes), dtype=np.int32)
+        self.logits = torch.cat([self.logits, extra])
+        self.extra_s += time.perf_counter() - t - prepared
+
+    def fill_from(self, node: int) -> None:
+        """A walk reached ``node`` without its row: compute it and the rows below it likeliest to be
+        reached from it (at least ``HEAD_MIN_ROWS``, as cheap as one)."""
+        self.misses += 1
+        parents, expected = self.tree.parents, self.tree.expected
+        below = [False] * len(parents)
+        below[node] = True
+        sub = [node]
+        for i in range(node + 1, len(parents)):
+            if below[parents[i]]:
+                below[i] = True
+                sub.append(i)
+        self.fill(head_rows(sub, expected, base=max(expected[node], 1e-12)))
+
+    def dense(self) -> torch.Tensor:
+        """Every node's row, in node order [1 + n, vocab]."""
+        self.fill(range(len(self.row_of)))
+        return self.logits[torch.from_numpy(self.row_of.astype(np.int64))]
+
+
+def head_rows(nodes, expected, *, base: float = 1.0, threshold: float = HEAD_ROW_THRESHOLD,
+              min_rows: int = HEAD_MIN_ROWS) -> list[int]:
+    """Of ``nodes`` (the first one always), those whose chance of being reached (``expected``,
+    relative to ``base``) is at least ``threshold``, and at least ``min_rows`` of the likeliest.
+
+    >>> head_rows([0, 1, 2, 3], [1.0, 0.9, 0.05, 0.3], min_rows=2)
+    [0, 1, 3]
+    """
+    nodes = list(nodes)
+    if len(nodes) <= min_rows:
+        return nodes
+    rest = sorted(nodes[1:], key=lambda u: -expected[u])
+    keep = max(min_rows - 1, sum(1 for u in rest if expected[u] >= threshold * base))
+    return sorted([nodes[0], *rest[:keep]])
+
+
 def _greedy_rows(logits: torch.Tensor, all_rows: bool):
     """``pick(node)``: the argmax of row ``node`` (the first of equal maxima, as ``torch.argmax``)."""
     if not all_rows and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
@@ -254,14 +331,25 @@ def _greedy_rows(logits: torch.Tensor, all_rows: bool):
     return choice.__getitem__
 
 
-def _accept(tree: TokenTree, logits: torch.Tensor, params: SamplingParams, *, context_ids, generator,
+def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, generator,
             all_rows: bool, top_k: int = 0) -> Acceptance:
+    if isinstance(logits, PartialLogits):
+        if not all_rows and params.greedy and not params.uses_prefix and logits.logits.dtype == torch.float32:
+            while True:  # walk the rows computed; a node reached without one gets its rows, and the walk reruns
+                walked = tree.greedy_walk(logits.logits.numpy(), top_k, logits.row_of.tobytes())
+                if walked is None:
+                    break
+                accepted, token, bonus, tops, missing = walked
+                if missing < 0:
+                    return Acceptance(accepted, token, bonus, tops)
+                logits.fill_from(missing)
+        logits = logits.dense()
     if (not all_rows and params.greedy and not params.uses_prefix and logits.device.type == "cpu"
             and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1):
         # one call, one pass over each visited row (its argmax, or its top_k whose first is that)
         walked = tree.greedy_walk(logits.detach().numpy(), top_k)
         if walked is not None:
-            return Acceptance(*walked)
+            return Acceptance(*walked[:4])
     probs_cache: dict[int, torch.Tensor] = {}
     if params.greedy and not params.uses_prefix:
         pick = _greedy_rows(logits, all_rows)

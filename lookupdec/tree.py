@@ -594,18 +594,20 @@ class TokenTree:
             return None
         return _core.tree_inputs(self.token_ids, self.parents, n_cached, fill)
 
-    def greedy_walk(self, logits: np.ndarray, top_k: int = 0):
-        """The compiled core's greedy acceptance walk over float32 ``logits`` [>= 1+n, vocab]
-        (rows contiguous): ``(accepted nodes, next token, bonus)`` as ``sampling.accept``
-        defines them, or None without the core. With ``top_k`` > 0 a fourth item: the ``top_k``
-        best token ids of every visited row (the root's, then each accepted node's), from the
-        same single pass over the row (``engine.top_tokens``' order)."""
+    def greedy_walk(self, logits: np.ndarray, top_k: int = 0, row_of: bytes | None = None):
+        """The compiled core's greedy acceptance walk over float32 ``logits`` (rows contiguous;
+        node u's row is u, or ``row_of[u]`` given ``row_of``, int32 bytes with -1 for a row not
+        computed): ``(accepted nodes, next token, bonus, tops, missing)`` as ``sampling.accept``
+        defines the first three, or None without the core. ``tops``: with ``top_k`` > 0 the
+        ``top_k`` best token ids of every visited row (the root's, then each accepted node's) from
+        the same single pass over the row (``engine.top_tokens``' order), else None. ``missing``:
+        the first node reached whose row is -1 (the walk stops there), else -1."""
         core = self.__dict__.get("_core")
         if core is not None:
-            return core.greedy_walk(logits, top_k)
+            return core.greedy_walk(logits, top_k, row_of)
         if _core is None:
             return None
-        return _core.greedy_walk(logits, self.token_ids, self.parents, top_k)
+        return _core.greedy_walk(logits, self.token_ids, self.parents, top_k, row_of)
 
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""

@@ -60,6 +60,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_default: str | None 
     p.add_argument("--no-fast-kernels", action="store_true",
                    help="on CPU, run the model's own output projection and attention as transformers does "
                    "(default: the fastest equivalent product form per row count; same logits up to rounding)")
+    p.add_argument("--all-logits", action="store_true",
+                   help="greedy on CPU: project every tree node's hidden state in the verify forward (default: "
+                   "only the nodes likely to be accepted, the others when the walk reaches them; same output)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
 
@@ -78,7 +81,7 @@ def engine_config(args, **fields):
     from lookupdec.config import DraftConfig, EngineConfig
 
     fields = {"budget": "fixed" if args.fixed_budget else "auto", "draft": DraftConfig(mode=args.draft_mode),
-              "fast_kernels": not args.no_fast_kernels, **fields}
+              "fast_kernels": not args.no_fast_kernels, "partial_logits": not args.all_logits, **fields}
     if args.max_nodes is not None:
         fields["max_nodes"] = args.max_nodes
     return EngineConfig(**fields)

@@ -10,6 +10,7 @@ import torch
 
 from lookupdec.model.cache import commit_accepted, crop_cache, new_cache
 from lookupdec.model.kernels import fast_head_for, packed_linears_for, swapped
+from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
 log = logging.getLogger("lookupdec")
@@ -24,8 +25,9 @@ _MASK_FILL: dict = {}  # dtype -> the bytes of its minimum (the additive mask's 
 class TargetModel:
     """A causal LM with a KV cache of the committed prefix, verifying token trees."""
 
-    def __init__(self, model, *, verify: str = "auto", fast_head: bool = True) -> None:
-        """``fast_head``: ``EngineConfig.fast_kernels`` (model/kernels.py)."""
+    def __init__(self, model, *, verify: str = "auto", fast_head: bool = True, partial_head: bool = True) -> None:
+        """``fast_head``: ``EngineConfig.fast_kernels`` (model/kernels.py); ``partial_head``:
+        ``EngineConfig.partial_logits`` (where the model allows it: ``_probe_partial_head``)."""
         self.model = model
         # the output projection by the fastest product form per row count (CPU float32; model/kernels.py)
         self.fast_head = fast_head_for(model) if fast_head else None
@@ -49,6 +51,8 @@ class TargetModel:
                 log.warning("%s cannot take a custom 4D attention mask: verifying one draft chain per step",
                             self.config.model_type)
         self.tree_mode = verify == "tree"
+        self.partial_head = False  # verify(rows=...) may leave rows to compute on demand
+        self.partial_head = partial_head and self._probe_partial_head()
 
     # -- cache lifecycle ------------------------------------------------------------------------
     def reset(self) -> None:
@@ -79,20 +83,62 @@ class TargetModel:
         return self.fast_head.prepare(n) if self.fast_head is not None else 0.0
 
     @torch.inference_mode()
-    def verify(self, tree: TokenTree) -> torch.Tensor:
-        """One forward over the tree's nodes. Returns logits [1 + n, vocab] (float32).
+    def verify(self, tree: TokenTree, rows: Sequence[int] | None = None):
+        """One forward over the tree's nodes. Returns logits [1 + n, vocab] (float32); with
+        ``rows`` (where ``partial_head``), a ``PartialLogits`` holding only those nodes' rows and
+        the hidden states for any other (``sampling.head_rows`` picks them).
         ``last_prepare_s``: time it spent in ``prepare`` (not the forward's cost)."""
         n = len(tree)
-        self.last_prepare_s = self.prepare(n)
+        partial = rows is not None and self.partial_head and len(rows) < n
+        self.last_prepare_s = self.prepare(len(rows) if partial else n)
         # A chain gets no custom mask (tree_inputs): the model's own causal mask, and its fastest
         # attention path, the one plain decoding takes, is exactly the tree mask then.
         ids, positions, mask = tree_inputs(tree, self.n_cached, device=self.device, dtype=self.dtype,
                                            windows=self._windows, tree_mode=self.tree_mode)
-        with swapped(self.model, self.fast_head, gqa=self._gqa, body=self.body):
+        head = _RowsHead(self._head, self.fast_head or self._head, rows) if partial else self.fast_head
+        with swapped(self.model, head, gqa=self._gqa, body=self.body):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                              past_key_values=self.cache, use_cache=True)
         self.n_cached += n
+        if partial:
+            return PartialLogits(tree, list(rows), out.logits[0].float(), head.hidden, self._project)
         return out.logits[0].float()
+
+    @torch.inference_mode()
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Logits [m, vocab] of final hidden states [m, d] (``PartialLogits.fill``), and the
+        seconds of them spent in ``prepare``."""
+        prepared = self.prepare(len(hidden))
+        head = self.fast_head or self._head
+        return head(hidden[None])[0].float(), prepared
+
+    @property
+    def _head(self) -> torch.nn.Module:
+        return self.fast_head.head if self.fast_head is not None else self.model.get_output_embeddings()
+
+    @torch.inference_mode()
+    def _probe_partial_head(self) -> bool:
+        """Whether the logits are the output projection of the final hidden states and nothing
+        more (no soft-capping or scaling after it), so ``verify(rows=...)`` may compute the rest
+        later: a tree forward's row must equal, bit for bit, the projection of its hidden state."""
+        if self.device.type != "cpu" or any(getattr(self.config, name, None) for name in _LOGIT_POSTPROCESSING):
+            return False
+        if self.model.get_output_embeddings() is None or not hasattr(self.model, "set_output_embeddings"):
+            return False
+        vocab = min(self.vocab_size, 100)
+        tree = TokenTree(token_ids=[7 % vocab, 11 % vocab, 3 % vocab], parents=[-1, 0, 0])
+        self.partial_head = True
+        try:
+            self.prefill([1 % vocab, 5 % vocab, 9 % vocab])
+            got = self.verify(tree, rows=[0, 2])
+            again, _ = self._project(got.hidden[[0, 2]])
+            return bool(torch.equal(got.logits, again))
+        except Exception as exc:  # a model whose forward does not call its output embeddings
+            log.debug("partial-head probe failed: %r", exc)
+            return False
+        finally:
+            self.partial_head = False
+            self.reset()
 
     @torch.inference_mode()
     def commit(self, tree: TokenTree, accepted: Sequence[int]) -> None:
@@ -145,6 +191,30 @@ class TargetModel:
             self.reset()
         scale = want.std().clamp_min(1e-6)
         return bool(((got - want).abs().max() / scale) < PROBE_REL_TOL)
+
+
+# config attributes of models that change the logits after the output projection
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+class _RowsHead(torch.nn.Module):
+    """The output projection during one ``verify(rows=...)``: keeps the final hidden states
+    [1 + n, d] (``hidden``) and projects only ``rows`` of them."""
+
+    def __init__(self, head: torch.nn.Module, compute, rows: Sequence[int]) -> None:
+        super().__init__()
+        self.head = head  # the model's own, which ``swapped`` puts back
+        self.compute = compute
+        self.rows = torch.tensor(list(rows), dtype=torch.long)
+        self.hidden: torch.Tensor | None = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hidden = x[0]
+        return self.compute(x[:, self.rows])
 
 
 def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict | None = None,

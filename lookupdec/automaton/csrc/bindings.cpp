@@ -5,10 +5,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -279,26 +281,42 @@ void observe_draft(nb::bytes tokens, nb::bytes parents, nb::bytes scores, const 
   lookupdec::observe_draft(t, p, s, n, committed, reached.data(), predicted.data(), matched.data(), reached.stride(0));
 }
 
-// (accepted nodes, next token, bonus): lookupdec.sampling.accept's greedy walk; with top_k > 0
-// a fourth item, the top_k token ids of every visited row (one list per row, best first).
+// (accepted nodes, next token, bonus, tops, missing): lookupdec.sampling.accept's greedy walk;
+// tops: with top_k > 0 the top_k token ids of every visited row (one list per row, best first),
+// else None; missing: with row_of (int32 bytes, a row of `logits` per node, -1: not computed),
+// the first node the walk reached without a row (then next token -1), else -1.
 nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
-                      int32_t top_k) {
+                      int32_t top_k, std::optional<nb::bytes> row_of) {
   size_t n = token_ids.size();
   if (n == 0 || parents.size() != n || parents[0] != -1) throw std::invalid_argument("greedy_walk: bad tree");
   for (size_t i = 1; i < n; ++i)
     if (parents[i] < 0 || static_cast<size_t>(parents[i]) >= i)
       throw std::invalid_argument("greedy_walk: parents[i] must be in [0, i)");
-  if (logits.shape(0) < n || logits.shape(1) < 1 || logits.stride(1) != 1)
-    throw std::invalid_argument("greedy_walk: logits need a row per node and contiguous rows");
+  if (logits.shape(1) < 1 || logits.stride(1) != 1)
+    throw std::invalid_argument("greedy_walk: logits need contiguous rows");
+  const int32_t* rows = nullptr;
+  if (row_of.has_value()) {
+    int64_t count = static_cast<int64_t>(n);
+    rows = bytes_array<int32_t>(*row_of, &count, "row_of");
+    for (size_t i = 0; i < n; ++i)
+      if (rows[i] < -1 || rows[i] >= static_cast<int64_t>(logits.shape(0)))
+        throw std::invalid_argument("greedy_walk: row_of names a row logits does not have");
+  } else if (logits.shape(0) < n) {
+    throw std::invalid_argument("greedy_walk: logits need a row per node");
+  }
   int64_t next_token = 0;
   bool bonus = false;
+  int32_t missing = -1;
   std::vector<std::vector<int32_t>> tops;
   std::vector<int32_t> accepted = lookupdec::greedy_walk(logits.data(), logits.stride(0), logits.shape(1), token_ids,
-                                                         parents, &next_token, &bonus, top_k, &tops);
-  if (top_k <= 0) return nb::make_tuple(int_list(accepted), next_token, bonus);
-  nb::list rows;
-  for (const auto& row : tops) rows.append(int_list(row));
-  return nb::make_tuple(int_list(accepted), next_token, bonus, rows);
+                                                         parents, &next_token, &bonus, top_k, &tops, rows, &missing);
+  nb::object rows_out = nb::none();
+  if (top_k > 0) {
+    nb::list lists;
+    for (const auto& row : tops) lists.append(int_list(row));
+    rows_out = lists;
+  }
+  return nb::make_tuple(int_list(accepted), next_token, bonus, rows_out, missing);
 }
 
 // One tuple per draft: (token_ids, parents, scores, match_length, chain, chain_cond): the arrays
@@ -350,7 +368,7 @@ NB_MODULE(_core, m) {
   m.def("ancestor_mask", &ancestor_mask);
   m.def("tree_inputs", &tree_inputs<int64_t>);
   m.def("greedy_walk", &greedy_walk, nb::arg("logits"), nb::arg("token_ids"), nb::arg("parents"),
-        nb::arg("top_k") = 0);
+        nb::arg("top_k") = 0, nb::arg("row_of") = nb::none());
   m.def("observe_draft", &observe_draft);
   m.def("top_tokens", &top_tokens);
   nb::class_<CoreTree>(m, "Tree")
@@ -374,9 +392,9 @@ NB_MODULE(_core, m) {
       .def("inputs", [](const CoreTree& t, int64_t n_cached, nb::bytes fill) {
         return tree_inputs(t.tree.token_ids, t.tree.parents, n_cached, fill);
       })
-      .def("greedy_walk", [](const CoreTree& t, LogitsIn logits, int32_t top_k) {
-        return greedy_walk(logits, t.tree.token_ids, t.tree.parents, top_k);
-      }, nb::arg("logits"), nb::arg("top_k") = 0);
+      .def("greedy_walk", [](const CoreTree& t, LogitsIn logits, int32_t top_k, std::optional<nb::bytes> row_of) {
+        return greedy_walk(logits, t.tree.token_ids, t.tree.parents, top_k, row_of);
+      }, nb::arg("logits"), nb::arg("top_k") = 0, nb::arg("row_of") = nb::none());
   nb::class_<Automaton>(m, "Automaton")
       .def(nb::init<>())
       .def("extend", [](Automaton& a, TokensIn t) { a.extend(t.data(), t.shape(0)); })

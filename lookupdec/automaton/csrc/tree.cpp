@@ -567,7 +567,7 @@ void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out) {
 std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
                                  const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
                                  int64_t* next_token, bool* bonus, int32_t top_k,
-                                 std::vector<std::vector<int32_t>>* tops) {
+                                 std::vector<std::vector<int32_t>>* tops, const int32_t* row_of, int32_t* missing) {
   size_t n = token_ids.size();
   std::vector<int32_t> first(n + 1, 0), kids(n > 0 ? n - 1 : 0);  // children of each node
   for (size_t i = 1; i < n; ++i) ++first[parents[i] + 1];
@@ -576,14 +576,25 @@ std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_
   for (size_t i = 1; i < n; ++i) kids[fill[parents[i]]++] = static_cast<int32_t>(i);
   std::vector<int32_t> accepted;
   int32_t node = 0;
+  if (missing != nullptr) *missing = -1;
   for (;;) {
+    int64_t row = node;
+    if (row_of != nullptr) {
+      row = row_of[node];
+      if (row < 0) {  // this node's logits were not computed: the caller computes them and walks again
+        *missing = node;
+        *next_token = -1;
+        *bonus = false;
+        return accepted;
+      }
+    }
     int64_t token;
     if (top_k > 0) {  // one pass over the row: its top k, whose first is its argmax
       tops->emplace_back();
-      row_topk(logits + node * row_stride, vocab, top_k, &tops->back());
+      row_topk(logits + row * row_stride, vocab, top_k, &tops->back());
       token = tops->back()[0];
     } else {
-      token = row_argmax(logits + node * row_stride, vocab);
+      token = row_argmax(logits + row * row_stride, vocab);
     }
     int32_t child = -1;
     for (int32_t k = first[node]; k < first[node + 1]; ++k)

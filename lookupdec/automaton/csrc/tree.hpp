@@ -90,9 +90,13 @@ void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out);
 // it has no children at all. With top_k > 0, each visited row is read once for its top_k
 // (row_topk, appended to *tops in visiting order: the root's row, then each accepted node's),
 // whose first is the argmax: what token recycling keeps, without a second pass.
+// With row_of (one entry per node), node u's logits are row row_of[u] of `logits`; where the
+// walk reaches a node whose entry is -1 it stops, sets *missing to that node (else -1) and
+// returns the nodes accepted before it (the caller computes the missing rows and walks again).
 std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
                                  const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
                                  int64_t* next_token, bool* bonus, int32_t top_k = 0,
-                                 std::vector<std::vector<int32_t>>* tops = nullptr);
+                                 std::vector<std::vector<int32_t>>* tops = nullptr, const int32_t* row_of = nullptr,
+                                 int32_t* missing = nullptr);
 
 }  // namespace lookupdec
