@@ -263,6 +263,6 @@ def choose_width(gains: Sequence[Sequence[float]], cost: CostModel, overhead_s: 
             sums = np.cumsum(values)
             expected[1 : len(values) + 1] += scale * sums
             expected[len(values) + 1 :] += scale * sums[-1]
-    dense = cost.dense(rows * (longest + 1))
+    dense = cost.dense(rows * (longest + 1), optimistic=True)
     seconds = np.array([dense[rows * (w + 1)] for w in range(longest + 1)]) + overhead_s
     return int(np.argmax(expected / seconds)) + 1

@@ -11,12 +11,13 @@ from conftest import cached_references, cached_tiny
 from helpers import FakeTokenizer, SpyProposer
 from lookupdec import Engine, EngineConfig
 from lookupdec.proposers import build_proposers
-from lookupdec.budget import (COST_LEARNING_RATE, COST_SPIKE, DRAFT_BUDGET_MIN, CostModel, DraftBudget,
+from lookupdec.budget import (COST_LEARNING_RATE, COST_OPTIMISM, COST_SPIKE, DRAFT_BUDGET_MIN, CostModel, DraftBudget,
                               choose_num_nodes)
 
 
 def _rate(values, n, cost, overhead):
-    return (1 + sum(values[:n])) / (cost(1 + n) + overhead)
+    """The chooser's rate: on the cost curve's optimistic reading (seldom observed sizes look cheaper)."""
+    return (1 + sum(values[:n])) / (cost.dense(1 + n, optimistic=True)[1 + n] + overhead)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -74,6 +75,19 @@ def test_cost_learns_from_observed_forwards_and_clips_spikes():
     assert 2 in cost.sizes and cost.seconds[cost.sizes.index(2)] == pytest.approx(1.9)
     assert cost(2) == pytest.approx(cost(4))  # ... and a tree of 2 may take 4 tokens for less
     assert cost.dense(20)[3] == pytest.approx(cost(4))  # 3 tokens cost what 4 do
+
+
+def test_optimism_retries_a_size_measured_once_too_high():
+    """A size over-measured by one noisy forward looks cheaper by COST_OPTIMISM / sqrt(count) to
+    the chooser, so it is tried and re-measured; a size seen often is taken at its estimate."""
+    cost = CostModel([1, 4, 5, 8], [51.9, 50.3, 55.4, 63.2], counts=[10, 194, 1, 50])  # chat, SmolLM2 (ms)
+    values = [0.3, 0.15, 0.1, 0.1, 0.05]
+    assert cost(5) == pytest.approx(55.4)  # the estimate itself is unchanged
+    assert cost.dense(8, optimistic=True)[5] == pytest.approx(55.4 * (1 - COST_OPTIMISM))
+    assert choose_num_nodes(values, cost, 0.0, 5) == 4  # 5 tokens tried again
+    for _ in range(30):
+        cost.observe(5, 55.4)  # ... and if they really cost that, given up
+    assert choose_num_nodes(values, cost, 0.0, 5) == 3
 
 
 def test_chooser_takes_more_nodes_where_a_larger_tree_is_cheaper():

@@ -12,7 +12,7 @@ import torch
 from conftest import cached_tiny
 from helpers import FakeTokenizer
 from lookupdec import Engine, EngineConfig
-from lookupdec.model.kernels import (FORMS, GQA_SWITCH, FastHead, PackedLinears, fast_head_for, packed_available,
+from lookupdec.model.kernels import (FORM_TRIALS, FORMS, GQA_SWITCH, FastHead, PackedLinears, fast_head_for, packed_available,
                                      packed_linears_for, swapped)
 
 
@@ -25,9 +25,13 @@ def test_every_form_computes_the_projection(rows):
     for form in fast.forms:
         got = fast._form(form, x.reshape(-1, 24)).reshape(1, rows, 300)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), form
+    for call in range(FORM_TRIALS * len(fast.forms)):  # each form tried FORM_TRIALS times on real calls
+        assert not fast.choice
+        assert torch.allclose(fast(x), want, rtol=1e-5, atol=1e-5), call
+    assert set(fast.choice) == {rows if rows <= 16 else 1 << (rows - 1).bit_length()}
+    assert set(fast.choice.values()) <= set(fast.forms) <= set(FORMS)
     assert torch.allclose(fast(x), want, rtol=1e-5, atol=1e-5)
-    assert fast.choice and set(fast.choice.values()) <= set(fast.forms) <= set(FORMS)
-    assert fast.prepare(rows) == 0.0  # chosen once
+    assert fast.prepare(rows) == 0.0  # the weight's copies are made once
 
 
 def test_swap_is_confined_to_the_block_and_shared_per_model():

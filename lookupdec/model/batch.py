@@ -90,6 +90,7 @@ class BatchTarget:
         with swapped(target.model, target.fast_head, gqa=target._gqa, body=target.body):
             out = target.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                past_key_values=self.cache, use_cache=True)
+        target.last_prepare_s += target.take_excess()
         return out.logits.float()
 
     def inputs(self, trees: Sequence[TokenTree], width: int):
