@@ -12,8 +12,13 @@ the verify forward, in µs per step:
     inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]
     accept   ``sampling.accept`` (greedy) on logits [1+n, 49152] (SmolLM2's vocabulary) whose
              argmax follows the recorded response along the tree: the walk the target makes; on
-             the fast paths with ``top_k`` (as the engine calls it), so each visited row is read
-             once for its argmax and the recycling table's top tokens
+             the fast paths as the engine calls it: with ``top_k``, so each visited row is read
+             once for its argmax and the recycling table's top tokens, and on ``PartialLogits``
+             (``EngineConfig.partial_logits``): the rows of the nodes ``head_rows`` picks are
+             copied out after the KV writes (untimed: the forward's output projection writes
+             them last), a row the walk asks for besides is copied then (its time is the
+             forward's, as in the engine, and not counted here); the reference reads every row
+             where the KV writes left it
     recycle  the engine's hand-off to the token-recycling proposer: the reference's
              ``top_tokens_reference`` of the visited rows, and ``Mixture.observe_successors``
     commit   ``model.commit_accepted`` on a KV cache of SmolLM2-135M's shape (30 layers of
@@ -64,7 +69,7 @@ from lookupdec.proposers import build_proposers  # noqa: E402
 from lookupdec.proposers.ngram import NgramProposer  # noqa: E402
 from lookupdec.proposers.recycle import RecycleProposer  # noqa: E402
 from lookupdec.proposers.suffix import SuffixProposer  # noqa: E402
-from lookupdec.sampling import SamplingParams, accept, accept_reference  # noqa: E402
+from lookupdec.sampling import PartialLogits, SamplingParams, accept, accept_reference, head_rows  # noqa: E402
 from lookupdec.simulate import accepted_path, tokenize_record  # noqa: E402
 from lookupdec import budget  # noqa: E402
 from lookupdec.tree import TokenTree, observe_draft, observe_draft_reference  # noqa: E402
@@ -99,6 +104,7 @@ class Paths:
     slot_cache: bool  # the engine's SlotCache, else a DynamicCache
     observe_draft: Callable  # the calibrator's per-draft count (tree.observe_draft or its reference)
     top_tokens: Callable  # engine.top_tokens(logits, rows, k)
+    partial: bool = False  # accept on PartialLogits (the likely nodes' rows), as the engine's greedy verify
 
 
 def reference_paths() -> Paths:
@@ -109,7 +115,7 @@ def reference_paths() -> Paths:
 
 def fast_paths() -> Paths:
     return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, tree_inputs, accept, slot_cache=True,
-                 observe_draft=observe_draft, top_tokens=top_tokens)
+                 observe_draft=observe_draft, top_tokens=top_tokens, partial=True)
 
 
 @dataclass
@@ -239,11 +245,18 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             marks.append(_now())
             logits = walk.set_walk(tree, rest)  # what the forward would return (untimed)
             cache = kv.after_forward(n_cached + len(tree))
+            verified = logits
+            if paths.partial:  # the engine's forward projects the likely nodes' rows, its last writes (untimed)
+                rows = head_rows(range(len(tree)), tree.expected)
+                verified = PartialLogits(tree, rows, logits[rows].clone(), torch.arange(len(tree)),
+                                         lambda nodes: (logits[nodes].clone(), 0.0))
             marks.append(_now())
             # the engine's accept(top_k=...) reads each visited row once for the argmax and the
             # recycling table's top tokens; the reference takes them apart (top_tokens_reference)
             fused = RECYCLE_SUCCESSORS if mixture.successor_sinks and paths.name == "fast" else 0
-            result = paths.accept(tree, logits, greedy, top_k=fused) if fused else paths.accept(tree, logits, greedy)
+            result = (paths.accept(tree, verified, greedy, top_k=fused) if fused
+                      else paths.accept(tree, verified, greedy))
+            projected_ns = int(verified.extra_s * 1e9) if paths.partial else 0  # rows the walk asked for: the forward's
             new_tokens = ([tree.token_ids[i] for i in result.accepted] + [result.next_token])[: len(rest)]
             accepted = result.accepted[: len(new_tokens)]
             marks.append(_now())
@@ -270,8 +283,9 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             if timed:
                 spans = [(0, 1), (1, 2), (2, 3), (3, 4), (5, 6), (6, 7), (7, 8), (8, 9), (9, 10)]  # 4 -> 5: untimed
                 for phase, (a, b) in zip(PHASES, spans):
-                    mode.times[phase].append(marks[b][0] - marks[a][0])
-                    mode.cpu_times[phase].append(marks[b][1] - marks[a][1])
+                    untimed = projected_ns if phase == "accept" else 0
+                    mode.times[phase].append(marks[b][0] - marks[a][0] - untimed)
+                    mode.cpu_times[phase].append(marks[b][1] - marks[a][1] - untimed)
                 mode.nodes.append(tree.num_draft_nodes)
                 mode.chosen.append(chosen)
     finally:

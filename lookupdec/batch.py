@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from lookupdec.budget import CostModel
-from lookupdec.sampling import SamplingParams
+from lookupdec.sampling import PartialLogits, SamplingParams
 from lookupdec.step import Verdict
 from lookupdec.stops import StopStrings, TextAssembler
 
@@ -152,18 +152,25 @@ class BatchDecoder:
                                  max_depth=min(engine.config.max_depth, engine._room(seq.context)))
         trees = self._choose([seq.plan for seq in self.active])
         t1 = time.perf_counter()
-        logits = self.target.verify(trees)
+        logits = self.target.verify(trees, [engine._head_rows(tree, seq.params) for seq, tree in zip(self.active, trees)])
         t2 = time.perf_counter()
         forward = t2 - t1 - engine.target.last_prepare_s
         rows = len(trees)
-        width = logits.shape[1]
+        width = max(len(tree) for tree in trees)
         self.widths.append(width)
-        if engine.config.budget == "auto":
-            self._cost(rows).observe(rows * width, forward)
         accepted, verdicts = [], []
         for b, (seq, tree) in enumerate(zip(self.active, trees)):
-            verdicts.append(self._accept(seq, tree, logits[b, : len(tree)]))
+            mine = logits[b] if isinstance(logits, list) else logits[b, : len(tree)]
+            verdicts.append(self._accept(seq, tree, mine))
             accepted.append(verdicts[-1][0])
+            if isinstance(mine, PartialLogits):  # rows the walk asked for are the forward's cost
+                forward += mine.extra_s
+                seq.timer.head_rows += mine.computed
+                seq.timer.head_misses += mine.misses
+            else:
+                seq.timer.head_rows += len(tree)
+        if engine.config.budget == "auto":
+            self._cost(rows).observe(rows * width, forward)
         self.target.commit(accepted)
         for seq, tree, (acc, new) in zip(list(self.active), trees, verdicts):
             seq.plan.tree = tree

@@ -43,7 +43,7 @@ class GenerationStats:
     overhead_us: float = 0.0  # per step: drafting + tree + acceptance + KV commit + observe
     forward_ms: float = 0.0  # per step: the verify forward
     logit_rows: float = 0.0  # per step: tree nodes whose logits the forward computed (greedy: the likely ones)
-    logit_misses: int = 0  # steps whose walk reached a node without logits (computed then)
+    logit_misses: int = 0  # times a walk reached a node whose logits were not computed (computed then)
     prefill_ms: float = 0.0  # the prompt's forward
     tokens_per_s: float = 0.0  # new tokens / (prefill + all steps)
 

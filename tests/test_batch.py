@@ -58,6 +58,22 @@ def test_fixed_budget_batch_equals_transformers(family):
     assert [g.token_ids for g in outs] == [want for _, _, want in refs]
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_batch_on_partial_logits_equals_transformers_and_skips_rows(family):
+    """Each row's likely nodes projected in one product for the whole batch (``PartialLogits``
+    per sequence, ``partial_logits``); a node reached without a row is projected then."""
+    model = cached_tiny(family)
+    refs = cached_references(family)[:8]
+    engine = Engine(model, FakeTokenizer(), EngineConfig(budget="fixed", max_nodes=32))
+    assert engine.target.partial_head
+    outs, _ = run_batch(engine, [BatchRequest(list(p), n) for p, n, _ in refs], max_batch=4)
+    assert [g.token_ids for g in outs] == [want for _, _, want in refs]
+    projected = sum(g.stats.logit_rows * g.stats.steps for g in outs)
+    nodes = sum((g.stats.mean_tree_nodes + 1) * g.stats.steps for g in outs)
+    assert projected < nodes  # rows were left out ...
+    assert sum(g.stats.logit_misses for g in outs) > 0  # ... and some the walk reached were projected then
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt_neox"])
 def test_sampled_batch_equals_alone_for_a_seed(family):
     model = cached_tiny(family)

@@ -25,7 +25,28 @@ import torch
 from lookupdec.model.cache import new_batch_cache, new_cache
 from lookupdec.model.kernels import swapped
 from lookupdec.model.target import TargetModel, tree_inputs
+from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
+
+
+class _FlatRowsHead(torch.nn.Module):
+    """The output projection during a batched ``verify(rows=...)``: keeps the final hidden states
+    [rows, Q, d] and projects the ``flat`` positions (``b * Q + node``) of them in one product."""
+
+    def __init__(self, head: torch.nn.Module, compute, flat: Sequence[int]) -> None:
+        super().__init__()
+        self.head = head  # the model's own, which ``swapped`` puts back
+        self.compute = compute
+        self.flat = torch.tensor(list(flat), dtype=torch.long)
+        self.hidden: torch.Tensor | None = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hidden = x
+        return self.compute(x.reshape(-1, x.shape[-1])[self.flat][None])
 
 
 class BatchTarget:
@@ -79,19 +100,37 @@ class BatchTarget:
         return self.target.prepare(n)
 
     @torch.inference_mode()
-    def verify(self, trees: Sequence[TokenTree]) -> torch.Tensor:
+    def verify(self, trees: Sequence[TokenTree], rows: Sequence[Sequence[int] | None] | None = None):
         """One forward over every row's tree (``trees[b]`` for row ``b``). Returns logits [rows,
-        Q, vocab] (float32); row ``b``'s first ``len(trees[b])`` are its nodes'."""
+        Q, vocab] (float32); row ``b``'s first ``len(trees[b])`` are its nodes'. With ``rows``
+        (per tree, the nodes to project, None: all; where the target's ``partial_head``), a list
+        of one ``PartialLogits`` or logits tensor [len(tree), vocab] per tree, every selected row
+        of the batch projected in one product."""
         assert len(trees) == self.rows
         target = self.target
         width = max(len(tree) for tree in trees)
-        target.last_prepare_s = target.prepare(width * self.rows)
+        partial = rows is not None and target.partial_head and any(r is not None for r in rows)
+        if partial:
+            rows = [list(range(len(t))) if r is None else list(r) for t, r in zip(trees, rows)]
+            flat = [b * width + u for b, r in enumerate(rows) for u in r]
+        target.last_prepare_s = target.prepare(len(flat) if partial else width * self.rows)
         ids, positions, mask = self.inputs(trees, width)
-        with swapped(target.model, target.fast_head, gqa=target._gqa, body=target.body):
+        head = _FlatRowsHead(target._head, target.fast_head or target._head, flat) if partial else target.fast_head
+        with swapped(target.model, head, gqa=target._gqa, body=target.body):
             out = target.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                past_key_values=self.cache, use_cache=True)
         target.last_prepare_s += target.take_excess()
-        return out.logits.float()
+        if not partial:
+            return out.logits.float()
+        logits, hidden, per_tree, start = out.logits[0].float(), head.hidden, [], 0
+        for b, (tree, r) in enumerate(zip(trees, rows)):
+            mine = logits[start : start + len(r)]
+            start += len(r)
+            if len(r) == len(tree):  # every row of this tree: in node order already
+                per_tree.append(mine)
+            else:
+                per_tree.append(PartialLogits(tree, r, mine, hidden[b, : len(tree)], target._project))
+        return per_tree
 
     def inputs(self, trees: Sequence[TokenTree], width: int):
         """``input_ids`` and ``position_ids`` [rows, width] and the additive mask [rows, 1,
