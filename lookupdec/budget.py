@@ -348,14 +348,15 @@ class DraftBudget:
     64
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, min_nodes: int = DRAFT_BUDGET_MIN, headroom: float = DRAFT_BUDGET_HEADROOM) -> None:
         self.mean_kept: float | None = None
+        self.min_nodes, self.headroom = min_nodes, headroom
 
     def nodes(self, max_nodes: int) -> int:
         if self.mean_kept is None:
             return max_nodes
-        n = DRAFT_BUDGET_MIN
-        while n < DRAFT_BUDGET_HEADROOM * self.mean_kept and n < max_nodes:
+        n = self.min_nodes
+        while n < self.headroom * self.mean_kept and n < max_nodes:
             n *= 2
         return min(n, max_nodes)
 
