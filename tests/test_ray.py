@@ -264,10 +264,10 @@ def test_resume_after_the_driver_is_killed_or_interrupted(ray_local, inputs, ref
         lines = 0
         while time.monotonic() < deadline and proc.poll() is None:
             lines = sum(1 for _ in open(out, "rb")) if out.exists() else 0
-            if lines >= 10:
+            if lines >= 2:  # early: a test process slowed by a busy machine still signals mid-run
                 break
             time.sleep(0.005)
-        assert proc.poll() is None and lines >= 10, "the run ended (or never wrote) before the kill"
+        assert proc.poll() is None and lines >= 2, "the run ended (or never wrote) before the kill"
         proc.send_signal(sig)  # the driver alone (SIGKILL: its Ray instance is left to notice)
         code = proc.wait(timeout=60)
         if sig == signal.SIGINT:  # Ctrl-C: exit status 130, the workers and the local Ray instance stopped
