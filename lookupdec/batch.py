@@ -29,18 +29,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from lookupdec.budget import CostModel, DraftBudget
+from lookupdec.budget import CostModel
 from lookupdec.sampling import PartialLogits, SamplingParams
 from lookupdec.step import Verdict
 from lookupdec.stops import StopStrings, TextAssembler
 
-
-# Proposers asked for 64 nodes (or 16) and pruned to the 3-4 a batch row keeps accept about half
-# as many draft tokens as proposers asked for 4 (SmolLM2, 16 log prompts, B = 8: 1.94 and 2.05
-# against 3.19 tokens per step): drafts are made for about twice the width kept, from 4 up (twice,
-# so that the width can grow where drafts start to match, e.g. an output seen before).
-BATCH_DRAFT_MIN = 4
-BATCH_DRAFT_HEADROOM = 2.0
 
 @dataclass
 class BatchRequest:
@@ -97,9 +90,6 @@ class BatchDecoder:
         self._costs: dict[tuple[int, int], CostModel] = {}  # (context bucket, rows) -> t(rows x width)
         self.overhead_s = 0.0  # mean batch step time outside the forward (decayed)
         self.widths: list[int] = []  # the chosen width of every step (for benchmarks)
-        # nodes each row's proposers are asked for: the power of 2 at or above twice the nodes kept
-        # lately (at least BATCH_DRAFT_MIN, not the single-sequence floor of 16)
-        self.draft_budget = DraftBudget(min_nodes=BATCH_DRAFT_MIN, headroom=BATCH_DRAFT_HEADROOM)
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, request: BatchRequest) -> int:
@@ -157,11 +147,8 @@ class BatchDecoder:
         if engine.config.budget == "auto":
             self._cost(len(self.active))  # a first cost curve may take a few forwards: not the step's overhead
         t0 = time.perf_counter()
-        # drafts made for about the width the joint budget has kept lately (DraftBudget): a tree
-        # drafted for 64 nodes and pruned to 4 accepts far less than one drafted for 4
-        asked = self.draft_budget.nodes(engine.config.max_nodes) if engine.config.budget == "auto" else None
         for seq in self.active:
-            seq.plan = core.plan(seq.rid, seq.context, cost=None, max_nodes=asked,
+            seq.plan = core.plan(seq.rid, seq.context, cost=None,
                                  max_depth=min(engine.config.max_depth, engine._room(seq.context)))
         trees = self._choose([seq.plan for seq in self.active])
         t1 = time.perf_counter()
@@ -259,7 +246,7 @@ class BatchDecoder:
         for tree in trees:
             pruned = tree.prune(width - 1)
             if tree.num_draft_nodes:
-                self.draft_budget.observe(pruned.num_draft_nodes)
+                engine.draft_budget.observe(pruned.num_draft_nodes)
             out.append(pruned)
         return out
 

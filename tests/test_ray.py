@@ -257,8 +257,11 @@ def group_alive(pgid: int) -> bool:
 def test_resume_after_the_driver_is_killed_or_interrupted(ray_local, inputs, reference, tmp_path, sig):
     out = tmp_path / "out.jsonl"
     argv = ray_argv(inputs, out, "--ray-workers", "2", "--batch-size", "1", "--max-new-tokens", "48")
+    # a foreground command's Ctrl-C: SIGINT at its default even where this test runs as a background
+    # job (which inherits it ignored, and so would the driver)
     proc = subprocess.Popen([sys.executable, "-m", "lookupdec", *argv], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
         lines = 0
