@@ -24,29 +24,9 @@ import torch
 
 from lookupdec.model.cache import new_batch_cache, new_cache
 from lookupdec.model.kernels import swapped
-from lookupdec.model.target import TargetModel, tree_inputs
+from lookupdec.model.target import TargetModel, _RowsHead, tree_inputs
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
-
-
-class _FlatRowsHead(torch.nn.Module):
-    """The output projection during a batched ``verify(rows=...)``: keeps the final hidden states
-    [rows, Q, d] and projects the ``flat`` positions (``b * Q + node``) of them in one product."""
-
-    def __init__(self, head: torch.nn.Module, compute, flat: Sequence[int]) -> None:
-        super().__init__()
-        self.head = head  # the model's own, which ``swapped`` puts back
-        self.compute = compute
-        self.flat = torch.tensor(list(flat), dtype=torch.long)
-        self.hidden: torch.Tensor | None = None
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.head.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.hidden = x
-        return self.compute(x.reshape(-1, x.shape[-1])[self.flat][None])
 
 
 class BatchTarget:
@@ -115,7 +95,7 @@ class BatchTarget:
             flat = [b * width + u for b, r in enumerate(rows) for u in r]
         target.last_prepare_s = target.prepare(len(flat) if partial else width * self.rows)
         ids, positions, mask = self.inputs(trees, width)
-        head = _FlatRowsHead(target._head, target.fast_head or target._head, flat) if partial else target.fast_head
+        head = _RowsHead(target._head, target.fast_head or target._head, flat) if partial else target.fast_head
         with swapped(target.model, head, gqa=target._gqa, body=target.body):
             out = target.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                past_key_values=self.cache, use_cache=True)

@@ -107,7 +107,7 @@ class TargetModel:
         self.n_cached += n
         self.last_prepare_s += self.take_excess()
         if partial:
-            return PartialLogits(tree, list(rows), out.logits[0].float(), head.hidden, self._project)
+            return PartialLogits(tree, list(rows), out.logits[0].float(), head.hidden[0], self._project)
         return out.logits[0].float()
 
     @torch.inference_mode()
@@ -208,8 +208,9 @@ _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scali
 
 
 class _RowsHead(torch.nn.Module):
-    """The output projection during one ``verify(rows=...)``: keeps the final hidden states
-    [1 + n, d] (``hidden``) and projects only ``rows`` of them."""
+    """The output projection during a ``verify(rows=...)`` (one sequence, or a batch:
+    ``BatchTarget``): keeps the final hidden states [rows, Q, d] (``hidden``) and projects only
+    the ``rows`` positions (``b * Q + node``) of them, in one product."""
 
     def __init__(self, head: torch.nn.Module, compute, rows: Sequence[int]) -> None:
         super().__init__()
@@ -223,8 +224,8 @@ class _RowsHead(torch.nn.Module):
         return self.head.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.hidden = x[0]
-        return self.compute(x[:, self.rows])
+        self.hidden = x
+        return self.compute(x.reshape(-1, x.shape[-1])[self.rows][None])
 
 
 def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict | None = None,
