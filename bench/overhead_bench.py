@@ -142,7 +142,8 @@ class Mode:
         if paths.drafting == "reference":  # the recycling table's pure-Python definition
             proposers = [RecycleProposer(p.config, backend="reference") if isinstance(p, RecycleProposer) else p
                          for p in proposers]
-        return cls(paths, Mixture(proposers), AcceptanceCalibrator())
+        calibrator = AcceptanceCalibrator(backend="reference" if paths.drafting == "reference" else "auto")
+        return cls(paths, Mixture(proposers), calibrator)
 
 
 class KVBuffer:

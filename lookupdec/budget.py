@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, Calibration, Draft, match_bucket, observe_draft
+from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, Calibration, Draft, _core, match_bucket, observe_draft
 
 
 log = logging.getLogger("lookupdec")
@@ -246,6 +246,14 @@ CELL_PRIOR_WEIGHT = 2.0  # a cell starts at its row's factor x its claimed proba
 MAX_PRIOR_PROB = 0.9  # ... but a cell never observed is not believed certain
 
 
+_COND_MIDS_BYTES = np.ascontiguousarray(COND_MIDS, dtype=np.float64).tobytes()
+
+
+def _row_sums(counts: np.ndarray) -> np.ndarray:
+    """Each row's sum, left to right (numpy's ``sum`` adds in pairs: its last bits differ)."""
+    return np.cumsum(counts, axis=1)[:, -1] if counts.shape[0] else np.zeros(0)
+
+
 class AcceptanceCalibrator:
     """Factors on the proposers' conditional acceptance probabilities, learnt from every step.
 
@@ -258,11 +266,20 @@ class AcceptanceCalibrator:
     row, a row on its source, a source on 1 (``*_PRIOR_WEIGHT``), so a source, a depth or a
     second-ranked sibling that keeps failing gets lower scores and fewer of the step's nodes,
     and the budget chooser adds up honest probabilities as expected accepted tokens.
+
+    ``backend``: "auto" (``calibration`` and ``learn`` in one compiled call each, where the core
+    is built) or "reference" (numpy and ``observe_draft`` per draft: the definition; every sum
+    left to right, so the two give bit-identical tables, ``tests/test_budget.py``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str = "auto") -> None:
+        if backend not in ("auto", "reference"):
+            raise ValueError(f"AcceptanceCalibrator: backend must be 'auto' or 'reference', not {backend!r}")
+        self.compiled = backend == "auto" and _core is not None and hasattr(_core, "calibration_table")
         self._rows: dict = {}  # (source, match bucket) -> row of the tables
         self._row_source: list[str] = []
+        self._sources: dict[str, int] = {}  # source -> its index (the compiled calibration's)
+        self._row_source_index = bytearray()  # int32 per row: its source's index
         self._reached = np.zeros((0, CELLS_PER_ROW))  # decayed counts of reached nodes
         self._predicted = np.zeros((0, CELLS_PER_ROW))  # decayed sums of their claimed conditional probabilities
         self._matched = np.zeros((0, CELLS_PER_ROW))  # decayed counts of accepted nodes
@@ -274,6 +291,7 @@ class AcceptanceCalibrator:
         if row is None:
             row = self._rows[key] = len(self._row_source)
             self._row_source.append(draft.source)
+            self._row_source_index += np.int32(self._sources.setdefault(draft.source, len(self._sources))).tobytes()
             grow = np.zeros((1, CELLS_PER_ROW))
             self._reached = np.vstack([self._reached, grow])
             self._predicted = np.vstack([self._predicted, grow])
@@ -281,8 +299,9 @@ class AcceptanceCalibrator:
         return row
 
     def _levels(self) -> tuple[dict, np.ndarray]:
-        """Per source and per row: the factor on claimed probabilities, prior included."""
-        row_p, row_m = self._predicted.sum(1), self._matched.sum(1)
+        """Per source and per row: the factor on claimed probabilities, prior included (sums left
+        to right: a cumulative sum's last entry)."""
+        row_p, row_m = _row_sums(self._predicted), _row_sums(self._matched)
         totals: dict[str, list[float]] = {}
         for row, source in enumerate(self._row_source):
             t = totals.setdefault(source, [0.0, 0.0])
@@ -307,7 +326,17 @@ class AcceptanceCalibrator:
         """Each cell's acceptance probability, as ``TokenTree.from_drafts`` takes it (cached
         between steps): accepted over reached, leaning on the row's factor times the cell's mean
         claimed probability (``CELL_PRIOR_WEIGHT`` observations' worth, at most ``MAX_PRIOR_PROB``)."""
-        if self._calibration is None:
+        if self._calibration is None and self.compiled:
+            table, by_row, by_source = _core.calibration_table(
+                self._reached, self._predicted, self._matched, bytes(self._row_source_index), len(self._sources),
+                _COND_MIDS_BYTES, SOURCE_PRIOR_WEIGHT, ROW_PRIOR_WEIGHT, CELL_PRIOR_WEIGHT, MAX_FACTOR, MAX_PRIOR_PROB)
+            factors = np.frombuffer(by_source, np.float64).tolist()
+            calibration = Calibration(dict(self._rows), np.frombuffer(table, np.float64).reshape(-1, CELLS_PER_ROW),
+                                      dict(zip(self._sources, factors)), row_factors=np.frombuffer(by_row, np.float64),
+                                      probabilities=True)
+            calibration._packed_table = table
+            self._calibration = calibration
+        elif self._calibration is None:
             by_source, by_row = self._levels()
             claimed = np.where(self._reached > 0, self._predicted / np.maximum(self._reached, 1e-12), COND_MIDS)
             prior = np.minimum(by_row[:, None] * claimed, MAX_PRIOR_PROB)
@@ -321,10 +350,15 @@ class AcceptanceCalibrator:
         against the ``committed`` tokens (the verified tree needs no pass of its own: every
         verified node came from a draft)."""
         self._calibration = None
+        committed = list(committed)
+        if self.compiled:
+            rows = [self._row(draft) for draft in drafts]  # first: a new row grows the arrays
+            _core.learn_drafts(self._reached, self._predicted, self._matched, HISTORY_DECAY, rows,
+                               [draft.packed() for draft in drafts], committed)
+            return
         self._reached *= HISTORY_DECAY
         self._predicted *= HISTORY_DECAY
         self._matched *= HISTORY_DECAY
-        committed = list(committed)
         for draft in drafts:  # tree.observe_draft: compiled (tree.observe_draft_reference: the loop)
             row = self._row(draft)
             observe_draft(draft, committed, self._reached[row], self._predicted[row], self._matched[row])
@@ -379,6 +413,17 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
     >>> choose_num_nodes([0.9, 0.8, 0.01], cost, 0.0, 3)   # the third node is not worth 0.1
     2
     """
+    if _core is not None and hasattr(_core, "choose_num_nodes"):  # the same operations, compiled
+        if not len(sorted_scores) or max_nodes <= 0:
+            return 0
+        upto = min(len(sorted_scores), max_nodes) + 1
+        return _core.choose_num_nodes(sorted_scores, cost.dense(upto, optimistic=True), overhead_s, max_nodes, scale)
+    return choose_num_nodes_reference(sorted_scores, cost, overhead_s, max_nodes, scale)
+
+
+def choose_num_nodes_reference(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int,
+                               scale: float = 1.0) -> int:
+    """``choose_num_nodes`` in numpy: the definition the compiled chooser repeats."""
     values = np.asarray(sorted_scores[:max_nodes], dtype=np.float64)
     if not len(values):
         return 0

@@ -335,14 +335,19 @@ def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, gen
             all_rows: bool, top_k: int = 0) -> Acceptance:
     if isinstance(logits, PartialLogits):
         if not all_rows and params.greedy and not params.uses_prefix and logits.logits.dtype == torch.float32:
-            while True:  # walk the rows computed; a node reached without one gets its rows, and the walk reruns
-                walked = tree.greedy_walk(logits.logits.numpy(), top_k, logits.row_of.tobytes())
+            accepted, tops, start = [], [] if top_k else None, 0
+            while True:  # walk the rows computed; a node reached without one gets its rows, and the walk goes on
+                walked = tree.greedy_walk(logits.logits.numpy(), top_k, logits.row_of.tobytes(), start)
                 if walked is None:
                     break
-                accepted, token, bonus, tops, missing = walked
+                more, token, bonus, more_tops, missing = walked
+                accepted += more
+                if top_k:
+                    tops += more_tops
                 if missing < 0:
                     return Acceptance(accepted, token, bonus, tops)
                 logits.fill_from(missing)
+                start = missing
         logits = logits.dense()
     if (not all_rows and params.greedy and not params.uses_prefix and logits.device.type == "cpu"
             and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1):

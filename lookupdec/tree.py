@@ -594,20 +594,22 @@ class TokenTree:
             return None
         return _core.tree_inputs(self.token_ids, self.parents, n_cached, fill)
 
-    def greedy_walk(self, logits: np.ndarray, top_k: int = 0, row_of: bytes | None = None):
+    def greedy_walk(self, logits: np.ndarray, top_k: int = 0, row_of: bytes | None = None, start: int = 0):
         """The compiled core's greedy acceptance walk over float32 ``logits`` (rows contiguous;
         node u's row is u, or ``row_of[u]`` given ``row_of``, int32 bytes with -1 for a row not
         computed): ``(accepted nodes, next token, bonus, tops, missing)`` as ``sampling.accept``
         defines the first three, or None without the core. ``tops``: with ``top_k`` > 0 the
         ``top_k`` best token ids of every visited row (the root's, then each accepted node's) from
         the same single pass over the row (``engine.top_tokens``' order), else None. ``missing``:
-        the first node reached whose row is -1 (the walk stops there), else -1."""
+        the first node reached whose row is -1 (the walk stops there), else -1. ``start``: the node
+        the walk begins at (a missing one, once its row is there): accepted nodes are those below
+        it, ``tops`` begin with its row."""
         core = self.__dict__.get("_core")
         if core is not None:
-            return core.greedy_walk(logits, top_k, row_of)
+            return core.greedy_walk(logits, top_k, row_of, start)
         if _core is None:
             return None
-        return _core.greedy_walk(logits, self.token_ids, self.parents, top_k, row_of)
+        return _core.greedy_walk(logits, self.token_ids, self.parents, top_k, row_of, start)
 
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""

@@ -31,6 +31,25 @@ def test_choose_num_nodes_is_the_best_prefix(seed):
     assert _rate(values, chosen, cost, overhead) == pytest.approx(_rate(values, best, cost, overhead))
 
 
+@pytest.mark.parametrize("seed", range(200))
+def test_compiled_chooser_equals_the_reference(seed):
+    """``choose_num_nodes`` (compiled) against ``choose_num_nodes_reference`` (numpy): the same
+    n on random curves, scales, overheads and budgets, tied values and rates included."""
+    from lookupdec.budget import choose_num_nodes_reference
+
+    rng = random.Random(seed)
+    tied = rng.random() < 0.3
+    values = sorted((rng.choice((0.0, 0.25, 0.5, 1.0)) if tied else rng.random() ** 2
+                     for _ in range(rng.randint(0, 70))), reverse=True)
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    seconds = [1.0] * 7 if rng.random() < 0.2 else sorted(rng.uniform(1, 6) for _ in range(7))
+    cost = CostModel(sizes, seconds, [rng.randint(1, 40) for _ in sizes])
+    overhead, scale = rng.choice((0.0, rng.uniform(0, 1))), rng.uniform(0.2, 1.5)
+    max_nodes = rng.choice((0, 1, 5, 64, 100))
+    assert (choose_num_nodes(values, cost, overhead, max_nodes, scale)
+            == choose_num_nodes_reference(values, cost, overhead, max_nodes, scale))
+
+
 def test_choose_num_nodes_respects_max_nodes_and_flat_cost():
     assert choose_num_nodes([0.9] * 10, CostModel.flat(), 0.0, 4) == 4  # free nodes: as many as allowed
     assert choose_num_nodes([0.01] * 10, CostModel([1, 2], [1.0, 2.0]), 0.0, 10) == 0  # never worth it

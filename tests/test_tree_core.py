@@ -189,3 +189,38 @@ def test_observe_draft_matches_the_reference(seed):
         observe_draft_reference(draft, committed, *(t[row] for t in tables[1]))
         for f, w in zip(*tables):
             assert f.tolist() == w.tolist()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_compiled_calibrator_matches_the_reference(seed):
+    """``AcceptanceCalibrator`` (compiled ``learn`` and ``calibration``, one call each) against its
+    numpy reference over many steps of random drafts from every source: the counts, the table,
+    the row and source factors bit for bit, and the trees merged with either calibration."""
+    from lookupdec.budget import AcceptanceCalibrator
+
+    rng = random.Random(seed)
+    fast, ref = AcceptanceCalibrator(), AcceptanceCalibrator(backend="reference")
+    assert fast.compiled and not ref.compiled
+    for step in range(30):
+        _, drafts, _, max_nodes = random_case(seed * 1000 + step)
+        committed = [rng.randrange(3) for _ in range(rng.randint(0, 8))]
+        for calibrator in (fast, ref):
+            calibrator.learn(drafts, committed)
+        for name in ("_reached", "_predicted", "_matched"):
+            assert getattr(fast, name).tolist() == getattr(ref, name).tolist(), name
+        a, b = fast.calibration(), ref.calibration()
+        assert a.rows == b.rows
+        assert a.table.tolist() == b.table.tolist()
+        assert np.asarray(a.row_factors).tolist() == np.asarray(b.row_factors).tolist()
+        assert a.fallback == b.fallback
+        assert a.packed_table() == b.packed_table()
+        assert fast.factors() == ref.factors()
+        assert_same_tree(TokenTree.from_drafts(0, drafts, max_nodes=max_nodes, max_depth=8, calibration=a),
+                         TokenTree.from_drafts(0, drafts, max_nodes=max_nodes, max_depth=8, calibration=b))
+
+
+def test_calibrator_backend_is_checked():
+    from lookupdec.budget import AcceptanceCalibrator
+
+    with pytest.raises(ValueError, match="backend"):
+        AcceptanceCalibrator(backend="fast")

@@ -8,9 +8,12 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <initializer_list>
 #include <optional>
+#include <tuple>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -281,12 +284,79 @@ void observe_draft(nb::bytes tokens, nb::bytes parents, nb::bytes scores, const 
   lookupdec::observe_draft(t, p, s, n, committed, reached.data(), predicted.data(), matched.data(), reached.stride(0));
 }
 
+using CountsIn = nb::ndarray<const double, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using CountsOut = nb::ndarray<double, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+void check_counts(size_t rows, std::initializer_list<size_t> shape0, std::initializer_list<size_t> shape1,
+                  const char* who) {
+  for (size_t r : shape0)
+    if (r != rows) throw std::invalid_argument(std::string(who) + ": reached, predicted, matched: alike rows");
+  for (size_t c : shape1)
+    if (c != static_cast<size_t>(lookupdec::kCellsPerRow))
+      throw std::invalid_argument(std::string(who) + ": rows of CELLS_PER_ROW cells");
+}
+
+// budget.AcceptanceCalibrator.calibration: (table float64 bytes [rows * CELLS_PER_ROW], row
+// factors float64 bytes [rows], source factors float64 bytes [sources]).
+nb::tuple calibration_table(CountsIn reached, CountsIn predicted, CountsIn matched, nb::bytes row_source,
+                            int64_t sources, nb::bytes cond_mids, double source_prior, double row_prior,
+                            double cell_prior, double max_factor, double max_prior_prob) {
+  size_t rows = reached.shape(0);
+  check_counts(rows, {predicted.shape(0), matched.shape(0)}, {reached.shape(1), predicted.shape(1), matched.shape(1)},
+               "calibration_table");
+  int64_t n = static_cast<int64_t>(rows), cells = lookupdec::kCellsPerRow;
+  const int32_t* src = bytes_array<int32_t>(row_source, &n, "row_source");
+  const double* mids = bytes_array<double>(cond_mids, &cells, "cond_mids");
+  std::vector<double> by_source, by_row, table;
+  lookupdec::calibration_table(reached.data(), predicted.data(), matched.data(), n, src, sources, mids,
+                               {source_prior, row_prior, cell_prior, max_factor, max_prior_prob}, &by_source, &by_row,
+                               &table);
+  return nb::make_tuple(to_bytes(table), to_bytes(by_row), to_bytes(by_source));
+}
+
+// budget.AcceptanceCalibrator.learn: every count decayed once (x *= decay, as numpy's), then each
+// draft (packed int32 tokens, int32 parents, float64 scores) counted into its row (observe_draft).
+void learn_drafts(CountsOut reached, CountsOut predicted, CountsOut matched, double decay,
+                  const std::vector<int64_t>& rows, const std::vector<std::tuple<nb::bytes, nb::bytes, nb::bytes>>& drafts,
+                  const std::vector<int64_t>& committed) {
+  size_t nrows = reached.shape(0);
+  check_counts(nrows, {predicted.shape(0), matched.shape(0)}, {reached.shape(1), predicted.shape(1), matched.shape(1)},
+               "learn_drafts");
+  if (rows.size() != drafts.size()) throw std::invalid_argument("learn_drafts: a row per draft");
+  for (int64_t r : rows)
+    if (r < 0 || static_cast<size_t>(r) >= nrows) throw std::invalid_argument("learn_drafts: a draft's row is out of range");
+  size_t total = nrows * lookupdec::kCellsPerRow;
+  for (CountsOut* a : {&reached, &predicted, &matched}) {
+    double* x = a->data();
+    for (size_t k = 0; k < total; ++k) x[k] *= decay;
+  }
+  const int64_t C = lookupdec::kCellsPerRow;
+  for (size_t d = 0; d < drafts.size(); ++d) {
+    int64_t n = -1;
+    const int32_t* t = bytes_array<int32_t>(std::get<0>(drafts[d]), &n, "tokens");
+    const int32_t* p = bytes_array<int32_t>(std::get<1>(drafts[d]), &n, "parents");
+    const double* s = bytes_array<double>(std::get<2>(drafts[d]), &n, "scores");
+    int64_t at = rows[d] * C;
+    lookupdec::observe_draft(t, p, s, n, committed, reached.data() + at, predicted.data() + at, matched.data() + at, 1);
+  }
+}
+
+// budget.choose_num_nodes over the first min(len(values), max_nodes) values and the cost curve
+// `curve` (CostModel.dense: curve[k] = seconds of k tokens, at least that many + 1 entries).
+int64_t choose_num_nodes(const std::vector<double>& values, nb::ndarray<const double, nb::ndim<1>, nb::c_contig,
+                         nb::device::cpu> curve, double overhead, int64_t max_nodes, double scale) {
+  int64_t count = std::min<int64_t>(static_cast<int64_t>(values.size()), std::max<int64_t>(max_nodes, 0));
+  if (static_cast<int64_t>(curve.shape(0)) < count + 2)
+    throw std::invalid_argument("choose_num_nodes: the cost curve is shorter than the values");
+  return lookupdec::choose_num_nodes(values.data(), count, curve.data(), overhead, scale);
+}
+
 // (accepted nodes, next token, bonus, tops, missing): lookupdec.sampling.accept's greedy walk;
 // tops: with top_k > 0 the top_k token ids of every visited row (one list per row, best first),
 // else None; missing: with row_of (int32 bytes, a row of `logits` per node, -1: not computed),
 // the first node the walk reached without a row (then next token -1), else -1.
 nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
-                      int32_t top_k, std::optional<nb::bytes> row_of) {
+                      int32_t top_k, std::optional<nb::bytes> row_of, int32_t start) {
   size_t n = token_ids.size();
   if (n == 0 || parents.size() != n || parents[0] != -1) throw std::invalid_argument("greedy_walk: bad tree");
   for (size_t i = 1; i < n; ++i)
@@ -308,8 +378,10 @@ nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, co
   bool bonus = false;
   int32_t missing = -1;
   std::vector<std::vector<int32_t>> tops;
+  if (start < 0 || static_cast<size_t>(start) >= n) throw std::invalid_argument("greedy_walk: start is not a node");
   std::vector<int32_t> accepted = lookupdec::greedy_walk(logits.data(), logits.stride(0), logits.shape(1), token_ids,
-                                                         parents, &next_token, &bonus, top_k, &tops, rows, &missing);
+                                                         parents, &next_token, &bonus, top_k, &tops, rows, &missing,
+                                                         start);
   nb::object rows_out = nb::none();
   if (top_k > 0) {
     nb::list lists;
@@ -368,8 +440,11 @@ NB_MODULE(_core, m) {
   m.def("ancestor_mask", &ancestor_mask);
   m.def("tree_inputs", &tree_inputs<int64_t>);
   m.def("greedy_walk", &greedy_walk, nb::arg("logits"), nb::arg("token_ids"), nb::arg("parents"),
-        nb::arg("top_k") = 0, nb::arg("row_of") = nb::none());
+        nb::arg("top_k") = 0, nb::arg("row_of") = nb::none(), nb::arg("start") = 0);
   m.def("observe_draft", &observe_draft);
+  m.def("calibration_table", &calibration_table);
+  m.def("learn_drafts", &learn_drafts);
+  m.def("choose_num_nodes", &choose_num_nodes);
   m.def("top_tokens", &top_tokens);
   nb::class_<CoreTree>(m, "Tree")
       .def("__len__", [](const CoreTree& t) { return t.tree.token_ids.size(); })
@@ -392,9 +467,10 @@ NB_MODULE(_core, m) {
       .def("inputs", [](const CoreTree& t, int64_t n_cached, nb::bytes fill) {
         return tree_inputs(t.tree.token_ids, t.tree.parents, n_cached, fill);
       })
-      .def("greedy_walk", [](const CoreTree& t, LogitsIn logits, int32_t top_k, std::optional<nb::bytes> row_of) {
-        return greedy_walk(logits, t.tree.token_ids, t.tree.parents, top_k, row_of);
-      }, nb::arg("logits"), nb::arg("top_k") = 0, nb::arg("row_of") = nb::none());
+      .def("greedy_walk", [](const CoreTree& t, LogitsIn logits, int32_t top_k, std::optional<nb::bytes> row_of,
+                             int32_t start) {
+        return greedy_walk(logits, t.tree.token_ids, t.tree.parents, top_k, row_of, start);
+      }, nb::arg("logits"), nb::arg("top_k") = 0, nb::arg("row_of") = nb::none(), nb::arg("start") = 0);
   nb::class_<Automaton>(m, "Automaton")
       .def(nb::init<>())
       .def("extend", [](Automaton& a, TokensIn t) { a.extend(t.data(), t.shape(0)); })

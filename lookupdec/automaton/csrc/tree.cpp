@@ -376,6 +376,59 @@ void observe_draft(const int32_t* tokens, const int32_t* parents, const double* 
   }
 }
 
+void calibration_table(const double* reached, const double* predicted, const double* matched, int64_t rows,
+                       const int32_t* row_source, int64_t sources, const double* cond_mids,
+                       const CalibrationWeights& w, std::vector<double>* by_source, std::vector<double>* by_row,
+                       std::vector<double>* table) {
+  const int64_t C = kCellsPerRow;
+  std::vector<double> row_p(rows, 0.0), row_m(rows, 0.0), src_p(sources, 0.0), src_m(sources, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    double p = 0.0, m = 0.0;
+    for (int64_t c = 0; c < C; ++c) {
+      p += predicted[r * C + c];
+      m += matched[r * C + c];
+    }
+    row_p[r] = p;
+    row_m[r] = m;
+    int32_t s = row_source[r];
+    if (s < 0 || s >= sources) throw std::invalid_argument("calibration_table: a row's source index is out of range");
+    src_p[s] += p;
+    src_m[s] += m;
+  }
+  by_source->assign(sources, 0.0);
+  for (int64_t s = 0; s < sources; ++s)
+    (*by_source)[s] = std::min(w.max_factor, (src_m[s] + w.source_prior) / (src_p[s] + w.source_prior));
+  by_row->assign(rows, 0.0);
+  table->assign(rows * C, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    double prior = (*by_source)[row_source[r]];
+    double factor = std::min(w.max_factor, (row_m[r] + w.row_prior * prior) / (row_p[r] + w.row_prior));
+    (*by_row)[r] = factor;
+    for (int64_t c = 0; c < C; ++c) {
+      int64_t k = r * C + c;
+      double claimed = reached[k] > 0 ? predicted[k] / std::max(reached[k], 1e-12) : cond_mids[c];
+      double cell_prior = std::min(factor * claimed, w.max_prior_prob);
+      (*table)[k] = (matched[k] + w.cell_prior * cell_prior) / (reached[k] + w.cell_prior);
+    }
+  }
+}
+
+int64_t choose_num_nodes(const double* values, int64_t count, const double* curve, double overhead, double scale) {
+  int64_t best_n = 0;
+  double best = 1.0 / (curve[1] + overhead), sum = 0.0;
+  for (int64_t n = 1; n <= count; ++n) {
+    sum += values[n - 1];
+    double expected = sum * scale;
+    expected += 1.0;
+    double rate = expected / (curve[1 + n] + overhead);
+    if (rate > best) {
+      best = rate;
+      best_n = n;
+    }
+  }
+  return best_n;
+}
+
 void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask) {
   std::memset(mask, 0, static_cast<size_t>(n * n));
   for (int64_t i = 0; i < n; ++i) {
@@ -522,18 +575,34 @@ struct TopK {
 };
 
 #ifdef LOOKUPDEC_X86
+// Entries above the floor (or NaN) of x[j, j + 8) go to `top`, in index order.
+__attribute__((target("avx2"))) inline void topk_block8(const float* x, int64_t j, TopK* top) {
+  __m256 v = _mm256_loadu_ps(x + j);
+  __m256 floor = _mm256_set1_ps(top->floor);
+  int mask = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, floor, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  while (mask) {
+    int lane = __builtin_ctz(static_cast<unsigned>(mask));
+    top->add(x[j + lane], static_cast<int32_t>(j + lane));
+    mask &= mask - 1;
+  }
+}
+
+// 32 entries per test: once the floor is high (after the first few hundred entries of a row of
+// logits) almost no block holds a candidate, and a block is one max and one compare; a block
+// with one (or a NaN) is taken 8 at a time, in index order, as before.
 __attribute__((target("avx2"))) void scan_topk_avx2(const float* x, int64_t n, TopK* top) {
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m256 v = _mm256_loadu_ps(x + j);
-    __m256 floor = _mm256_set1_ps(top->floor);
-    int mask = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, floor, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    while (mask) {
-      int lane = __builtin_ctz(static_cast<unsigned>(mask));
-      top->add(x[j + lane], static_cast<int32_t>(j + lane));
-      mask &= mask - 1;
-    }
+  __m256 floor = _mm256_set1_ps(top->floor);
+  for (; j + 32 <= n; j += 32) {
+    __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + 8);
+    __m256 c = _mm256_loadu_ps(x + j + 16), d = _mm256_loadu_ps(x + j + 24);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d));  // a NaN may vanish here...
+    __m256 unordered = _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q));  // ...not here
+    if (_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(m, floor, _CMP_GT_OQ), unordered)) == 0) continue;
+    for (int64_t k = j; k < j + 32; k += 8) topk_block8(x, k, top);
+    floor = _mm256_set1_ps(top->floor);
   }
+  for (; j + 8 <= n; j += 8) topk_block8(x, j, top);
   for (; j < n; ++j) top->add(x[j], static_cast<int32_t>(j));
 }
 #endif
@@ -567,7 +636,8 @@ void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out) {
 std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
                                  const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
                                  int64_t* next_token, bool* bonus, int32_t top_k,
-                                 std::vector<std::vector<int32_t>>* tops, const int32_t* row_of, int32_t* missing) {
+                                 std::vector<std::vector<int32_t>>* tops, const int32_t* row_of, int32_t* missing,
+                                 int32_t start) {
   size_t n = token_ids.size();
   std::vector<int32_t> first(n + 1, 0), kids(n > 0 ? n - 1 : 0);  // children of each node
   for (size_t i = 1; i < n; ++i) ++first[parents[i] + 1];
@@ -575,7 +645,7 @@ std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_
   std::vector<int32_t> fill(first.begin(), first.end() - 1);
   for (size_t i = 1; i < n; ++i) kids[fill[parents[i]]++] = static_cast<int32_t>(i);
   std::vector<int32_t> accepted;
-  int32_t node = 0;
+  int32_t node = start;
   if (missing != nullptr) *missing = -1;
   for (;;) {
     int64_t row = node;

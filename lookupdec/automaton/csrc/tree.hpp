@@ -74,6 +74,22 @@ void observe_draft(const int32_t* tokens, const int32_t* parents, const double* 
                    const std::vector<int64_t>& committed, double* reached, double* predicted, double* matched,
                    int64_t stride);
 
+// AcceptanceCalibrator.calibration's arithmetic (lookupdec.budget, its `backend="reference"`
+// the definition): from the decayed reached/predicted/matched counts [rows, kCellsPerRow]
+// (row-major) and each row's source index, each source's factor, each row's factor and each
+// cell's acceptance probability, every sum taken left to right as the reference takes them.
+struct CalibrationWeights {
+  double source_prior, row_prior, cell_prior, max_factor, max_prior_prob;
+};
+void calibration_table(const double* reached, const double* predicted, const double* matched, int64_t rows,
+                       const int32_t* row_source, int64_t sources, const double* cond_mids,
+                       const CalibrationWeights& w, std::vector<double>* by_source, std::vector<double>* by_row,
+                       std::vector<double>* table);
+
+// budget.choose_num_nodes: the n in [0, count] maximising (1 + scale * (v[0] + ... + v[n-1])) /
+// (curve[1 + n] + overhead), the first of equal rates (the reference's numpy operations, in order).
+int64_t choose_num_nodes(const double* values, int64_t count, const double* curve, double overhead, double scale);
+
 // The index of the largest of x[0:n], numpy's and torch's argmax: the first NaN if there is one,
 // else the first maximum (AVX2 where the CPU has it).
 int64_t row_argmax(const float* x, int64_t n);
@@ -92,11 +108,12 @@ void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out);
 // whose first is the argmax: what token recycling keeps, without a second pass.
 // With row_of (one entry per node), node u's logits are row row_of[u] of `logits`; where the
 // walk reaches a node whose entry is -1 it stops, sets *missing to that node (else -1) and
-// returns the nodes accepted before it (the caller computes the missing rows and walks again).
+// returns the nodes accepted before it (the caller computes the missing rows and walks again,
+// from `start` = that node: the walk then begins there, its accepted nodes those below it).
 std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
                                  const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
                                  int64_t* next_token, bool* bonus, int32_t top_k = 0,
                                  std::vector<std::vector<int32_t>>* tops = nullptr, const int32_t* row_of = nullptr,
-                                 int32_t* missing = nullptr);
+                                 int32_t* missing = nullptr, int32_t start = 0);
 
 }  // namespace lookupdec
