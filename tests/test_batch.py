@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import cached_references, cached_tiny
-from helpers import FakeTokenizer, first_difference
+from helpers import FakeTokenizer, SpyProposer, first_difference
 from lookupdec import Engine, EngineConfig
 from lookupdec.batch import BatchDecoder, BatchRequest, choose_width
 from lookupdec.budget import CostModel
@@ -72,6 +72,31 @@ def test_batch_on_partial_logits_equals_transformers_and_skips_rows(family):
     nodes = sum((g.stats.mean_tree_nodes + 1) * g.stats.steps for g in outs)
     assert projected < nodes  # rows were left out ...
     assert sum(g.stats.logit_misses for g in outs) > 0  # ... and some the walk reached were projected then
+
+
+def test_batch_asks_proposers_for_about_the_width_it_keeps():
+    """The joint budget keeps W - 1 nodes per row: its proposers are asked for the power of 2 at
+    or above twice the nodes kept lately (``BATCH_DRAFT_MIN`` at least), not the engine's cap,
+    then a row with a wider tree for exactly W - 1; the output is unchanged."""
+    from lookupdec.batch import BATCH_DRAFT_MIN
+    from lookupdec.proposers import build_proposers
+
+    model = cached_tiny("llama")
+    refs = cached_references("llama")[:6]
+    config = EngineConfig(max_nodes=64)
+    spies = [SpyProposer(p) for p in build_proposers(config, tokenizer=FakeTokenizer())]
+    engine = Engine(model, FakeTokenizer(), config, proposers=spies)
+    outs, decoder = run_batch(engine, [BatchRequest(list(p), n) for p, n, _ in refs], max_batch=3)
+    assert [g.token_ids for g in outs] == [want for _, _, want in refs]
+    asked = spies[0].asked  # one call per row and step, and one per row drafted again
+    assert asked[0] == 64  # nothing kept yet: the cap
+    widths = set(decoder.widths)
+    again = [b for b in asked if b & (b - 1)]  # not a power of 2: drafted again for a step's width
+    assert again and all(b + 1 in widths for b in again)
+    first = [b for b in asked if not b & (b - 1)]
+    later, kept = first[len(first) // 2 :], max(decoder.widths[len(decoder.widths) // 2 :]) - 1
+    assert all(BATCH_DRAFT_MIN <= b <= max(BATCH_DRAFT_MIN, 4 * kept) for b in later), (later, kept)
+    assert min(later) < 64
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox"])
