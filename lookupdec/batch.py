@@ -5,10 +5,13 @@
     admit    waiting sequences join while rows are free (a prefill forward each, ``BatchTarget.add``)
     plan     every sequence's drafts and merged tree (``StepCore.plan``, no pruning yet)
     choose   one joint budget: the width ``W`` (nodes per row, root included) maximising the
-             batch's expected tokens per second, sum over rows of ``1 + scale x`` the gains of
+             batch's expected tokens per second, sum over rows of ``1 + scale(W) x`` the gains of
              its ``W - 1`` best nodes, over ``t(rows x W)``, the learnt cost of the batched
              forward (rows are padded to the widest tree, so within a width every row takes all
-             the nodes it has up to ``W - 1``: padding is computed anyway)
+             the nodes it has up to ``W - 1``: padding is computed anyway). ``scale(W)`` is what
+             steps at that width accepted over what they were promised (``WidthRecord``; the
+             step's overall correction where a width has no record yet); a row whose tree is
+             wider than ``W - 1`` is drafted again for ``W - 1`` nodes
     verify   one forward for every row's tree (``BatchTarget.verify``)
     accept   per sequence, exactly as alone (``sampling.accept`` with its own generator), then
              one KV commit for the batch, observe and learn per sequence (``StepCore.finish``)
@@ -44,6 +47,50 @@ from lookupdec.stops import StopStrings, TextAssembler
 # would have made.
 BATCH_DRAFT_MIN = 4
 BATCH_DRAFT_HEADROOM = 2.0
+
+WIDTH_DECAY = 0.95  # per step at that width
+WIDTH_PRIOR_STEPS = 3.0  # a width's own record outweighs the overall correction after this many steps
+
+
+class WidthRecord:
+    """Per width ``W``: the draft tokens steps at that width accepted against the gains the
+    chooser added up for it (decayed sums). Calibrated node probabilities promise too much for
+    the marginal nodes of a wide tree (SmolLM2, log prompts, B = 8: 6 nodes per row accepted
+    what 4 did), and the overall correction (``StepCore.scale``) moves every width alike; this
+    one is per width, so a width whose extra nodes bring nothing stops being chosen.
+
+    >>> r = WidthRecord()
+    >>> r.scales(3, 1.0)            # nothing observed: the overall correction everywhere
+    [1.0, 1.0, 1.0, 1.0]
+    >>> for _ in range(20): r.observe(3, promised=4.0, accepted=2.0)
+    >>> [round(s, 2) for s in r.scales(3, 1.0)]  # width 3 (index 2) accepted half its promise
+    [1.0, 1.0, 0.59, 1.0]
+    """
+
+    def __init__(self) -> None:
+        self._promised: dict[int, float] = {}
+        self._accepted: dict[int, float] = {}
+        self._steps: dict[int, float] = {}
+
+    def observe(self, width: int, *, promised: float, accepted: float) -> None:
+        d = WIDTH_DECAY
+        self._promised[width] = d * self._promised.get(width, 0.0) + promised
+        self._accepted[width] = d * self._accepted.get(width, 0.0) + accepted
+        self._steps[width] = d * self._steps.get(width, 0.0) + 1.0
+
+    def scales(self, longest: int, scale: float) -> list[float]:
+        """``out[w]``, w = 0 .. ``longest``: the correction of width ``w + 1``'s gains."""
+        out = []
+        for w in range(longest + 1):
+            steps = self._steps.get(w + 1, 0.0)
+            promised = self._promised.get(w + 1, 0.0)
+            if not steps or promised <= 0:
+                out.append(scale)
+                continue
+            prior = WIDTH_PRIOR_STEPS * promised / steps  # that many mean steps' gains, at the overall correction
+            out.append((self._accepted[w + 1] + prior * scale) / (promised + prior))
+        return out
+
 
 @dataclass
 class BatchRequest:
@@ -100,6 +147,8 @@ class BatchDecoder:
         self._costs: dict[tuple[int, int], CostModel] = {}  # (context bucket, rows) -> t(rows x width)
         self.overhead_s = 0.0  # mean batch step time outside the forward (decayed)
         self.widths: list[int] = []  # the chosen width of every step (for benchmarks)
+        self.width_record = WidthRecord()
+        self._promised: tuple[int, float] | None = None  # this step's chosen width and its gains
         # nodes each row's proposers are asked for: the power of 2 at or above twice the nodes kept
         # lately (at least BATCH_DRAFT_MIN, not the single-sequence floor of 16)
         self.draft_budget = DraftBudget(min_nodes=BATCH_DRAFT_MIN, headroom=BATCH_DRAFT_HEADROOM)
@@ -187,6 +236,9 @@ class BatchDecoder:
                 seq.timer.head_rows += len(tree)
         if engine.config.budget == "auto":
             self._cost(rows).observe(rows * width, forward)
+            if self._promised is not None:
+                chosen, promised = self._promised
+                self.width_record.observe(chosen, promised=promised, accepted=sum(len(a) for a in accepted))
         self.target.commit(accepted)
         for seq, tree, (acc, new) in zip(list(self.active), trees, verdicts):
             seq.plan.tree = tree
@@ -256,10 +308,14 @@ class BatchDecoder:
         model's tree is pruned instead, one draft-model run per step is enough)."""
         engine, core = self.engine, self.engine.step_core
         trees = [seq.plan.tree for seq in seqs]
+        self._promised = None
         if engine.config.budget != "auto":
             return trees
-        width = choose_width([tree.expected_in_prune_order() for tree in trees], self._cost(len(trees)),
-                             self.overhead_s, engine.config.max_nodes, core.scale)
+        gains = [tree.expected_in_prune_order() for tree in trees]
+        longest = min(max((len(g) for g in gains), default=0), engine.config.max_nodes)
+        width = choose_width(gains, self._cost(len(trees)), self.overhead_s, engine.config.max_nodes,
+                             self.width_record.scales(longest, core.scale))
+        self._promised = (width, float(sum(sum(g[: width - 1]) for g in gains)))
         out = []
         for seq, tree in zip(seqs, trees):
             if tree.num_draft_nodes > width - 1 and width > 1 and core.mixture.draft is None:
@@ -277,10 +333,11 @@ class BatchDecoder:
         return out
 
 def choose_width(gains: Sequence[Sequence[float]], cost: CostModel, overhead_s: float, max_nodes: int,
-                 scale: float = 1.0) -> int:
+                 scale: float | Sequence[float] = 1.0) -> int:
     """The width ``W`` (1..max_nodes + 1) maximising (rows + scale x the sum over rows of the
     first ``W - 1`` gains) / (t(rows x W) + overhead): the batched forward computes ``rows x
-    W`` tokens whatever each row's tree, so each row takes its best ``W - 1`` nodes.
+    W`` tokens whatever each row's tree, so each row takes its best ``W - 1`` nodes. ``scale``:
+    one for every width, or ``scale[W - 1]`` per width (``WidthRecord.scales``).
 
     >>> cost = CostModel([1, 2, 4, 8], [1.0, 1.0, 1.1, 2.0])
     >>> choose_width([[0.9, 0.5, 0.1], [0.8]], cost, 0.0, 3)   # 4 tokens cost 1.1: two per row
@@ -288,13 +345,16 @@ def choose_width(gains: Sequence[Sequence[float]], cost: CostModel, overhead_s: 
     """
     rows = len(gains)
     longest = min(max((len(g) for g in gains), default=0), max_nodes)
-    expected = np.full(longest + 1, float(rows))
+    promised = np.zeros(longest + 1)  # [W - 1]: the sum over rows of their first W - 1 gains
     for g in gains:
         values = np.asarray(g[:longest], dtype=np.float64)
         if len(values):
             sums = np.cumsum(values)
-            expected[1 : len(values) + 1] += scale * sums
-            expected[len(values) + 1 :] += scale * sums[-1]
+            promised[1 : len(values) + 1] += sums
+            promised[len(values) + 1 :] += sums[-1]
+    scales = np.broadcast_to(np.asarray(scale, dtype=np.float64), (longest + 1,)) if np.ndim(scale) == 0 \
+        else np.asarray(scale, dtype=np.float64)[: longest + 1]
+    expected = rows + scales * promised
     dense = cost.dense(rows * (longest + 1), optimistic=True)
     seconds = np.array([dense[rows * (w + 1)] for w in range(longest + 1)]) + overhead_s
     return int(np.argmax(expected / seconds)) + 1
