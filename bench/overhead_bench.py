@@ -7,7 +7,7 @@ the verify forward, in µs per step:
 
     propose  ``Mixture.propose`` over ``build_proposers(EngineConfig())`` (n-gram + suffix)
     merge    ``AcceptanceCalibrator.calibration()`` + ``TokenTree.from_drafts``
-    choose   ``choose_num_nodes`` (``CostModel``: a measured 150M-parameter curve) + ``prune``
+    choose   ``SizeRecord.scales`` + ``choose_num_nodes`` (``CostModel``: a measured 150M-parameter curve) + ``prune``
              (timed; the verified tree stays the fixed budget's, as with ``budget="fixed"``)
     inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]
     accept   ``sampling.accept`` (greedy) on logits [1+n, 49152] (SmolLM2's vocabulary) whose
@@ -59,7 +59,7 @@ from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_re
 
 import torch  # noqa: E402
 
-from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes  # noqa: E402
+from lookupdec.budget import AcceptanceCalibrator, CostModel, SizeRecord, choose_num_nodes  # noqa: E402
 from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.engine import top_tokens, top_tokens_reference  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
@@ -125,6 +125,7 @@ class Mode:
     paths: Paths
     mixture: Mixture
     calibrator: AcceptanceCalibrator
+    sizes: SizeRecord = field(default_factory=SizeRecord)  # StepCore.sizes: what each tree size accepted
     times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # phase -> [ns per step], wall clock
     cpu_times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # ... this thread's CPU time
     nodes: list = field(default_factory=list)  # draft nodes verified per step
@@ -239,7 +240,8 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
                                calibration=calibrator.calibration())
             marks.append(_now())
-            chosen = choose_num_nodes(tree.expected_in_prune_order(), cost, 0.0, MAX_NODES)
+            gains = tree.expected_in_prune_order()
+            chosen = choose_num_nodes(gains, cost, 0.0, MAX_NODES, mode.sizes.scales(min(len(gains), MAX_NODES), 1.0))
             paths.prune(tree, chosen)
             marks.append(_now())
             paths.inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)
@@ -275,6 +277,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             marks.append(_now())
             calibrator.learn(drafts, new_tokens)
             marks.append(_now())
+            mode.sizes.observe(len(tree), promised=sum(tree.expected[1:]), accepted=len(accepted))  # (untimed: a few µs)
             walk.restore()
             if new_tokens != rest[: len(new_tokens)]:
                 raise AssertionError(f"{rid}: greedy acceptance left the recorded response")

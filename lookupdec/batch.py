@@ -9,7 +9,7 @@
              its ``W - 1`` best nodes, over ``t(rows x W)``, the learnt cost of the batched
              forward (rows are padded to the widest tree, so within a width every row takes all
              the nodes it has up to ``W - 1``: padding is computed anyway). ``scale(W)`` is what
-             steps at that width accepted over what they were promised (``WidthRecord``; the
+             steps at that width accepted over what they were promised (``SizeRecord``; the
              step's overall correction where a width has no record yet); a row whose tree is
              wider than ``W - 1`` is drafted again for ``W - 1`` nodes
     verify   one forward for every row's tree (``BatchTarget.verify``)
@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from lookupdec.budget import CostModel, DraftBudget
+from lookupdec.budget import CostModel, DraftBudget, SizeRecord
 from lookupdec.sampling import PartialLogits, SamplingParams
 from lookupdec.step import Verdict
 from lookupdec.stops import StopStrings, TextAssembler
@@ -47,50 +47,6 @@ from lookupdec.stops import StopStrings, TextAssembler
 # would have made.
 BATCH_DRAFT_MIN = 4
 BATCH_DRAFT_HEADROOM = 2.0
-
-WIDTH_DECAY = 0.95  # per step at that width
-WIDTH_PRIOR_STEPS = 3.0  # a width's own record outweighs the overall correction after this many steps
-
-
-class WidthRecord:
-    """Per width ``W``: the draft tokens steps at that width accepted against the gains the
-    chooser added up for it (decayed sums). Calibrated node probabilities promise too much for
-    the marginal nodes of a wide tree (SmolLM2, log prompts, B = 8: 6 nodes per row accepted
-    what 4 did), and the overall correction (``StepCore.scale``) moves every width alike; this
-    one is per width, so a width whose extra nodes bring nothing stops being chosen.
-
-    >>> r = WidthRecord()
-    >>> r.scales(3, 1.0)            # nothing observed: the overall correction everywhere
-    [1.0, 1.0, 1.0, 1.0]
-    >>> for _ in range(20): r.observe(3, promised=4.0, accepted=2.0)
-    >>> [round(s, 2) for s in r.scales(3, 1.0)]  # width 3 (index 2) accepted half its promise
-    [1.0, 1.0, 0.59, 1.0]
-    """
-
-    def __init__(self) -> None:
-        self._promised: dict[int, float] = {}
-        self._accepted: dict[int, float] = {}
-        self._steps: dict[int, float] = {}
-
-    def observe(self, width: int, *, promised: float, accepted: float) -> None:
-        d = WIDTH_DECAY
-        self._promised[width] = d * self._promised.get(width, 0.0) + promised
-        self._accepted[width] = d * self._accepted.get(width, 0.0) + accepted
-        self._steps[width] = d * self._steps.get(width, 0.0) + 1.0
-
-    def scales(self, longest: int, scale: float) -> list[float]:
-        """``out[w]``, w = 0 .. ``longest``: the correction of width ``w + 1``'s gains."""
-        out = []
-        for w in range(longest + 1):
-            steps = self._steps.get(w + 1, 0.0)
-            promised = self._promised.get(w + 1, 0.0)
-            if not steps or promised <= 0:
-                out.append(scale)
-                continue
-            prior = WIDTH_PRIOR_STEPS * promised / steps  # that many mean steps' gains, at the overall correction
-            out.append((self._accepted[w + 1] + prior * scale) / (promised + prior))
-        return out
-
 
 @dataclass
 class BatchRequest:
@@ -147,7 +103,7 @@ class BatchDecoder:
         self._costs: dict[tuple[int, int], CostModel] = {}  # (context bucket, rows) -> t(rows x width)
         self.overhead_s = 0.0  # mean batch step time outside the forward (decayed)
         self.widths: list[int] = []  # the chosen width of every step (for benchmarks)
-        self.width_record = WidthRecord()
+        self.width_record = SizeRecord()
         self._promised: tuple[int, float] | None = None  # this step's chosen width and its gains
         # nodes each row's proposers are asked for: the power of 2 at or above twice the nodes kept
         # lately (at least BATCH_DRAFT_MIN, not the single-sequence floor of 16)
@@ -337,7 +293,7 @@ def choose_width(gains: Sequence[Sequence[float]], cost: CostModel, overhead_s: 
     """The width ``W`` (1..max_nodes + 1) maximising (rows + scale x the sum over rows of the
     first ``W - 1`` gains) / (t(rows x W) + overhead): the batched forward computes ``rows x
     W`` tokens whatever each row's tree, so each row takes its best ``W - 1`` nodes. ``scale``:
-    one for every width, or ``scale[W - 1]`` per width (``WidthRecord.scales``).
+    one for every width, or ``scale[W - 1]`` per width (``SizeRecord.scales``).
 
     >>> cost = CostModel([1, 2, 4, 8], [1.0, 1.0, 1.1, 2.0])
     >>> choose_width([[0.9, 0.5, 0.1], [0.8]], cost, 0.0, 3)   # 4 tokens cost 1.1: two per row

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget, choose_num_nodes
+from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget, SizeRecord, choose_num_nodes
 from lookupdec.mixture import Mixture
 from lookupdec.tree import Draft, TokenTree
 
@@ -93,6 +93,7 @@ class StepCore:
         self.chain_only = chain_only  # verify only the best chain (a model without tree masks)
         # decayed sums of the accepted draft tokens trees promised and those accepted (whole steps)
         self._promised = self._accepted = SCALE_PRIOR
+        self.sizes = SizeRecord()  # the same per tree size: the chooser corrects each candidate by its own
 
     def start(self, request_id: str, prompt_ids: Sequence[int], params=None, seed=None) -> None:
         self.mixture.start(request_id, prompt_ids, params, seed)
@@ -133,6 +134,7 @@ class StepCore:
         if tree.num_draft_nodes:
             self._promised = SCALE_DECAY * self._promised + promised
             self._accepted = SCALE_DECAY * self._accepted + len(judged.accepted)
+            self.sizes.observe(len(tree), promised=promised, accepted=len(judged.accepted))
         else:  # nothing verified, nothing learnt: drift back towards 1, or a low scale would stick
             self._promised = SCALE_DECAY * self._promised + (1 - SCALE_DECAY) * SCALE_PRIOR
             self._accepted = SCALE_DECAY * self._accepted + (1 - SCALE_DECAY) * SCALE_PRIOR
@@ -156,6 +158,8 @@ class StepCore:
         if self.chain_only:
             tree = tree.best_chain()
         if cost is not None and tree.num_draft_nodes:
-            tree = tree.prune(choose_num_nodes(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale))
+            gains = tree.expected_in_prune_order()
+            scales = self.sizes.scales(min(len(gains), max_nodes), scale)
+            tree = tree.prune(choose_num_nodes(gains, cost, overhead_s, max_nodes, scales))
             self.draft_budget.observe(tree.num_draft_nodes)
         return tree

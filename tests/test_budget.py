@@ -46,8 +46,24 @@ def test_compiled_chooser_equals_the_reference(seed):
     cost = CostModel(sizes, seconds, [rng.randint(1, 40) for _ in sizes])
     overhead, scale = rng.choice((0.0, rng.uniform(0, 1))), rng.uniform(0.2, 1.5)
     max_nodes = rng.choice((0, 1, 5, 64, 100))
+    if rng.random() < 0.5:  # a correction per node count (SizeRecord.scales)
+        scale = [rng.uniform(0.2, 1.5) for _ in range(min(len(values), max_nodes) + 1)]
     assert (choose_num_nodes(values, cost, overhead, max_nodes, scale)
             == choose_num_nodes_reference(values, cost, overhead, max_nodes, scale))
+
+
+def test_size_record_steers_the_chooser_off_a_size_that_over_promises():
+    """Steps that kept 5 nodes accepted what 4 would: with its record the chooser keeps 4."""
+    from lookupdec.budget import SizeRecord
+
+    cost = CostModel([1, 2, 4, 5, 6, 8], [1.0, 1.0, 1.0, 1.0, 1.05, 1.3], [50] * 6)
+    gains = [0.9, 0.8, 0.7, 0.6, 0.5]
+    assert choose_num_nodes(gains, cost, 0.0, 5) == 5
+    record = SizeRecord()
+    for _ in range(30):
+        record.observe(6, promised=3.5, accepted=2.4)  # 5 nodes: 2.4 accepted, as 4 would
+        record.observe(5, promised=3.0, accepted=2.4)
+    assert choose_num_nodes(gains, cost, 0.0, 5, record.scales(5, 1.0)) == 4
 
 
 def test_choose_num_nodes_respects_max_nodes_and_flat_cost():

@@ -341,14 +341,17 @@ void learn_drafts(CountsOut reached, CountsOut predicted, CountsOut matched, dou
   }
 }
 
-// budget.choose_num_nodes over the first min(len(values), max_nodes) values and the cost curve
-// `curve` (CostModel.dense: curve[k] = seconds of k tokens, at least that many + 1 entries).
+// budget.choose_num_nodes over the first min(len(values), max_nodes) values, the cost curve
+// `curve` (CostModel.dense: curve[k] = seconds of k tokens, at least that many + 1 entries) and
+// the correction of each n's gains (scales[n], n = 0 .. that many).
 int64_t choose_num_nodes(const std::vector<double>& values, nb::ndarray<const double, nb::ndim<1>, nb::c_contig,
-                         nb::device::cpu> curve, double overhead, int64_t max_nodes, double scale) {
+                         nb::device::cpu> curve, double overhead, int64_t max_nodes, const std::vector<double>& scales) {
   int64_t count = std::min<int64_t>(static_cast<int64_t>(values.size()), std::max<int64_t>(max_nodes, 0));
   if (static_cast<int64_t>(curve.shape(0)) < count + 2)
     throw std::invalid_argument("choose_num_nodes: the cost curve is shorter than the values");
-  return lookupdec::choose_num_nodes(values.data(), count, curve.data(), overhead, scale);
+  if (static_cast<int64_t>(scales.size()) < count + 1)
+    throw std::invalid_argument("choose_num_nodes: a scale per node count 0 .. n");
+  return lookupdec::choose_num_nodes(values.data(), count, curve.data(), overhead, scales.data());
 }
 
 // (accepted nodes, next token, bonus, tops, missing): lookupdec.sampling.accept's greedy walk;

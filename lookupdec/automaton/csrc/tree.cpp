@@ -413,12 +413,13 @@ void calibration_table(const double* reached, const double* predicted, const dou
   }
 }
 
-int64_t choose_num_nodes(const double* values, int64_t count, const double* curve, double overhead, double scale) {
+int64_t choose_num_nodes(const double* values, int64_t count, const double* curve, double overhead,
+                         const double* scale) {
   int64_t best_n = 0;
   double best = 1.0 / (curve[1] + overhead), sum = 0.0;
   for (int64_t n = 1; n <= count; ++n) {
     sum += values[n - 1];
-    double expected = sum * scale;
+    double expected = sum * scale[n];
     expected += 1.0;
     double rate = expected / (curve[1 + n] + overhead);
     if (rate > best) {

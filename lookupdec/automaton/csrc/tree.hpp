@@ -86,9 +86,10 @@ void calibration_table(const double* reached, const double* predicted, const dou
                        const CalibrationWeights& w, std::vector<double>* by_source, std::vector<double>* by_row,
                        std::vector<double>* table);
 
-// budget.choose_num_nodes: the n in [0, count] maximising (1 + scale * (v[0] + ... + v[n-1])) /
+// budget.choose_num_nodes: the n in [0, count] maximising (1 + scale[n] * (v[0] + ... + v[n-1])) /
 // (curve[1 + n] + overhead), the first of equal rates (the reference's numpy operations, in order).
-int64_t choose_num_nodes(const double* values, int64_t count, const double* curve, double overhead, double scale);
+int64_t choose_num_nodes(const double* values, int64_t count, const double* curve, double overhead,
+                         const double* scale);
 
 // The index of the largest of x[0:n], numpy's and torch's argmax: the first NaN if there is one,
 // else the first maximum (AVX2 where the CPU has it).
