@@ -48,6 +48,7 @@ from lookupdec.stops import StopStrings, TextAssembler
 BATCH_DRAFT_MIN = 4
 BATCH_DRAFT_HEADROOM = 2.0
 
+
 @dataclass
 class BatchRequest:
     """One sequence of a batch, with everything ``Engine.generate`` takes."""
@@ -287,6 +288,7 @@ class BatchDecoder:
                 self.draft_budget.observe(pruned.num_draft_nodes)
             out.append(pruned)
         return out
+
 
 def choose_width(gains: Sequence[Sequence[float]], cost: CostModel, overhead_s: float, max_nodes: int,
                  scale: float | Sequence[float] = 1.0) -> int:

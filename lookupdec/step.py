@@ -5,7 +5,9 @@
     merge    ``TokenTree.from_drafts``: one trie, scores scaled by the calibrator, the best
              ``max_nodes`` nodes kept (ancestors first), at most ``max_depth`` deep
     choose   with a cost model (``EngineConfig.budget == "auto"``): keep the node count that
-             maximises expected tokens per second (``budget.choose_num_nodes``) and prune to it
+             maximises expected tokens per second (``budget.choose_num_nodes``), each count's
+             gains corrected by what trees of that size accepted (``budget.SizeRecord``), and
+             prune to it
     verdict  the caller's: the engine verifies the tree with the target and accepts exactly
              (``sampling.accept``); the simulator walks the recorded response. Either returns
              the accepted nodes and the step's new tokens (accepted + one bonus or recovered
@@ -93,7 +95,9 @@ class StepCore:
         self.chain_only = chain_only  # verify only the best chain (a model without tree masks)
         # decayed sums of the accepted draft tokens trees promised and those accepted (whole steps)
         self._promised = self._accepted = SCALE_PRIOR
-        self.sizes = SizeRecord()  # the same per tree size: the chooser corrects each candidate by its own
+        # the same per tree size (the batch's re-drafted trees count too): the chooser corrects
+        # each candidate size by its own
+        self.sizes = SizeRecord()
 
     def start(self, request_id: str, prompt_ids: Sequence[int], params=None, seed=None) -> None:
         self.mixture.start(request_id, prompt_ids, params, seed)
