@@ -105,6 +105,7 @@ class BatchDecoder:
         self.overhead_s = 0.0  # mean batch step time outside the forward (decayed)
         self.widths: list[int] = []  # the chosen width of every step (for benchmarks)
         self.width_record = SizeRecord()
+        self.redrafted = 0  # rows drafted again for the width chosen (for tests and benchmarks)
         self._promised: tuple[int, float] | None = None  # this step's chosen width and its gains
         # nodes each row's proposers are asked for: the power of 2 at or above twice the nodes kept
         # lately (at least BATCH_DRAFT_MIN, not the single-sequence floor of 16)
@@ -277,6 +278,7 @@ class BatchDecoder:
         for seq, tree in zip(seqs, trees):
             if tree.num_draft_nodes > width - 1 and width > 1 and core.mixture.draft is None:
                 first = seq.plan
+                self.redrafted += 1
                 seq.plan = core.plan(seq.rid, seq.context, cost=None, max_nodes=width - 1,
                                      max_depth=min(engine.config.max_depth, engine._room(seq.context)))
                 seq.plan.propose_s += first.propose_s  # the step's drafting time is both plans'

@@ -364,7 +364,7 @@ class AcceptanceCalibrator:
             observe_draft(draft, committed, self._reached[row], self._predicted[row], self._matched[row])
 
 
-SIZE_DECAY = 0.95  # per step at that size
+SIZE_DECAY = 0.95  # per step observed (at any size: a record not refreshed fades back to the prior)
 SIZE_PRIOR_STEPS = 3.0  # a size's own record outweighs the overall correction after this many steps
 
 
@@ -376,7 +376,10 @@ class SizeRecord:
     of 8: 6 nodes per row accepted what 4 did; summaries: 5-6 nodes what 4 did), and the overall
     correction (``StepCore.scale``) moves every size alike; with a record per size, a size whose
     extra nodes bring nothing stops being chosen. A size without a record takes the overall
-    correction, and a record leans on it for ``SIZE_PRIOR_STEPS`` mean steps' worth.
+    correction, and a record leans on it for ``SIZE_PRIOR_STEPS`` mean steps' worth. Records
+    decay with every step observed, whatever its size: a size no longer chosen (its record made
+    on other text, e.g. chat before log rewriting) fades back to the overall correction and is
+    tried again.
 
     >>> r = SizeRecord()
     >>> r.scales(3, 1.0)            # nothing observed: the overall correction everywhere
@@ -387,22 +390,28 @@ class SizeRecord:
     """
 
     def __init__(self) -> None:
-        self._record: dict[int, list[float]] = {}  # size -> [promised, accepted, steps], decayed
+        # size -> [promised, accepted, steps, step of the last update], decayed to that step
+        self._record: dict[int, list[float]] = {}
+        self._steps = 0  # steps observed, at any size
 
     def observe(self, size: int, *, promised: float, accepted: float) -> None:
-        r = self._record.setdefault(size, [0.0, 0.0, 0.0])
-        r[0] = SIZE_DECAY * r[0] + promised
-        r[1] = SIZE_DECAY * r[1] + accepted
-        r[2] = SIZE_DECAY * r[2] + 1.0
+        self._steps += 1
+        r = self._record.setdefault(size, [0.0, 0.0, 0.0, self._steps])
+        keep = SIZE_DECAY ** (self._steps - r[3])
+        r[0] = keep * r[0] + promised
+        r[1] = keep * r[1] + accepted
+        r[2] = keep * r[2] + 1.0
+        r[3] = self._steps
 
     def scales(self, longest: int, scale: float) -> list[float]:
         """``out[k]``, k = 0 .. ``longest``: the correction of the gains of size ``k + 1`` (``k``
         draft nodes)."""
         out = [scale] * (longest + 1)
-        for size, (promised, accepted, steps) in self._record.items():
+        for size, (promised, accepted, steps, last) in self._record.items():
             if 1 <= size <= longest + 1 and promised > 0:
                 prior = SIZE_PRIOR_STEPS * promised / steps  # that many mean steps' gains at the overall correction
-                out[size - 1] = (accepted + prior * scale) / (promised + prior)
+                age = SIZE_DECAY ** (self._steps - last)  # the record's weight now
+                out[size - 1] = (age * accepted + prior * scale) / (age * promised + prior)
         return out
 
 

@@ -64,6 +64,9 @@ def test_size_record_steers_the_chooser_off_a_size_that_over_promises():
         record.observe(6, promised=3.5, accepted=2.4)  # 5 nodes: 2.4 accepted, as 4 would
         record.observe(5, promised=3.0, accepted=2.4)
     assert choose_num_nodes(gains, cost, 0.0, 5, record.scales(5, 1.0)) == 4
+    for _ in range(60):  # other text, smaller trees only: the record of 5 nodes fades, 5 are tried again
+        record.observe(3, promised=1.0, accepted=1.0)
+    assert choose_num_nodes(gains, cost, 0.0, 5, record.scales(5, 1.0)) == 5
 
 
 def test_choose_num_nodes_respects_max_nodes_and_flat_cost():
