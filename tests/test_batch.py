@@ -86,7 +86,17 @@ def test_batch_asks_proposers_for_about_the_width_it_keeps():
     config = EngineConfig(max_nodes=64)
     spies = [SpyProposer(p) for p in build_proposers(config, tokenizer=FakeTokenizer())]
     engine = Engine(model, FakeTokenizer(), config, proposers=spies)
-    outs, decoder = run_batch(engine, [BatchRequest(list(p), n) for p, n, _ in refs], max_batch=3)
+
+    class Fixed(CostModel):  # a cost curve that learns nothing: the widths do not depend on timings
+        def observe(self, n, seconds):
+            pass
+
+    cost = Fixed([1, 2, 4, 8, 16, 32, 64, 128, 256], [1.0, 1.0, 1.02, 1.05, 1.1, 1.3, 1.7, 2.5, 4.0], [100] * 9)
+    decoder = BatchDecoder(engine, 3)
+    decoder._cost = lambda rows: cost
+    for p, n, _ in refs:
+        decoder.submit(BatchRequest(list(p), n))
+    outs = decoder.run()
     assert [g.token_ids for g in outs] == [want for _, _, want in refs]
     asked = spies[0].asked  # one call per row and step, and one per row drafted again
     assert asked[0] == 64  # nothing kept yet: the cap
