@@ -234,10 +234,12 @@ def run_method(method: str, model, engine, prompt: list[int], max_new: int) -> t
                  / s.steps if s.steps else None}
     else:
         kwargs = {"prompt_lookup_num_tokens": PLD_NUM_TOKENS} if method == "pld" else {}
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         with torch.inference_mode():
             seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=max_new, **kwargs)
+        if ids.device.type == "cuda":  # the last token's kernels done, as the engine's own timing
+            torch.cuda.synchronize(ids.device)
         seconds = time.perf_counter() - start
         out = seq[0, len(prompt):].tolist()
     return out, {"seconds": seconds, **extra}

@@ -1,4 +1,4 @@
-"""End to end on a real model: SmolLM2-135M-Instruct (float32, CPU) against ``transformers``.
+"""End to end on a real model: SmolLM2-135M-Instruct (float32; CPU, or a GPU with ``--device cuda``) against ``transformers``.
 
 The methods decode the same prompts, greedy, side by side, in an order rotated per prompt:
 
@@ -19,6 +19,7 @@ verify cost curve t(n)/t(1) of the model at a 512-token context.
 
     python bench/real_model.py                      # 10 prompts/workload, 128 tokens, 1 and 2 threads
     python bench/real_model.py --prompts 2 --max-new-tokens 32 --threads 1   # a quick look
+    python bench/real_model.py --device cuda --threads 1 --out bench/results/real_model_h100.json
 
 Writes ``bench/results/real_model.json`` and ``.png`` (``--out``). Timings on a shared machine are noisy:
 read the ratios (measured side by side), not absolute tokens/s across runs.
@@ -147,6 +148,7 @@ def ld_run(engine, prompt, max_new) -> tuple[list[int], dict]:
 
 def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed: list[int],
                   all_logits: bool = False) -> tuple[dict, list[dict]]:
+    label = f"{threads}t" if model.device.type == "cpu" else model.device.type  # the run's name in the tables
     from lookupdec import Engine, EngineConfig
 
     torch.set_num_threads(threads)
@@ -158,7 +160,7 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
     methods = ["greedy", "pld", *engines]
     info = {"threads": threads, "methods": methods, "cost_curve": cost_curve(engines["lookupdec"]),
             "load_average_before": load_average()}
-    print(f"\n== smollm2, {threads} torch thread(s); verify cost t(n)/t(1) at context {COST_CONTEXT}: "
+    print(f"\n== smollm2 on {model.device.type}, {threads} torch thread(s); verify cost t(n)/t(1) at context {COST_CONTEXT}: "
           + ", ".join(f"{n}: {r}" for n, r in zip(info["cost_curve"]["sizes"], info["cost_curve"]["relative"])),
           flush=True)
     warm = engines["lookupdec"].chat_prompt(WARMUP)
@@ -184,7 +186,7 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
                               "load_1m": round(os.getloadavg()[0], 2), **rec, "_out": out})
             outs = {r["method"]: r.pop("_out") for r in group}
             for r in group:
-                r.update(model=f"smollm2/{threads}t", workload=workload, prompt=i, threads=threads,
+                r.update(model=f"smollm2/{label}", workload=workload, prompt=i, threads=threads,
                          identical_to_greedy=outs[r["method"]] == outs["greedy"],
                          first_divergence=first_divergence(outs[r["method"]], outs["greedy"]))
             runs.extend(group)
@@ -270,6 +272,8 @@ def main(argv=None) -> int:
     p.add_argument("--all-logits", action="store_true",
                    help="also run the default with EngineConfig(partial_logits=False): every node's logits computed")
     p.add_argument("--prompt-offset", type=int, default=0, metavar="K", help="skip the first K prompts of each workload")
+    p.add_argument("--device", default="cpu",
+                   help="where the model runs: cpu (default) or cuda; --threads then sets only the host's torch threads")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "real_model.json", help="result JSON (and .png)")
     args = p.parse_args(argv)
 
@@ -277,7 +281,7 @@ def main(argv=None) -> int:
 
     meta = run_metadata(threads_set_by_benchmark=True)  # the code this run imports: the tree at its start
     t0 = time.perf_counter()
-    loader = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
+    loader = Engine.from_pretrained(args.model, device=args.device, dtype="float32")
     model, tokenizer = loader.target.model, loader.tokenizer
     workloads = build_workloads(loader, args.prompts + args.prompt_offset, args.max_prompt_tokens)
     workloads = {k: v[args.prompt_offset:] for k, v in workloads.items()}
@@ -315,7 +319,7 @@ def report(args, argv, meta, workloads, load_s, infos, runs) -> None:
         print(f"{model}: all workloads, lookupdec/greedy {totals[model]['lookupdec/greedy']:.2f}, "
               f"lookupdec/pld {totals[model]['lookupdec/pld']:.2f}, mismatches {totals[model]['mismatches']}")
     config = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-              "model": args.model, "prompts_per_workload": args.prompts, "prompt_offset": args.prompt_offset,
+              "model": args.model, "device": args.device, "prompts_per_workload": args.prompts, "prompt_offset": args.prompt_offset,
               "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
               "threads": args.threads, "fixed": args.fixed, "fixed_threads": args.fixed_threads,
               "load_s": round(load_s, 1), "workload_sizes": {k: len(v) for k, v in workloads.items()},
