@@ -1,5 +1,6 @@
 """Throughput with many sequences per forward: lookupdec's batched step against ``transformers``'
-batched greedy ``generate`` at the same batch size, on SmolLM2-135M-Instruct (float32, CPU).
+batched greedy ``generate`` at the same batch size, on SmolLM2-135M-Instruct (float32; CPU, or a GPU
+with ``--device cuda``).
 
 For each torch thread setting, workload and batch size B, side by side in an order rotated per B:
 
@@ -18,6 +19,7 @@ B = 1 run); mismatches are counted, never hidden.
 
     python bench/batch_bench.py                       # 16 records, 96 tokens, B = 1 4 8 16, 1 and 2 threads
     python bench/batch_bench.py --threads 1 --records 8 --batch-sizes 1 8   # a quick look
+    python bench/batch_bench.py --device cuda --threads 1 --out bench/results/batch_h100.json
 
 Writes ``bench/results/batch.json`` and ``.png`` (``--out``).
 """
@@ -51,8 +53,8 @@ def tf_batched(model, prompts, batch: int, max_new: int, pad_id: int, eos: set[i
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
         with torch.inference_mode():
             seq = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
                                  pad_token_id=pad_id)
@@ -169,6 +171,8 @@ def main(argv=None) -> int:
     p.add_argument("--fixed", type=int, nargs="*", default=[4, 16], metavar="N", help="fixed per-sequence budgets (4 16)")
     p.add_argument("--fixed-batch", type=int, nargs="*", default=[8], metavar="B",
                    help="batch sizes that also run the fixed budgets (8)")
+    p.add_argument("--device", default="cpu",
+                   help="where the model runs: cpu (default) or cuda; --threads then sets only the host's torch threads")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "batch.json", help="result JSON (and .png)")
     args = p.parse_args(argv)
     if 1 not in args.batch_sizes:
@@ -178,7 +182,7 @@ def main(argv=None) -> int:
     from lookupdec import Engine
 
     meta = run_metadata(threads_set_by_benchmark=True)
-    loader = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
+    loader = Engine.from_pretrained(args.model, device=args.device, dtype="float32")
     model, tokenizer = loader.target.model, loader.tokenizer
     workloads = build_workloads(loader, args.records, args.max_prompt_tokens)
     workloads = {k: workloads[k] for k in args.workloads}
