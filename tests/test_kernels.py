@@ -12,8 +12,8 @@ import torch
 from conftest import cached_tiny
 from helpers import FakeTokenizer
 from lookupdec import Engine, EngineConfig
-from lookupdec.model.kernels import (FORM_TRIALS, FORMS, GQA_SWITCH, FastHead, PackedLinears, fast_head_for, packed_available,
-                                     packed_linears_for, swapped)
+from lookupdec.model.kernels import (BODY_FORMS, FORM_TRIALS, FORMS, GQA_SWITCH, FastHead, PackedLinears, fast_head_for,
+                                     packed_available, packed_linears_for, swapped)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 40])
@@ -28,7 +28,7 @@ def test_every_form_computes_the_projection(rows):
     for call in range(FORM_TRIALS * len(fast.forms)):  # each form tried FORM_TRIALS times on real calls
         assert not fast.choice
         assert torch.allclose(fast(x), want, rtol=1e-5, atol=1e-5), call
-    assert set(fast.choice) == {rows if rows <= 16 else 1 << (rows - 1).bit_length()}
+    assert set(fast.choice) == {(rows if rows <= 16 else 1 << (rows - 1).bit_length(), torch.get_num_threads())}
     assert set(fast.choice.values()) <= set(fast.forms) <= set(FORMS)
     assert torch.allclose(fast(x), want, rtol=1e-5, atol=1e-5)
     assert fast.prepare(rows) == 0.0  # the weight's copies are made once
@@ -78,6 +78,39 @@ def test_packed_linears_compute_what_the_layers_do(rows):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert all("forward" not in m.__dict__ for m in layers)  # plain nn.Linear again
     assert torch.equal(layers[1](layers[0](x)), want)
+
+
+@needs_onednn
+def test_the_body_keeps_the_faster_form_per_token_bucket_and_thread_count(monkeypatch):
+    """Packed weights lost to nn.Linear on a machine of this project's kind (one token at one
+    thread, up to 8 at two), so the body times both forms on the first forwards of a bucket and
+    keeps the faster; each form computes the layers, and the slower trials' excess is reported."""
+    import lookupdec.model.kernels as kernels
+
+    layers = [torch.nn.Linear(24, 40), torch.nn.Linear(40, 24, bias=False)]
+    body = PackedLinears(layers)
+    x = torch.randn(1, 3, 24)
+    want = layers[1](layers[0](x))
+    now = [0.0]
+    slow = {"packed": 5.0, "linear": 1.0}  # seconds a forward takes in each form (a fake clock)
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: now[0])
+    seen = []
+    for _ in range(FORM_TRIALS * len(BODY_FORMS)):
+        assert not body.choice
+        with torch.inference_mode(), body.chosen(3):
+            form = "packed" if "forward" in layers[0].__dict__ else "linear"
+            seen.append(form)
+            got = layers[1](layers[0](x))
+            now[0] += slow[form]
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert sorted(seen) == sorted(BODY_FORMS * FORM_TRIALS)
+    assert body.choice == {(3, torch.get_num_threads()): "linear"}
+    assert body.take_excess() > 0 and body.take_excess() == 0.0
+    with torch.inference_mode(), body.chosen(3):
+        assert "forward" not in layers[0].__dict__  # plain nn.Linear from now on for 3 tokens
+    with torch.inference_mode(), body.chosen(40):
+        pass  # another bucket: tried afresh
+    assert (64, torch.get_num_threads()) not in body.choice and len(body._trials) == 1
 
 
 @needs_onednn

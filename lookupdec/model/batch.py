@@ -96,7 +96,7 @@ class BatchTarget:
         target.last_prepare_s = target.prepare(len(flat) if partial else width * self.rows)
         ids, positions, mask = self.inputs(trees, width)
         head = _RowsHead(target._head, target.fast_head or target._head, flat) if partial else target.fast_head
-        with swapped(target.model, head, gqa=target._gqa, body=target.body):
+        with swapped(target.model, head, gqa=target._gqa, body=target.body, tokens=width * self.rows):
             out = target.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                past_key_values=self.cache, use_cache=True)
         target.last_prepare_s += target.take_excess()

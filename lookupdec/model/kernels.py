@@ -8,9 +8,15 @@ On CPU a verify forward of a few tokens is far from its fastest under the kernel
   once in oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied
   with ``torch.ops.mkldnn._linear_pointwise``: 31.5 ms for one row (35.9 ms with
   ``F.linear``), 36.6 ms for 8 rows (55.0), 47.6 ms for 16 (73.5), 142 ms for 64 (194). A
-  tree of 8 tokens costs the body 1.16x a single token instead of 1.5x. The packed copies take
-  as much memory as the weights they copy, so models whose linear weights exceed
-  ``PACKED_MAX_BYTES`` are left as they are.
+  tree of 8 tokens costs the body 1.16x a single token instead of 1.5x. That was one machine:
+  on another of the same kind a whole forward took 69.7 ms packed against 59.9 ms plain for one
+  token at one thread (78.9 against 98.5 for 4 tokens), and at two threads packed lost up to 8
+  tokens (47.1 against 35.6 ms for one). So, like the head, the body takes whichever of the two
+  was faster for the forward's token count (bucket) and thread count: the first forwards of a
+  bucket alternate, timed whole, ``FORM_TRIALS`` of each (what the head's own trials took in
+  them not counted), then the faster is kept. The packed copies take as much memory as the
+  weights they copy, so models whose linear weights exceed ``PACKED_MAX_BYTES`` are left as
+  they are.
 - **Head** (``FastHead``). The output projection (49,152 x 576, a sixth of SmolLM2) in
   whichever of four forms was fastest for that number of rows: ``F.linear``; ``x @ W^T``
   with ``W^T`` stored; ``(W @ x^T)^T``; the prepacked oneDNN product. 1 row 10.1 ms under
@@ -38,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 FORMS = ("linear", "transposed", "right", "packed")  # F.linear; x @ (W^T stored); (W @ x^T)^T; oneDNN
+BODY_FORMS = ("packed", "linear")  # the body's linears: oneDNN prepacked, or nn.Linear as it is
 FORM_TRIALS = 2  # timed calls of each form per row bucket before the fastest is kept
 PACK_ROWS = 16  # the row count oneDNN's weight layout is prepacked for (fastest at 1-64 rows here)
 PACKED_MAX_BYTES = 4 << 30  # linear weights beyond this are not copied (the copy doubles their memory)
@@ -68,6 +75,21 @@ def _bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+_TRIAL_EXCESS = [0.0]  # every FastHead's trial excess so far: a body trial does not count the head's
+
+
+def _record_trial(trials: dict, choice: dict, key, form: str, seconds: float, forms) -> float:
+    """Record a timed trial of ``form`` for ``key``; once every form has ``FORM_TRIALS``, the
+    fastest becomes ``choice[key]``. Returns what this trial took beyond the best form so far."""
+    tried = trials.setdefault(key, {})
+    best = min((min(t) for t in tried.values()), default=seconds)
+    tried.setdefault(form, []).append(seconds)
+    if all(len(tried.get(f, ())) >= FORM_TRIALS for f in forms):
+        choice[key] = min(forms, key=lambda f: min(tried[f]))
+        del trials[key]
+    return max(0.0, seconds - best)
+
+
 class FastHead(torch.nn.Module):
     """A drop-in for a bias-free ``nn.Linear`` output projection on CPU."""
 
@@ -77,8 +99,8 @@ class FastHead(torch.nn.Module):
         self._transposed: torch.Tensor | None = None  # W^T, contiguous: made on first need
         self._packed: torch.Tensor | None = None  # oneDNN's layout: made on first need
         self.forms = FORMS if packed_available() else FORMS[:3]
-        self.choice: dict[int, str] = {}  # row bucket -> fastest form
-        self._trials: dict[int, dict[str, list[float]]] = {}  # row bucket -> form -> seconds, while trying
+        self.choice: dict[tuple[int, int], str] = {}  # (row bucket, torch threads) -> fastest form
+        self._trials: dict[tuple[int, int], dict[str, list[float]]] = {}  # ... -> form -> seconds, while trying
         self.excess_s = 0.0  # seconds trial calls took beyond the best form tried (``take_excess``)
 
     @property
@@ -119,23 +141,19 @@ class FastHead(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        bucket = _bucket(flat.shape[0])
-        form = self.choice.get(bucket)
+        key = (_bucket(flat.shape[0]), torch.get_num_threads())
+        form = self.choice.get(key)
         if form is not None:
             out = self._form(form, flat)
         else:  # still trying: the form tried least so far, timed (the copies are made before the clock)
             self.prepare(flat.shape[0])
-            tried = self._trials.setdefault(bucket, {})
+            tried = self._trials.get(key, {})
             form = min(self.forms, key=lambda f: len(tried.get(f, ())))
             start = time.perf_counter()
             out = self._form(form, flat)
-            seconds = time.perf_counter() - start
-            best = min((min(t) for t in tried.values()), default=seconds)
-            self.excess_s += max(0.0, seconds - best)  # what trying cost over the best form so far
-            tried.setdefault(form, []).append(seconds)
-            if all(len(tried.get(f, ())) >= FORM_TRIALS for f in self.forms):
-                self.choice[bucket] = min(self.forms, key=lambda f: min(tried[f]))
-                del self._trials[bucket]
+            excess = _record_trial(self._trials, self.choice, key, form, time.perf_counter() - start, self.forms)
+            self.excess_s += excess  # what trying cost over the best form so far
+            _TRIAL_EXCESS[0] += excess
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -166,6 +184,36 @@ class PackedLinears:
         self.modules = modules
         self._packed: dict[torch.nn.Linear, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._forwards = {m: self._forward_of(m) for m in modules}
+        self.choice: dict[tuple[int, int], str] = {}  # (token bucket, torch threads) -> "packed" | "linear"
+        self._trials: dict[tuple[int, int], dict[str, list[float]]] = {}  # ... -> form -> whole forwards' seconds
+        self.excess_s = 0.0  # seconds trial forwards took beyond the best form tried (``take_excess``)
+
+    def take_excess(self) -> float:
+        """Seconds the trial forwards since the last call took beyond the faster form tried for
+        their bucket (reset): kept out of the engine's cost timings, as the head's."""
+        excess, self.excess_s = self.excess_s, 0.0
+        return excess
+
+    @contextlib.contextmanager
+    def chosen(self, tokens: int):
+        """``active`` for a forward of ``tokens`` tokens where packed weights were the faster
+        form for its bucket at this thread count, plain ``nn.Linear`` where not; while both are
+        being tried, the form tried less so far, the whole block timed."""
+        key = (_bucket(tokens), torch.get_num_threads())
+        form = self.choice.get(key)
+        if form is not None:
+            with self.active() if form == "packed" else contextlib.nullcontext():
+                yield
+            return
+        tried = self._trials.get(key, {})
+        form = min(BODY_FORMS, key=lambda f: len(tried.get(f, ())))
+        if form == "packed" and len(self._packed) != len(self.modules):
+            self.refresh()  # (the copies are made before the clock)
+        head_excess, start = _TRIAL_EXCESS[0], time.perf_counter()
+        with self.active() if form == "packed" else contextlib.nullcontext():
+            yield
+        seconds = time.perf_counter() - start - (_TRIAL_EXCESS[0] - head_excess)
+        self.excess_s += _record_trial(self._trials, self.choice, key, form, seconds, BODY_FORMS)
 
     def refresh(self) -> None:
         """Pack every weight not packed yet or changed since it was (a new tensor, or written in
@@ -223,14 +271,17 @@ GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: SDPA's enabl
 
 
 @contextlib.contextmanager
-def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLinears | None = None):
+def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLinears | None = None,
+            tokens: int | None = None):
     """Inside the block: ``model``'s output projection replaced by ``fast`` (if not None), its
     body's linear layers on packed weights (``body``, if not None) and,
     with ``gqa``, transformers' SDPA told to pass grouped K/V heads to torch as they are
     (``enable_gqa``) instead of copying them ``heads / kv_heads`` times, which it does whenever
     a mask is given, i.e. for every tree of 2 or more tokens. On CPU that copy of the whole
     cache costs SmolLM2 about 6 ms per forward at a 512-token context; the logits are bitwise
-    the same. Not on CUDA, where SDPA with a mask and enable_gqa falls back to its slowest kernel."""
+    the same. Not on CUDA, where SDPA with a mask and enable_gqa falls back to its slowest kernel.
+    ``tokens``: the forward's token count, for the body's choice of form (``PackedLinears.chosen``);
+    None: packed weights whatever the count."""
     old_gqa = None
     if gqa:
         old_gqa = os.environ.get(GQA_SWITCH)
@@ -238,7 +289,11 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
     if fast is not None:
         model.set_output_embeddings(fast)
     try:
-        with body.active() if body is not None else contextlib.nullcontext():
+        if body is None:
+            context = contextlib.nullcontext()
+        else:
+            context = body.active() if tokens is None else body.chosen(tokens)
+        with context:
             yield
     finally:
         if fast is not None:

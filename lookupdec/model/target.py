@@ -75,17 +75,20 @@ class TargetModel:
             self.body.refresh()
         if len(token_ids):
             ids = torch.tensor([list(token_ids)], device=self.device)
-            with swapped(self.model, self.fast_head, body=self.body):
+            with swapped(self.model, self.fast_head, body=self.body, tokens=len(token_ids)):
                 self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self.take_excess()  # a prefill is no verify forward: its trials' excess is not one's either
 
     def prepare(self, n: int) -> float:
         """Get ready for forwards of ``n`` tokens (``FastHead.prepare``); the seconds it took."""
         return self.fast_head.prepare(n) if self.fast_head is not None else 0.0
 
     def take_excess(self) -> float:
-        """Seconds the output projection's form trials took beyond its best form since the last
-        call (``FastHead.take_excess``): like ``prepare``'s, not the forward's cost."""
-        return self.fast_head.take_excess() if self.fast_head is not None else 0.0
+        """Seconds the output projection's and the body's form trials took beyond their best
+        forms since the last call (``FastHead.take_excess``, ``PackedLinears.take_excess``): like
+        ``prepare``'s, not the forward's cost."""
+        head = self.fast_head.take_excess() if self.fast_head is not None else 0.0
+        return head + (self.body.take_excess() if self.body is not None else 0.0)
 
     @torch.inference_mode()
     def verify(self, tree: TokenTree, rows: Sequence[int] | None = None):
@@ -101,7 +104,7 @@ class TargetModel:
         ids, positions, mask = tree_inputs(tree, self.n_cached, device=self.device, dtype=self.dtype,
                                            windows=self._windows, tree_mode=self.tree_mode)
         head = _RowsHead(self._head, self.fast_head or self._head, rows) if partial else self.fast_head
-        with swapped(self.model, head, gqa=self._gqa, body=self.body):
+        with swapped(self.model, head, gqa=self._gqa, body=self.body, tokens=n):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                              past_key_values=self.cache, use_cache=True)
         self.n_cached += n
