@@ -39,7 +39,7 @@ log = logging.getLogger("lookupdec")
 
 CALIBRATION_SECONDS = 2.0  # cap on a full measurement (``CostModel.measure``, benchmarks)
 SEED_SIZES = (1, 4, 16, 64)  # an engine's first context bucket: one forward each, then learnt online
-COST_CACHE_VERSION = 3  # 3: the key names the kernels (model/kernels.py)
+COST_CACHE_VERSION = 4  # 3: the key names the kernels (model/kernels.py); 4: the body packs only where faster
 MAX_CACHED_CURVES = 32  # the cost cache keeps the curves updated last
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
 COST_LEARNING_RATE = 0.1  # an observed forward moves its size's estimate this far (after the first few)
