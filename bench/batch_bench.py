@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, format_table, run_metadata, write_result  # noqa: E402
+from common import RESULTS_DIR, add_device_option, format_table, run_metadata, write_result  # noqa: E402
 from real_model import build_workloads  # noqa: E402
 
 
@@ -171,8 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--fixed", type=int, nargs="*", default=[4, 16], metavar="N", help="fixed per-sequence budgets (4 16)")
     p.add_argument("--fixed-batch", type=int, nargs="*", default=[8], metavar="B",
                    help="batch sizes that also run the fixed budgets (8)")
-    p.add_argument("--device", default="cpu",
-                   help="where the model runs: cpu (default) or cuda; --threads then sets only the host's torch threads")
+    add_device_option(p)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "batch.json", help="result JSON (and .png)")
     args = p.parse_args(argv)
     if 1 not in args.batch_sizes:

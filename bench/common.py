@@ -122,6 +122,12 @@ def write_result(path: str | os.PathLike, benchmark: str, config: dict, results,
     return path
 
 
+def add_device_option(parser) -> None:
+    """``--device``: where a real-model benchmark's model runs (the same flag in each)."""
+    parser.add_argument("--device", default="cpu",
+                        help="where the model runs: cpu (default) or cuda; --threads then sets only the host's torch threads")
+
+
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """Plain-text table. ``columns`` is ``[(key, header, format spec)]``; None prints as '-'."""
     cells = [[h for _, h, _ in columns]]

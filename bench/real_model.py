@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, SHARED_DIR, format_table, load_average, run_metadata, write_result  # noqa: E402
+from common import RESULTS_DIR, add_device_option, SHARED_DIR, format_table, load_average, run_metadata, write_result  # noqa: E402
 from e2e import first_divergence, run_method  # noqa: E402
 
 SPEC_BENCH = SHARED_DIR / "data" / "spec_bench" / "question.jsonl"
@@ -272,8 +272,7 @@ def main(argv=None) -> int:
     p.add_argument("--all-logits", action="store_true",
                    help="also run the default with EngineConfig(partial_logits=False): every node's logits computed")
     p.add_argument("--prompt-offset", type=int, default=0, metavar="K", help="skip the first K prompts of each workload")
-    p.add_argument("--device", default="cpu",
-                   help="where the model runs: cpu (default) or cuda; --threads then sets only the host's torch threads")
+    add_device_option(p)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "real_model.json", help="result JSON (and .png)")
     args = p.parse_args(argv)
 

@@ -201,19 +201,18 @@ class PackedLinears:
         being tried, the form tried less so far, the whole block timed."""
         key = (_bucket(tokens), torch.get_num_threads())
         form = self.choice.get(key)
-        if form is not None:
-            with self.active() if form == "packed" else contextlib.nullcontext():
-                yield
-            return
-        tried = self._trials.get(key, {})
-        form = min(BODY_FORMS, key=lambda f: len(tried.get(f, ())))
-        if form == "packed" and len(self._packed) != len(self.modules):
-            self.refresh()  # (the copies are made before the clock)
+        trying = form is None
+        if trying:
+            tried = self._trials.get(key, {})
+            form = min(BODY_FORMS, key=lambda f: len(tried.get(f, ())))
+            if form == "packed" and len(self._packed) != len(self.modules):
+                self.refresh()  # (the copies are made before the clock)
         head_excess, start = _TRIAL_EXCESS[0], time.perf_counter()
         with self.active() if form == "packed" else contextlib.nullcontext():
             yield
-        seconds = time.perf_counter() - start - (_TRIAL_EXCESS[0] - head_excess)
-        self.excess_s += _record_trial(self._trials, self.choice, key, form, seconds, BODY_FORMS)
+        if trying:
+            seconds = time.perf_counter() - start - (_TRIAL_EXCESS[0] - head_excess)
+            self.excess_s += _record_trial(self._trials, self.choice, key, form, seconds, BODY_FORMS)
 
     def refresh(self) -> None:
         """Pack every weight not packed yet or changed since it was (a new tensor, or written in
