@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, add_device_option, SHARED_DIR, format_table, load_average, run_metadata, write_result  # noqa: E402
 from e2e import first_divergence, run_method  # noqa: E402
+from lookupdec.validate import ParamError  # noqa: E402
 
 SPEC_BENCH = SHARED_DIR / "data" / "spec_bench" / "question.jsonl"
 CODE_EDITS = SHARED_DIR / "data" / "code_edits" / "thealgorithms_python.jsonl"
@@ -69,7 +70,10 @@ def build_workloads(engine, n: int, max_prompt: int) -> dict[str, list[list[int]
     def take(messages_iter) -> list[list[int]]:
         out = []
         for text in messages_iter:
-            ids = engine.chat_prompt(text)
+            try:
+                ids = engine.chat_prompt(text)
+            except ParamError:  # longer than the model's context
+                continue
             if len(ids) <= max_prompt:
                 out.append(ids)
             if len(out) == n:

@@ -10,10 +10,17 @@ Two real server processes run side by side (an idle one costs nothing): ``--max-
   the wall time from the first request to the last answer
 
 Every answer is greedy and checked against the other server's answer to the same prompt (equal
-text). Prompts: log lines to JSON and code edits in the chat template (``real_model.py``), sent
-as token ids to ``/v1/completions``.
+text). Each measurement sends prompts neither server has seen: the servers' suffix caches keep
+every earlier answer, and a prompt sent twice is answered from that cache in a few steps, which
+measures prefill, not serving. Prompts (``real_model.py``, chat template, sent as token ids to
+``/v1/completions``), ``--workload``:
 
-    python bench/server_batch_bench.py                # 16 prompts, 64 tokens, 8 and 16 clients, 1 thread
+* ``rewrite`` -- log lines to JSON and code edits, alternating (long prompts, 511 tokens on
+  average: prefill is about half of one engine's time, see ``prefill_share.py``)
+* ``chat``    -- MT-Bench questions (Spec-Bench's multi-turn category, first turns; short prompts)
+
+    python bench/server_batch_bench.py                # rewrite, 16 prompts, 64 tokens, 8 and 16 clients, 1 thread
+    python bench/server_batch_bench.py --workload chat --max-tokens 128
     python bench/server_batch_bench.py --clients 8 --prompts 8 --max-tokens 32     # a quick look
 
 Writes ``bench/results/server_batch.json`` (``--out``).
@@ -98,7 +105,9 @@ def concurrent(api: str, prompts, max_tokens: int, clients: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--prompts", type=int, default=16, help="prompts (half log lines, half code edits; 16)")
+    ap.add_argument("--workload", choices=("rewrite", "chat"), default="rewrite",
+                    help="rewrite: log lines to JSON and code edits; chat: MT-Bench questions (rewrite)")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per measurement, new ones each time (16)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--clients", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--max-batch", type=int, default=16, help="the batching server's --max-batch (16)")
@@ -110,8 +119,17 @@ def main(argv=None) -> int:
 
     meta = run_metadata()
     loader = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
-    workloads = build_workloads(loader, args.prompts // 2 + 1, 1024)
-    prompts = [p for pair in zip(workloads["log_to_json"], workloads["code_edit"]) for p in pair][: args.prompts]
+    measurements = [("single", None)] + [(f"{c} clients", c) for c in args.clients]
+    needed = args.prompts * len(measurements) + 1  # + the warm-up's
+    workloads = build_workloads(loader, needed // 2 + 1 if args.workload == "rewrite" else needed, 1024)
+    if args.workload == "rewrite":
+        pool = [p for pair in zip(workloads["log_to_json"], workloads["code_edit"]) for p in pair]
+    else:
+        pool = workloads["chat"]
+    if len(pool) < needed:
+        raise SystemExit(f"--workload {args.workload} has {len(pool)} prompts, {needed} needed "
+                         f"({args.prompts} per measurement x {len(measurements)} + 1)")
+    warmup, pool = pool[0], pool[1:]
     del loader
     servers = {"one-at-a-time": start_server(args.model, args.threads, 1),
                f"max-batch-{args.max_batch}": start_server(args.model, args.threads, args.max_batch)}
@@ -119,9 +137,9 @@ def main(argv=None) -> int:
     rows, mismatches = [], 0
     try:
         for name in names:  # warm-up: kernels, cost curve seed; a prompt no measurement uses
-            single(servers[name][1], [prompts[0][:64]], 8)
-        measurements = [("single", None)] + [(f"{c} clients", c) for c in args.clients]
+            single(servers[name][1], [warmup], 8)
         for k, (what, clients) in enumerate(measurements):
+            prompts = pool[k * args.prompts : (k + 1) * args.prompts]  # new to both servers
             results = {}
             for name in names[k % 2:] + names[: k % 2]:
                 api = servers[name][1]
