@@ -211,3 +211,58 @@ def test_calibrated_predictions_match_what_is_accepted(workload, bound):
           f"uncalibrated {raw_predicted:.0f} / {raw_accepted:.0f} (error {raw_error:.2f})")
     assert error < bound
     assert error < raw_error or raw_error < bound
+
+
+def _nodes_of_a_failing_request(monkeypatch, request_prior: float) -> tuple[list[int], float]:
+    """A core learns on a request whose drafts are all right, then serves one whose equally
+    confident drafts are all wrong: the steps of the second before its tree is the root alone,
+    and the first request's factor at its end."""
+    from lookupdec import step as step_module
+    from lookupdec.budget import AcceptanceCalibrator
+    from lookupdec.mixture import Mixture
+    from lookupdec.proposers.base import Draft
+    from lookupdec.step import StepCore, Verdict
+
+    monkeypatch.setattr(step_module, "REQUEST_PRIOR", request_prior)
+
+    class Chain:  # the same confident chain of 7s for every request
+        name = "chain"
+
+        def start(self, *a): pass
+        def observe(self, *a): pass
+        def stop(self, *a): pass
+
+        def propose(self, rid, context, max_nodes):
+            n = min(6, max_nodes)
+            return [Draft.chain([7] * n, [0.95 ** (d + 1) for d in range(n)], self.name, match_length=4)]
+
+    calibrator = AcceptanceCalibrator()
+    core = StepCore(Mixture([Chain()], calibrator=calibrator), max_nodes=64, calibrator=calibrator)
+    cost = CostModel([1, 2, 4, 8, 16, 64], [1.0, 1.1, 1.2, 1.4, 2.3, 5.3])
+    core.start("good", [1, 2, 3])
+    context = [1, 2, 3]
+    for _ in range(30):  # every draft right: the whole tree accepted, then one more 7
+        result = core.run("good", context, lambda tree: Verdict(list(range(1, len(tree))), [7] * len(tree)),
+                          max_depth=48, cost=cost)
+        context += result.new_tokens
+    good_factor = core.request_factor("good")
+    core.stop("good")
+    core.start("bad", [4, 5, 6])
+    context = [4, 5, 6]
+    nodes = []
+    for step in range(12):
+        result = core.run("bad", context, lambda tree: Verdict([], [8]), max_depth=48, cost=cost)
+        context.append(8)
+        nodes.append(result.tree.num_draft_nodes)
+    return nodes, good_factor
+
+
+def test_a_request_whose_drafts_fail_stops_paying_for_nodes_within_a_few_steps(monkeypatch):
+    """The overall correction follows ~20 steps of every request; a request's own record (
+    ``StepCore.request_factor``) takes over once it has promised a couple of tokens."""
+    own, good_factor = _nodes_of_a_failing_request(monkeypatch, 2.0)
+    overall_only, _ = _nodes_of_a_failing_request(monkeypatch, 1e12)  # no weight on the request's record
+    assert own[0] == overall_only[0] > 0  # no record yet: the same tree
+    assert own[6:] == [0] * 6, own  # the root alone from the seventh step at the latest
+    assert min(overall_only) > 0, overall_only  # the overall correction alone: still paying for nodes
+    assert good_factor == pytest.approx(1.0, abs=0.35)  # a request like the rest is left alone
