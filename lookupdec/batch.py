@@ -6,8 +6,7 @@
     plan     every sequence's drafts and merged tree (``StepCore.plan``, no pruning yet)
     choose   one joint budget: the width ``W`` (nodes per row, root included) maximising the
              batch's expected tokens per second, sum over rows of ``1 + scale(W) x`` the gains of
-             its ``W - 1`` best nodes (each row's times its request's own correction,
-             ``StepCore.request_factor``), over ``t(rows x W)``, the learnt cost of the batched
+             its ``W - 1`` best nodes, over ``t(rows x W)``, the learnt cost of the batched
              forward (rows are padded to the widest tree, so within a width every row takes all
              the nodes it has up to ``W - 1``: padding is computed anyway). ``scale(W)`` is what
              steps at that width accepted over what they were promised (``SizeRecord``; the
@@ -274,9 +273,7 @@ class BatchDecoder:
             return trees
         gains = [tree.expected_in_prune_order() for tree in trees]
         longest = min(max((len(g) for g in gains), default=0), engine.config.max_nodes)
-        factors = [core.request_factor(seq.rid) for seq in seqs]  # each row's own record (StepCore)
-        mine = [g if f == 1.0 else [x * f for x in g] for g, f in zip(gains, factors)]
-        width = choose_width(mine, self._cost(len(trees)), self.overhead_s, engine.config.max_nodes,
+        width = choose_width(gains, self._cost(len(trees)), self.overhead_s, engine.config.max_nodes,
                              self.width_record.scales(longest, core.scale))
         self._promised = (width, float(sum(sum(g[: width - 1]) for g in gains)))
         out = []

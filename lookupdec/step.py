@@ -6,9 +6,8 @@
              ``max_nodes`` nodes kept (ancestors first), at most ``max_depth`` deep
     choose   with a cost model (``EngineConfig.budget == "auto"``): keep the node count that
              maximises expected tokens per second (``budget.choose_num_nodes``), each count's
-             gains corrected by what trees of that size accepted (``budget.SizeRecord``) and by
-             what this request's trees accepted against that (``StepCore.request_factor``),
-             and prune to it
+             gains corrected by what trees of that size accepted (``budget.SizeRecord``), and
+             prune to it
     verdict  the caller's: the engine verifies the tree with the target and accepts exactly
              (``sampling.accept``); the simulator walks the recorded response. Either returns
              the accepted nodes and the step's new tokens (accepted + one bonus or recovered
@@ -36,12 +35,6 @@ from lookupdec.tree import Draft, TokenTree
 SCALE_PRIOR = 2.0  # accepted draft tokens behind the initial correction of 1
 SCALE_DECAY = 0.95  # per verified tree
 SCALE_MIN, SCALE_MAX = 0.2, 1.5
-# A request's own record moves its trees from the overall correction once it has promised
-# about this many accepted draft tokens: a request whose drafts keep failing (a translation
-# whose prompt words never come back: promised 1.67, accepted 0.17 per step) stops paying for
-# nodes within a few steps, instead of after the ~20 the overall correction takes.
-REQUEST_PRIOR = 2.0
-REQUEST_MIN = 0.05  # a request's own ratio goes lower than the overall one (SCALE_MIN)
 
 
 @dataclass
@@ -58,7 +51,7 @@ class Plan:
 
     tree: TokenTree
     drafts: list[Draft]
-    scale: float  # ``StepCore.scale`` times the request's ``request_factor`` when the tree was built
+    scale: float  # ``StepCore.scale`` when the tree was built
     propose_s: float
     tree_s: float
 
@@ -105,37 +98,12 @@ class StepCore:
         # the same per tree size (the batch's re-drafted trees count too): the chooser corrects
         # each candidate size by its own
         self.sizes = SizeRecord()
-        # per running request: decayed sums of its trees' promised and accepted draft tokens
-        self._requests: dict[str, list[float]] = {}
 
     def start(self, request_id: str, prompt_ids: Sequence[int], params=None, seed=None) -> None:
         self.mixture.start(request_id, prompt_ids, params, seed)
-        self._requests[request_id] = [0.0, 0.0]
 
     def stop(self, request_id: str) -> None:
         self.mixture.stop(request_id)
-        self._requests.pop(request_id, None)
-
-    def request_factor(self, request_id: str) -> float:
-        """How much better (> 1) or worse (< 1) this request's trees have done than the overall
-        correction expects: its accepted over promised draft tokens (decayed as the overall's),
-        leaning on the overall correction for ``REQUEST_PRIOR`` promised tokens and kept in
-        ``[REQUEST_MIN, SCALE_MAX]``, over that correction. 1 for a request with no record.
-
-        >>> core = StepCore(Mixture([]), max_nodes=8, calibrator=None)
-        >>> core.start("r", [1, 2])
-        >>> core.request_factor("r")
-        1.0
-        >>> core._requests["r"] = [5.0, 0.5]    # promised 5 accepted draft tokens, got 0.5
-        >>> round(core.request_factor("r"), 2)
-        0.36
-        """
-        record = self._requests.get(request_id)
-        if record is None:
-            return 1.0
-        overall = self.scale
-        mine = (record[1] + REQUEST_PRIOR * overall) / (record[0] + REQUEST_PRIOR)
-        return min(SCALE_MAX, max(REQUEST_MIN, mine)) / overall
 
     def run(self, request_id: str, context: Sequence[int], verdict: Callable[[TokenTree], Verdict], *,
             max_depth: int, cost: CostModel | None = None, overhead_s: float = 0.0) -> StepResult:
@@ -155,10 +123,9 @@ class StepCore:
             max_nodes = self.draft_budget.nodes(self.max_nodes) if cost is not None else self.max_nodes
         drafts = self.mixture.propose(request_id, context, max_nodes)
         t1 = time.perf_counter()
-        factor = self.request_factor(request_id)
         tree = self.build_tree(context[-1], drafts, max_nodes=max_nodes, max_depth=max_depth, cost=cost,
-                               overhead_s=overhead_s, scale=scale, factor=factor)
-        return Plan(tree, drafts, scale * factor, propose_s=t1 - t0, tree_s=time.perf_counter() - t1)
+                               overhead_s=overhead_s, scale=scale)
+        return Plan(tree, drafts, scale, propose_s=t1 - t0, tree_s=time.perf_counter() - t1)
 
     def finish(self, request_id: str, plan: "Plan", judged: Verdict) -> StepResult:
         """After the verdict on ``plan.tree``: every proposer observes the new tokens, the
@@ -172,10 +139,6 @@ class StepCore:
             self._promised = SCALE_DECAY * self._promised + promised
             self._accepted = SCALE_DECAY * self._accepted + len(judged.accepted)
             self.sizes.observe(len(tree), promised=promised, accepted=len(judged.accepted))
-            record = self._requests.get(request_id)
-            if record is not None:
-                record[0] = SCALE_DECAY * record[0] + promised
-                record[1] = SCALE_DECAY * record[1] + len(judged.accepted)
         else:  # nothing verified, nothing learnt: drift back towards 1, or a low scale would stick
             self._promised = SCALE_DECAY * self._promised + (1 - SCALE_DECAY) * SCALE_PRIOR
             self._accepted = SCALE_DECAY * self._accepted + (1 - SCALE_DECAY) * SCALE_PRIOR
@@ -191,9 +154,8 @@ class StepCore:
         return min(SCALE_MAX, max(SCALE_MIN, self._accepted / self._promised))
 
     def build_tree(self, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
-                   cost: CostModel | None, overhead_s: float, scale: float = 1.0, factor: float = 1.0) -> TokenTree:
-        """Merge the drafts into one trie and keep the nodes worth verifying (``factor``: the
-        request's own correction, ``request_factor``)."""
+                   cost: CostModel | None, overhead_s: float, scale: float = 1.0) -> TokenTree:
+        """Merge the drafts into one trie and keep the nodes worth verifying."""
         calibration = self.calibrator.calibration() if self.calibrator is not None else None
         tree = TokenTree.from_drafts(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
                                      calibration=calibration)
@@ -202,8 +164,6 @@ class StepCore:
         if cost is not None and tree.num_draft_nodes:
             gains = tree.expected_in_prune_order()
             scales = self.sizes.scales(min(len(gains), max_nodes), scale)
-            if factor != 1.0:
-                scales = [x * factor for x in scales]
             tree = tree.prune(choose_num_nodes(gains, cost, overhead_s, max_nodes, scales))
             self.draft_budget.observe(tree.num_draft_nodes)
         return tree
