@@ -15,6 +15,13 @@ from dataclasses import dataclass, field
 # the long copies of code edits at no cost where matches are short.
 DEFAULT_MAX_MATCH = 64
 
+# ``lookupdec serve``'s requests per verify forward (``--max-batch``): on SmolLM2 (2-core CPU),
+# 8 concurrent clients got 1.74x (1 thread) and 1.85x (2 threads) the tokens/s of the server
+# taking them one at a time on log and code rewrites, 2.93x on chat questions, and a client
+# alone the same latency (bench/results/server_batch_*.json). The batch's K/V buffer holds this
+# many rows of the longest context (model/cache.py, BatchStore).
+SERVE_MAX_BATCH = 8
+
 
 def _require(cond: bool, name: str, value, rule: str) -> None:
     if not cond:

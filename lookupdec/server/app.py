@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lookupdec.config import SERVE_MAX_BATCH
 from lookupdec.server import protocol
 from lookupdec.server.protocol import ChatRequest, CompletionRequest, RequestError, error_body
 from lookupdec.server.worker import BatchingWorker, EngineWorker, Job
@@ -273,9 +274,9 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           index=None, draft_model=None, device=None, dtype=None, config=None, log_level: str = "info",
           api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
-          openapi: bool = False, max_batch: int = 1) -> None:
+          openapi: bool = False, max_batch: int = SERVE_MAX_BATCH) -> None:
     """Load the engine (never downloads), bind ``host:port`` (0: a free port) and serve until
-    interrupted. Prints ``lookupdec: serving NAME at http://HOST:PORT`` on stderr once listening.
+    interrupted (``max_batch``: see ``create_app``). Prints ``lookupdec: serving NAME at http://HOST:PORT`` on stderr once listening.
     ``api_key`` (default: ``$LOOKUPDEC_API_KEY``; "" for none): required as a Bearer token on
     every path but /health."""
     import uvicorn
