@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, add_device_option, SHARED_DIR, format_table, load_average, run_metadata, write_result  # noqa: E402
+from common import RESULTS_DIR, SHARED_DIR, add_device_option, format_table, load_average, run_metadata, write_result  # noqa: E402
 from e2e import first_divergence, run_method  # noqa: E402
 from lookupdec.validate import ParamError  # noqa: E402
 

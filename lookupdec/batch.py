@@ -176,7 +176,7 @@ class BatchDecoder:
         trees = self._choose(self.active)
         t1 = time.perf_counter()
         logits = self.target.verify(trees, [engine._head_rows(tree, seq.params) for seq, tree in zip(self.active, trees)])
-        if engine._timed_sync and engine.config.budget == "auto":  # a GPU's forward timed to its end, as alone
+        if engine.config.budget == "auto":  # timed to the device's end, as alone (TargetModel.sync)
             engine.target.sync()
         t2 = time.perf_counter()
         forward = t2 - t1 - engine.target.last_prepare_s

@@ -152,7 +152,6 @@ class Engine:
         self.cost_origin: dict[int, str] = {}  # context bucket -> "measured" | "cached" | "bucket N" (seeded from)
         self._cost_stored: dict[int, float] = {}  # context bucket -> when its curve was last written to the cache
         self._request_ids = itertools.count()
-        self._timed_sync = self.target.device.type == "cuda"  # forwards are timed to the device's end
 
     @classmethod
     def from_pretrained(cls, model_path=DEFAULT_MODEL, *, device=None, dtype=None, config: EngineConfig | None = None,
@@ -373,7 +372,7 @@ class Engine:
         t = time.perf_counter()
         rows = self._head_rows(tree, params)
         logits = self.target.verify(tree, rows)  # [1 + n, vocab], or PartialLogits for those rows
-        if cost is not None and self._timed_sync:
+        if cost is not None:  # a timed forward ends on the device, not at its launch (TargetModel.sync)
             self.target.sync()
         seconds = time.perf_counter() - t - self.target.last_prepare_s
         timer.prepare += self.target.last_prepare_s

@@ -1,9 +1,9 @@
 """``lookupdec serve``: the OpenAI-compatible HTTP server (``lookupdec.server``)."""
 from __future__ import annotations
 
-from lookupdec.config import SERVE_MAX_BATCH
 from lookupdec.cli.options import (CliError, add_engine_options, check_engine_options, engine_config, engine_kwargs,
                                    non_negative_int, positive_int)
+from lookupdec.config import SERVE_MAX_BATCH
 
 
 def add_parser(sub) -> None:

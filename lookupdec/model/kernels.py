@@ -66,6 +66,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(flat, W, bias)`` for 2D ``flat`` with ``packed = pack(W)``."""
     return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+
+
 EXACT_BUCKETS = 16  # row counts up to this are their own bucket; beyond, powers of 2
 
 

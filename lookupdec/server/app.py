@@ -276,7 +276,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
           api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
           openapi: bool = False, max_batch: int = SERVE_MAX_BATCH) -> None:
     """Load the engine (never downloads), bind ``host:port`` (0: a free port) and serve until
-    interrupted (``max_batch``: see ``create_app``). Prints ``lookupdec: serving NAME at http://HOST:PORT`` on stderr once listening.
+    interrupted (``max_batch``: see ``create_app``). Prints ``lookupdec: serving NAME at
+    http://HOST:PORT`` on stderr once listening.
     ``api_key`` (default: ``$LOOKUPDEC_API_KEY``; "" for none): required as a Bearer token on
     every path but /health."""
     import uvicorn

@@ -12,11 +12,11 @@ queued. Setting ``job.cancel`` (the client disconnected) ends the generation bef
 and frees the engine for the next job. The counters of ``/health`` are updated before a job's
 last event is posted, so a client that has its answer never sees its request still running.
 
-``BatchingWorker`` (``serve --max-batch N``, N > 1; 8 by default) replaces the one-at-a-time engine thread by a
-loop over a ``BatchDecoder`` (``lookupdec.batch``): requests join the running batch at step
-boundaries while rows are free and leave it when done, each with its own sampling values, seed,
-stop strings and cancel event (checked before every step); pieces are posted as each step
-produces them. The events, counters and stats are the same; ``/health`` adds the running batch.
+``BatchingWorker`` (``serve --max-batch N``, N > 1; 8 by default) replaces the one-at-a-time
+engine thread by a loop over a ``BatchDecoder`` (``lookupdec.batch``): requests join the running
+batch at step boundaries while rows are free and leave it when done, each with its own sampling
+values, seed, stop strings and cancel event (checked before every step); pieces are posted as
+each step produces them. The events, counters and stats are the same; ``/health`` adds the running batch.
 """
 from __future__ import annotations
 
