@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     src.add_argument("--workload", choices=sorted(WORKLOADS), help="build records from the shared data")
     p.add_argument("--data", default=DEFAULT_DATA, help=f"shared data folder for --workload ({DEFAULT_DATA})")
     p.add_argument("--tokenizer", default=None,
-                   help=f"HF tokenizer folder or sentencepiece .model file (default: {DEFAULT_SP_TOKENIZER})")
+                   help=f"HF tokenizer folder or sentencepiece .model file, for text records (default: "
+                   f"{DEFAULT_SP_TOKENIZER}; records of token ids need none)")
     p.add_argument("--proposers", default=None,
                    help="comma-separated drafting sources: ngram, suffix, retrieval (default: the engine's but "
                    "recycle, which drafts from the model's logits; "
@@ -66,7 +67,6 @@ def run(args) -> int:
         config = config.with_index(args.index)
         if "retrieval" in names:  # keep the order --proposers gave
             config = dataclasses.replace(config, proposers=names)
-    tokenizer = model_lib.load_tokenizer(args.tokenizer or DEFAULT_SP_TOKENIZER)
     try:
         records = read_jsonl(args.input) if args.input else list(WORKLOADS[args.workload](args.data))
     except OSError as exc:
@@ -75,6 +75,11 @@ def run(args) -> int:
         raise CliError(str(exc)) from None
     if args.limit:
         records = records[: args.limit]
+    # records of token ids need no tokenizer (unless --tokenizer names one, or retrieval decodes)
+    text = any(not (isinstance(r, dict) and ("prompt_ids" in r or "response_ids" in r)) for r in records)
+    tokenizer = None
+    if args.tokenizer or text or "retrieval" in config.proposers:
+        tokenizer = model_lib.load_tokenizer(args.tokenizer or DEFAULT_SP_TOKENIZER)
     cost = None
     if args.cost_curve:
         from lookupdec.budget import CostModel
