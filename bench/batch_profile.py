@@ -1,0 +1,156 @@
+"""Where a batch of rewrites spends its time, and what one batched verify forward costs.
+
+Two measurements on SmolLM2-135M-Instruct (float32, CPU), for reading the server and batch
+benchmarks (why batching gives rewrites about 2x, not more):
+
+* ``forwards`` -- one batched verify forward (``BatchTarget.verify``) of ``rows x width``
+  chain tokens after a ``--context``-token prefix per row, median of ``--repeats``, for each
+  ``--shapes`` ROWSxWIDTH (a 1-row shape is one sequence's tree of that many nodes);
+* ``split``    -- ``--prompts`` rewrite prompts (log lines to JSON and code edits, alternating,
+  as ``server_batch_bench.py --workload rewrite`` sends them) through one ``BatchDecoder`` of
+  ``--batch`` rows, greedy, ``--max-tokens`` each: the wall time split into prefill forwards
+  (``BatchTarget.add``), verify forwards (``BatchTarget.verify``) and the rest, with the
+  verified slots (nodes and padding) against the tokens produced.
+
+    python bench/batch_profile.py --threads 2      # ~2 minutes, writes bench/results/batch_profile_2t.json
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, format_table, run_metadata, write_result  # noqa: E402
+from real_model import build_workloads  # noqa: E402
+
+
+def shape(text: str) -> tuple[int, int]:
+    try:
+        rows, width = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWSxWIDTH, e.g. 8x8") from None
+    if rows < 1 or width < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: rows and width must be >= 1")
+    return rows, width
+
+
+def chain(root: int, width: int, generator: torch.Generator):
+    from lookupdec.tree import Draft, TokenTree
+
+    tokens = torch.randint(0, 40000, (width - 1,), generator=generator).tolist()
+    drafts = [Draft(tuple(tokens), tuple(range(-1, width - 2)), tuple([0.9] * (width - 1)), "chain")] if width > 1 else []
+    return TokenTree.from_drafts(root, drafts, max_nodes=width - 1, max_depth=width)
+
+
+def forwards(engine, shapes, context: int, repeats: int) -> list[dict]:
+    from lookupdec.model.batch import BatchTarget
+
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for rows, width in shapes:
+        target = BatchTarget(engine.target, rows)
+        for _ in range(rows):
+            target.add(torch.randint(0, 40000, (context,), generator=generator).tolist())
+        seconds = []
+        for r in range(repeats + 2):  # two first forwards choose the kernels' forms, untimed
+            trees = [chain(5, width, generator) for _ in range(rows)]
+            start = time.perf_counter()
+            target.verify(trees)
+            if r >= 2:
+                seconds.append(time.perf_counter() - start)
+            target.commit([[] for _ in range(rows)])
+        median = statistics.median(seconds)
+        out.append({"rows": rows, "width": width, "tokens": rows * width, "median_ms": median * 1e3,
+                    "ms_per_token": median * 1e3 / (rows * width)})
+    return out
+
+
+def split(engine, prompts, batch: int, max_tokens: int) -> dict:
+    from lookupdec.batch import BatchDecoder, BatchRequest
+
+    decoder = BatchDecoder(engine, batch)
+    spent = {"prefill": 0.0, "verify": 0.0}
+    slots = {"nodes": 0, "padded": 0}
+
+    def timed(kind, call):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[kind] += time.perf_counter() - start
+        return run
+
+    verify = timed("verify", decoder.target.verify)
+
+    def counted(trees, rows=None):
+        slots["nodes"] += sum(len(t) for t in trees)
+        slots["padded"] += len(trees) * max(len(t) for t in trees)
+        return verify(trees, rows)
+
+    decoder.target.add = timed("prefill", decoder.target.add)
+    decoder.target.verify = counted
+    for p in prompts:
+        decoder.submit(BatchRequest(p, max_tokens))
+    start = time.perf_counter()
+    generations = decoder.run()
+    total = time.perf_counter() - start
+    tokens = sum(len(g.token_ids) for g in generations)
+    return {"requests": len(prompts), "batch": batch, "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
+            "tokens": tokens, "seconds": total, "tokens_per_s": tokens / total, "prefill_s": spent["prefill"],
+            "verify_s": spent["verify"], "other_s": total - spent["prefill"] - spent["verify"],
+            "steps": len(decoder.widths), "mean_width": statistics.mean(decoder.widths),
+            "verified_slots": slots["padded"], "node_slots": slots["nodes"],
+            "padding_share": 1 - slots["nodes"] / slots["padded"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (2)")
+    p.add_argument("--shapes", type=shape, nargs="+", default=[shape(s) for s in ("1x1", "1x64", "8x1", "8x8", "8x16")],
+                   metavar="ROWSxWIDTH", help="batched forwards to time (1x1 1x64 8x1 8x8 8x16)")
+    p.add_argument("--context", type=int, default=700, help="prefix tokens per row for the forwards (700)")
+    p.add_argument("--repeats", type=int, default=5, help="timed forwards per shape (5; the median is kept)")
+    p.add_argument("--prompts", type=int, default=16, help="rewrite prompts for the split (16)")
+    p.add_argument("--offset", type=int, default=17,
+                   help="skip this many rewrite prompts first (17: server_batch_bench's 8-client set)")
+    p.add_argument("--batch", type=int, default=8, help="rows of the split's batch (8)")
+    p.add_argument("--max-tokens", type=int, default=192, help="new tokens per prompt in the split (192)")
+    p.add_argument("--out", type=Path, default=None, help="result JSON (default: bench/results/batch_profile_<T>t.json)")
+    args = p.parse_args(argv)
+    out = args.out or RESULTS_DIR / f"batch_profile_{args.threads}t.json"
+    meta = run_metadata(threads_set_by_benchmark=True)
+    torch.set_num_threads(args.threads)
+    from lookupdec import Engine
+
+    engine = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
+    needed = args.offset + args.prompts
+    workloads = build_workloads(engine, needed // 2 + 1, 1024)
+    pool = [p for pair in zip(workloads["log_to_json"], workloads["code_edit"]) for p in pair]
+    if len(pool) < needed:
+        raise SystemExit(f"{len(pool)} rewrite prompts, {needed} needed (--offset + --prompts)")
+    engine.generate(pool[0][:64], max_new_tokens=8)  # warm-up: kernels, cost curve
+    rows = forwards(engine, args.shapes, args.context, args.repeats)
+    print(format_table(rows, [("rows", "rows", "d"), ("width", "width", "d"), ("tokens", "tokens", "d"),
+                              ("median_ms", "forward ms", ".1f"), ("ms_per_token", "ms/token", ".2f")]))
+    summary = split(engine, pool[args.offset : needed], args.batch, args.max_tokens)
+    print(f"\nsplit: {summary['requests']} rewrite prompts ({summary['mean_prompt_tokens']:.0f} tokens on average), "
+          f"B = {summary['batch']}: {summary['tokens']} tokens in {summary['seconds']:.1f} s "
+          f"({summary['tokens_per_s']:.1f} tokens/s): prefill {summary['prefill_s']:.1f} s, verify "
+          f"{summary['verify_s']:.1f} s, other {summary['other_s']:.1f} s; {summary['steps']} steps, mean width "
+          f"{summary['mean_width']:.2f}, padding {100 * summary['padding_share']:.1f}% of verified slots")
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    write_result(out, "batch_profile", config, {"forwards": rows, "split": summary}, meta=meta,
+                 threads_set_by_benchmark=True)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
