@@ -9,7 +9,8 @@ the verify forward, in µs per step:
     merge    ``AcceptanceCalibrator.calibration()`` + ``TokenTree.from_drafts``
     choose   ``SizeRecord.scales`` + ``choose_num_nodes`` (``CostModel``: a measured 150M-parameter curve) + ``prune``
              (timed; the verified tree stays the fixed budget's, as with ``budget="fixed"``)
-    inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]
+    inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]; the
+             fast paths write them into the ``InputBuffers`` kept across steps, as ``TargetModel``
     accept   ``sampling.accept`` (greedy) on logits [1+n, 49152] (SmolLM2's vocabulary) whose
              argmax follows the recorded response along the tree: the walk the target makes; on
              the fast paths as the engine calls it: with ``top_k``, so each visited row is read
@@ -42,6 +43,7 @@ KV cache gets the forward's writes, so, as in the engine, every phase starts wit
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import hashlib
 import os
@@ -65,6 +67,7 @@ from lookupdec.engine import top_tokens, top_tokens_reference  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
 from lookupdec.model import (commit_accepted, load_tokenizer, new_cache, tree_inputs,  # noqa: E402
                              tree_inputs_reference)
+from lookupdec.model.target import InputBuffers  # noqa: E402
 from lookupdec.proposers import build_proposers  # noqa: E402
 from lookupdec.proposers.ngram import NgramProposer  # noqa: E402
 from lookupdec.proposers.recycle import RecycleProposer  # noqa: E402
@@ -114,7 +117,8 @@ def reference_paths() -> Paths:
 
 
 def fast_paths() -> Paths:
-    return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, tree_inputs, accept, slot_cache=True,
+    inputs = functools.partial(tree_inputs, buffers=InputBuffers())  # as TargetModel.verify
+    return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, inputs, accept, slot_cache=True,
                  observe_draft=observe_draft, top_tokens=top_tokens, partial=True)
 
 

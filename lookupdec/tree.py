@@ -264,6 +264,24 @@ class Calibration:
         # the row's rank-0, depth-1 cell
         self.row_factors = self.table[:, 0] if row_factors is None else np.asarray(row_factors)
 
+    @classmethod
+    def packed(cls, rows: dict, table: bytes, fallback: dict, row_factors: bytes) -> "Calibration":
+        """A probabilities calibration from the compiled core's float64 bytes (``table`` [rows,
+        CELLS_PER_ROW] and one factor per row), its arrays made only when read: the merge takes
+        the bytes as they are (``packed_table``), once per step."""
+        calibration = cls.__new__(cls)
+        calibration.probabilities, calibration.rows, calibration.fallback = True, rows, fallback
+        calibration._packed_table, calibration._packed_row_factors = table, row_factors
+        return calibration
+
+    def __getattr__(self, name: str):  # ``table`` and ``row_factors`` of a ``packed`` calibration
+        packed = self.__dict__.get("_packed_table")
+        if packed is None or name not in ("table", "row_factors"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.table = np.frombuffer(packed, np.float64).reshape(-1, CELLS_PER_ROW)
+        self.row_factors = np.frombuffer(self.__dict__["_packed_row_factors"], np.float64)
+        return self.__dict__[name]
+
     def row_factor(self, draft: Draft) -> float:
         row = self.row(draft)
         return float(self.row_factors[row]) if row >= 0 else self.fallback.get(draft.source, 1.0)
@@ -282,7 +300,7 @@ class Calibration:
 
     def packed_table(self) -> bytes:
         """``table`` as float64 bytes, for the compiled merge (made once)."""
-        packed = getattr(self, "_packed_table", None)
+        packed = self.__dict__.get("_packed_table")
         if packed is None:
             packed = self._packed_table = np.ascontiguousarray(self.table, dtype=np.float64).tobytes()
         return packed
@@ -593,6 +611,23 @@ class TokenTree:
         if _core is None:
             return None
         return _core.tree_inputs(self.token_ids, self.parents, n_cached, fill)
+
+    def verify_inputs_at(self, n_cached: int, fill: bytes, ids: int, positions: int, mask: int, rows: int,
+                         cols: int, last_rows: int, last_column: int):
+        """``verify_inputs`` written into buffers kept across steps (``model.InputBuffers``), given
+        by address: ``ids`` and ``positions`` (int64, ``rows`` long), ``mask`` (C-contiguous
+        [rows, cols] elements of ``fill``'s size, zero but for the last step's tree block of
+        ``last_rows`` rows at column ``last_column``): that block is cleared, this tree's ([1+n,
+        1+n] at column ``n_cached``) written unless the tree is a chain. Returns whether it was
+        written, or None without the core. The caller keeps the buffers alive and large enough
+        (checked against ``rows`` and ``cols``)."""
+        core = self.__dict__.get("_core")
+        if core is not None:
+            return core.inputs_at(n_cached, fill, ids, positions, mask, rows, cols, last_rows, last_column)
+        if _core is None:
+            return None
+        return _core.tree_inputs_at(self.token_ids, self.parents, n_cached, fill, ids, positions, mask, rows, cols,
+                                    last_rows, last_column)
 
     def greedy_walk(self, logits: np.ndarray, top_k: int = 0, row_of: bytes | None = None, start: int = 0):
         """The compiled core's greedy acceptance walk over float32 ``logits`` (rows contiguous;

@@ -170,6 +170,33 @@ def test_tree_inputs_equal_the_reference(seed):
         assert got[2].dtype == want[2].dtype and got[2].shape == want[2].shape and torch.equal(got[2], want[2])
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_tree_inputs_into_kept_buffers_equal_the_reference_step_after_step(seed):
+    """``InputBuffers`` (the engine's: a mask buffer kept across steps, each step clearing the last
+    step's tree block and writing its own) gives every step of a sequence of trees, chains, growing
+    contexts and dtypes what ``tree_inputs_reference`` builds from nothing; each step's views are
+    compared before the next step writes."""
+    from lookupdec.model.target import InputBuffers
+
+    rng = random.Random(seed)
+    buffers = InputBuffers()
+    dtype = rng.choice((torch.float32, torch.bfloat16))
+    n_cached = rng.choice((0, 5, 900))
+    for _ in range(25):
+        if rng.random() < 0.1:
+            dtype = rng.choice((torch.float32, torch.float16, torch.bfloat16, torch.float64))
+        tree = random_trie(rng, rng.choice((0, 1, rng.randint(2, 90))), rng.choice((1, 2, 5, 100)))
+        n_cached = max(0, n_cached + rng.choice((-3, 0, 1, 4, 40, 700)))
+        got = tree_inputs(tree, n_cached, device="cpu", dtype=dtype, buffers=buffers)
+        want = tree_inputs_reference(tree, n_cached, device="cpu", dtype=dtype)
+        for g, w in zip(got[:2], want[:2]):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+        if want[2] is None:
+            assert got[2] is None
+        else:
+            assert got[2].dtype == want[2].dtype and got[2].shape == want[2].shape and torch.equal(got[2], want[2])
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_slot_cache_commit_equals_the_dynamic_cache(seed):
     """The engine's SlotCache (one buffer, in-place appends, one gather for every layer) holds

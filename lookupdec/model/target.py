@@ -44,6 +44,7 @@ class TargetModel:
         self._num_layers = getattr(self.config.get_text_config(decoder=True), "num_hidden_layers", None)
         self.cache = None
         self.n_cached = 0
+        self._inputs = InputBuffers()  # the CPU tree forward's ids, positions and mask, reused per step
         self.last_prepare_s = 0.0
         if verify == "auto":
             verify = "tree" if self._probe_tree_mask() else "chain"
@@ -102,7 +103,7 @@ class TargetModel:
         # A chain gets no custom mask (tree_inputs): the model's own causal mask, and its fastest
         # attention path, the one plain decoding takes, is exactly the tree mask then.
         ids, positions, mask = tree_inputs(tree, self.n_cached, device=self.device, dtype=self.dtype,
-                                           windows=self._windows, tree_mode=self.tree_mode)
+                                           windows=self._windows, tree_mode=self.tree_mode, buffers=self._inputs)
         head = _RowsHead(self._head, self.fast_head or self._head, rows) if partial else self.fast_head
         with swapped(self.model, head, gqa=self._gqa, body=self.body, tokens=n):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
@@ -231,8 +232,48 @@ class _RowsHead(torch.nn.Module):
         return self.compute(x.reshape(-1, x.shape[-1])[self.rows][None])
 
 
+class InputBuffers:
+    """Where ``tree_inputs`` writes a CPU verify forward's inputs, kept across steps (a
+    ``TargetModel`` holds one). A fresh mask [1+n, n_cached+1+n] per step costs its page faults
+    and a write of every prefix column (0.5 MB at a 2000-token context, tens of µs); here the
+    mask is a view of a zeroed buffer [rows, cols] whose prefix columns are never written: a step
+    clears the last step's tree block and writes its own ([1+n, 1+n], ``_core.tree_inputs_into``).
+    The tensors returned are views, valid until the next call (a forward reads them at once)."""
+
+    def __init__(self) -> None:
+        self.dtype = None
+        self.rows = self.cols = 0
+        self.last = (0, 0)  # (rows, column) of the tree block the mask holds
+
+    def make(self, tree: TokenTree, n_cached: int, dtype, fill: bytes):
+        """``tree_inputs``' three for ``tree`` (``fill``: the bytes of the mask's hidden value), or
+        None without the compiled core."""
+        n, width = len(tree), n_cached + len(tree)
+        if dtype != self.dtype or n > self.rows or width > self.cols:
+            same = dtype == self.dtype
+            self._grow(max(n, 2 * self.rows if same else 0, 65), max(width, 2 * self.cols if same else 0, 1024), dtype)
+        written = tree.verify_inputs_at(n_cached, fill, self._addresses[0], self._addresses[1], self._addresses[2],
+                                        self.rows, self.cols, *self.last)
+        if written is None:  # no compiled core
+            return None
+        self.last = (n, n_cached) if written else (0, 0)
+        views = self._views.get(n)
+        if views is None:  # per tree size, made once: a view made per step costs more than its cells
+            views = self._views[n] = (self.ids[None, :n], self.positions[None, :n])
+        return (*views, self.mask.as_strided((1, 1, n, width), self._mask_strides) if written else None)
+
+    def _grow(self, rows: int, cols: int, dtype) -> None:
+        self.dtype, self.rows, self.cols, self.last = dtype, rows, cols, (0, 0)
+        self.ids = torch.zeros(rows, dtype=torch.int64)
+        self.positions = torch.zeros(rows, dtype=torch.int64)
+        self.mask = torch.zeros((1, 1, rows, cols), dtype=dtype)
+        self._mask_strides = self.mask.stride()
+        self._addresses = (self.ids.data_ptr(), self.positions.data_ptr(), self.mask.data_ptr())
+        self._views: dict[int, tuple] = {}  # tree size -> views of ids and positions
+
+
 def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict | None = None,
-                tree_mode: bool = True):
+                tree_mode: bool = True, buffers: InputBuffers | None = None):
     """What one verify forward of ``tree`` takes after ``n_cached`` committed slots, no model
     needed: ``input_ids`` [1, 1+n], ``position_ids`` [1, 1+n] (``n_cached + depth``: siblings
     share a position) and the attention mask: None for a chain (the model's own causal mask is
@@ -240,12 +281,17 @@ def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict 
     mask [1, 1, 1+n, n_cached+1+n] (0 where node i sees slot j: the prefix, itself, its
     ancestors; the dtype's minimum elsewhere), a dict per layer type with sliding ``windows``
     (``_sliding_windows``). On the CPU without windows, one call into the compiled core writes
-    all three (``csrc/tree.cpp``); elsewhere a handful of tensor operations, none per node.
-    ``tree_inputs_reference`` is the same by definition."""
+    all three (``csrc/tree.cpp``; into ``buffers`` when given: views of them are returned);
+    elsewhere a handful of tensor operations, none per node. ``tree_inputs_reference`` is the
+    same by definition."""
     fill = _MASK_FILL.get(dtype)
     if fill is None:
         fill = _MASK_FILL[dtype] = torch.tensor([torch.finfo(dtype).min], dtype=dtype).view(torch.uint8).numpy().tobytes()
-    made = tree.verify_inputs(n_cached, fill) if not windows and torch.device(device).type == "cpu" else None
+    on_cpu = not windows and (device == "cpu" or getattr(device, "type", None) == "cpu")
+    made = buffers.make(tree, n_cached, dtype, fill) if on_cpu and buffers is not None and tree_mode else None
+    if made is not None:
+        return made
+    made = tree.verify_inputs(n_cached, fill) if on_cpu else None
     if made is not None:
         ids, positions, mask = made
         n = len(tree)

@@ -11,6 +11,8 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <cstring>
 #include <initializer_list>
 #include <optional>
 #include <tuple>
@@ -255,6 +257,64 @@ nb::tuple tree_inputs(const std::vector<Token>& token_ids, const std::vector<int
   return nb::make_tuple(ids, positions, mask);
 }
 
+// The n x n tree block of an additive mask: row i at `block + i * row_bytes`, 0 where `seen`
+// (the ancestor mask) is set, `fill` elsewhere.
+template <class T>
+void write_tree_block(const uint8_t* seen, int64_t n, const char* fill, uint8_t* block, int64_t row_bytes) {
+  T value;
+  std::memcpy(&value, fill, sizeof(T));
+  for (int64_t i = 0; i < n; ++i) {
+    T* row = reinterpret_cast<T*>(block + i * row_bytes);
+    const uint8_t* visible = seen + i * n;
+    for (int64_t j = 0; j < n; ++j) row[j] = visible[j] ? T{0} : value;
+  }
+}
+
+// tree_inputs into buffers kept across steps (model.target.InputBuffers), given by address (an
+// ndarray argument costs microseconds to convert each step): the tree's n input ids and positions
+// into the int64 arrays at `ids` and `positions` (`rows` long), and its mask block into the
+// additive mask at `mask`: `rows` rows of `cols` len(fill)-byte elements, zero outside the last
+// step's tree block, which is cleared first (last_rows x last_rows elements at column last_col);
+// then, unless the tree is a chain, this tree's block is written (n x n at column n_cached: 0
+// where node i sees node j, fill elsewhere). The prefix columns are never written: they stay 0.
+// Returns false for a chain (no block written: the model's causal mask is the tree mask).
+template <class Token>
+bool tree_inputs_at(const std::vector<Token>& token_ids, const std::vector<int32_t>& parents, int64_t n_cached,
+                    nb::bytes fill, uintptr_t ids, uintptr_t positions, uintptr_t mask, int64_t rows, int64_t cols,
+                    int64_t last_rows, int64_t last_col) {
+  int64_t n = static_cast<int64_t>(parents.size());
+  if (static_cast<int64_t>(token_ids.size()) != n || n == 0 || parents[0] != -1 || n_cached < 0)
+    throw std::invalid_argument("tree_inputs_at: need parents[0] == -1 and one token per node");
+  int64_t elem = static_cast<int64_t>(fill.size());
+  if (elem == 0 || !ids || !positions || !mask || rows < std::max(n, last_rows) || cols < n_cached + n ||
+      last_rows < 0 || last_col < 0 || cols < last_col + last_rows)
+    throw std::invalid_argument("tree_inputs_at: buffers too small for the tree");
+  int64_t* id = reinterpret_cast<int64_t*>(ids);
+  int64_t* position = reinterpret_cast<int64_t*>(positions);
+  bool chain = true;
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t p = parents[i];
+    if (i > 0 && (p < 0 || p >= i)) throw std::invalid_argument("tree_inputs_at: parents[i] must be in [0, i)");
+    id[i] = static_cast<int64_t>(token_ids[i]);
+    position[i] = i == 0 ? n_cached : position[p] + 1;
+    chain = chain && p == i - 1;
+  }
+  uint8_t* base = reinterpret_cast<uint8_t*>(mask);
+  int64_t row_bytes = cols * elem;
+  for (int64_t i = 0; i < last_rows; ++i)
+    std::memset(base + i * row_bytes + last_col * elem, 0, static_cast<size_t>(last_rows * elem));
+  if (chain) return false;
+  std::vector<uint8_t> seen(static_cast<size_t>(n * n));
+  lookupdec::ancestor_mask(parents.data(), n, seen.data());
+  switch (elem) {  // the element as an unsigned integer of its size: zero bits are 0.0
+    case 2: write_tree_block<uint16_t>(seen.data(), n, fill.c_str(), base + n_cached * elem, row_bytes); break;
+    case 4: write_tree_block<uint32_t>(seen.data(), n, fill.c_str(), base + n_cached * elem, row_bytes); break;
+    case 8: write_tree_block<uint64_t>(seen.data(), n, fill.c_str(), base + n_cached * elem, row_bytes); break;
+    default: throw std::invalid_argument("tree_inputs_at: elements of 2, 4 or 8 bytes");
+  }
+  return true;
+}
+
 using LogitsIn = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>;
 using CellsOut = nb::ndarray<double, nb::ndim<1>, nb::device::cpu>;
 
@@ -442,6 +502,7 @@ NB_MODULE(_core, m) {
       .def("num_tokens", &lookupdec::RecycleTable::num_tokens);
   m.def("ancestor_mask", &ancestor_mask);
   m.def("tree_inputs", &tree_inputs<int64_t>);
+  m.def("tree_inputs_at", &tree_inputs_at<int64_t>);
   m.def("greedy_walk", &greedy_walk, nb::arg("logits"), nb::arg("token_ids"), nb::arg("parents"),
         nb::arg("top_k") = 0, nb::arg("row_of") = nb::none(), nb::arg("start") = 0);
   m.def("observe_draft", &observe_draft);
@@ -469,6 +530,11 @@ NB_MODULE(_core, m) {
       })
       .def("inputs", [](const CoreTree& t, int64_t n_cached, nb::bytes fill) {
         return tree_inputs(t.tree.token_ids, t.tree.parents, n_cached, fill);
+      })
+      .def("inputs_at", [](const CoreTree& t, int64_t n_cached, nb::bytes fill, uintptr_t ids, uintptr_t positions,
+                           uintptr_t mask, int64_t rows, int64_t cols, int64_t last_rows, int64_t last_col) {
+        return tree_inputs_at(t.tree.token_ids, t.tree.parents, n_cached, fill, ids, positions, mask, rows, cols,
+                              last_rows, last_col);
       })
       .def("greedy_walk", [](const CoreTree& t, LogitsIn logits, int32_t top_k, std::optional<nb::bytes> row_of,
                              int32_t start) {
