@@ -114,6 +114,55 @@ def test_the_body_keeps_the_faster_form_per_token_bucket_and_thread_count(monkey
 
 
 @needs_onednn
+def test_a_form_that_lost_its_trials_to_noise_takes_over_at_a_check():
+    """Noise only adds time: a form whose trials were slowed keeps losing unless the choice is
+    checked again. The chosen form's calls are timed; after RECHECK_FIRST of them one call tries
+    the other form, which takes over where it was faster. A right choice keeps passing its
+    checks, ever more rarely (the interval doubles once every other form has failed at it)."""
+    from lookupdec.model.kernels import RECHECK_FIRST, FormChooser
+
+    true = {"packed": 55.0, "linear": 100.0}
+    chooser = FormChooser(("packed", "linear"))
+    key = (8, 1)
+    for _ in range(FORM_TRIALS * 2):  # the packed trials fall into a burst of noise
+        form = chooser.pick(key)
+        chooser.record(key, form, true[form] + (80.0 if form == "packed" else 0.0))
+    assert chooser.choice[key] == "linear"
+    calls = 0
+    while chooser.choice[key] == "linear":
+        form = chooser.pick(key)
+        chooser.record(key, form, true[form])
+        calls += 1
+        assert calls <= RECHECK_FIRST + 1
+    assert chooser.choice[key] == "packed"
+    tried_other = 0
+    for _ in range(2000):
+        form = chooser.pick(key)
+        tried_other += form != "packed"
+        assert chooser.record(key, form, true[form]) == (true["linear"] - true["packed"] if form != "packed" else 0.0)
+    assert chooser.choice[key] == "packed"
+    assert 1 <= tried_other <= 7  # after 16, 32, 64, ... calls: log2(2000 / 16) checks
+
+
+def test_every_other_form_is_checked_in_turn():
+    from lookupdec.model.kernels import FormChooser
+
+    chooser = FormChooser(FORMS)
+    key = (3, 1)
+    for _ in range(FORM_TRIALS * len(FORMS)):
+        form = chooser.pick(key)
+        chooser.record(key, form, 1.0 if form == "linear" else 2.0)
+    assert chooser.choice[key] == "linear"
+    others = [f for f in FORMS if f != "linear"]
+    checked = []
+    for _ in range(len(others) * (16 + 1) + 32 + 1):  # each other form after 16 calls, then every 32
+        form = chooser.pick(key)
+        if form != "linear":
+            checked.append(form)
+        chooser.record(key, form, 1.0 if form == "linear" else 2.0)
+    assert checked == others + others[:1]
+
+
 def test_packed_linears_follow_weight_changes():
     layer = torch.nn.Linear(8, 8)
     body = PackedLinears([layer])

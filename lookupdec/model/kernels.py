@@ -92,6 +92,65 @@ def _record_trial(trials: dict, choice: dict, key, form: str, seconds: float, fo
     return max(0.0, seconds - best)
 
 
+RECHECK_FIRST = 16  # calls of a bucket after its choice (or a switch) before another form is timed again
+RECHECK_MARGIN = 0.97  # another form takes over when its call took less than this x the chosen's fastest
+
+
+class FormChooser:
+    """Which form computes each bucket (``choice``, key -> form). The first calls of a bucket try
+    every form ``FORM_TRIALS`` times and keep the fastest (``_record_trial``). The chosen form's
+    calls stay timed, and after ``RECHECK_FIRST`` of them one call tries another form, each in
+    turn (the interval doubles once every other form has failed at it): it takes over where it
+    took less than ``RECHECK_MARGIN`` times the chosen form's fastest call since the last check.
+    Noise on a shared machine only ever adds time, so a form can lose its two trials to a burst
+    of it and then compute its bucket for the whole process (SmolLM2 at one thread: the body kept
+    ``nn.Linear`` for 8-token forwards, 108 ms, where packed weights take 67); a check costs one
+    call in another form, ever more rarely, and puts that right within a few dozen calls."""
+
+    def __init__(self, forms) -> None:
+        self.forms = tuple(forms)
+        self.choice: dict = {}  # key -> the form that computes it
+        self.trials: dict = {}  # key -> form -> seconds of its trials, while every form is being tried
+        self._watch: dict = {}  # key -> [calls until the next check, interval, chosen's fastest since, next other]
+
+    def pick(self, key) -> str:
+        """The form for the next call in ``key``'s bucket (time it, then ``record``)."""
+        form = self.choice.get(key)
+        if form is None:
+            tried = self.trials.get(key, {})
+            return min(self.forms, key=lambda f: len(tried.get(f, ())))
+        watch = self._watch.get(key)
+        if watch is None or watch[0] > 0 or watch[2] == float("inf"):
+            return form
+        others = [f for f in self.forms if f != form]
+        return others[watch[3] % len(others)] if others else form
+
+    def record(self, key, form: str, seconds: float) -> float:
+        """A timed call of ``form`` in ``key``'s bucket; returns what it took beyond the best
+        form known for the bucket (a trial's or a check's excess, kept out of cost timings)."""
+        chosen = self.choice.get(key)
+        if chosen is None:
+            excess = _record_trial(self.trials, self.choice, key, form, seconds, self.forms)
+            if key in self.choice:
+                self._watch[key] = [RECHECK_FIRST, RECHECK_FIRST, float("inf"), 0]
+            return excess
+        watch = self._watch.setdefault(key, [RECHECK_FIRST, RECHECK_FIRST, float("inf"), 0])
+        if form == chosen:
+            watch[0] -= 1
+            watch[2] = min(watch[2], seconds)
+            return 0.0
+        best = watch[2]  # a check of another form
+        if seconds < RECHECK_MARGIN * best:
+            self.choice[key] = form
+            self._watch[key] = [RECHECK_FIRST, RECHECK_FIRST, seconds, 0]
+            return 0.0
+        watch[3] += 1
+        if watch[3] % (len(self.forms) - 1) == 0:  # every other form has failed at this interval
+            watch[1] *= 2
+        watch[0], watch[2] = watch[1], float("inf")
+        return max(0.0, seconds - best)
+
+
 class FastHead(torch.nn.Module):
     """A drop-in for a bias-free ``nn.Linear`` output projection on CPU."""
 
@@ -101,8 +160,9 @@ class FastHead(torch.nn.Module):
         self._transposed: torch.Tensor | None = None  # W^T, contiguous: made on first need
         self._packed: torch.Tensor | None = None  # oneDNN's layout: made on first need
         self.forms = FORMS if packed_available() else FORMS[:3]
-        self.choice: dict[tuple[int, int], str] = {}  # (row bucket, torch threads) -> fastest form
-        self._trials: dict[tuple[int, int], dict[str, list[float]]] = {}  # ... -> form -> seconds, while trying
+        self._chooser = FormChooser(self.forms)  # per (row bucket, torch threads)
+        self.choice: dict[tuple[int, int], str] = self._chooser.choice  # ... -> the fastest form
+        self._trials: dict[tuple[int, int], dict[str, list[float]]] = self._chooser.trials  # while trying
         self.excess_s = 0.0  # seconds trial calls took beyond the best form tried (``take_excess``)
 
     @property
@@ -144,16 +204,13 @@ class FastHead(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         key = (_bucket(flat.shape[0]), torch.get_num_threads())
-        form = self.choice.get(key)
-        if form is not None:
-            out = self._form(form, flat)
-        else:  # still trying: the form tried least so far, timed (the copies are made before the clock)
-            self.prepare(flat.shape[0])
-            tried = self._trials.get(key, {})
-            form = min(self.forms, key=lambda f: len(tried.get(f, ())))
-            start = time.perf_counter()
-            out = self._form(form, flat)
-            excess = _record_trial(self._trials, self.choice, key, form, time.perf_counter() - start, self.forms)
+        form = self._chooser.pick(key)  # the chosen form, or one being tried (FormChooser)
+        if key not in self.choice:
+            self.prepare(flat.shape[0])  # the copies are made before the clock
+        start = time.perf_counter()
+        out = self._form(form, flat)
+        excess = self._chooser.record(key, form, time.perf_counter() - start)
+        if excess:
             self.excess_s += excess  # what trying cost over the best form so far
             _TRIAL_EXCESS[0] += excess
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -186,8 +243,9 @@ class PackedLinears:
         self.modules = modules
         self._packed: dict[torch.nn.Linear, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._forwards = {m: self._forward_of(m) for m in modules}
-        self.choice: dict[tuple[int, int], str] = {}  # (token bucket, torch threads) -> "packed" | "linear"
-        self._trials: dict[tuple[int, int], dict[str, list[float]]] = {}  # ... -> form -> whole forwards' seconds
+        self._chooser = FormChooser(BODY_FORMS)  # per (token bucket, torch threads), whole forwards timed
+        self.choice: dict[tuple[int, int], str] = self._chooser.choice  # ... -> "packed" | "linear"
+        self._trials: dict[tuple[int, int], dict[str, list[float]]] = self._chooser.trials  # while trying
         self.excess_s = 0.0  # seconds trial forwards took beyond the best form tried (``take_excess``)
 
     def take_excess(self) -> float:
@@ -200,21 +258,17 @@ class PackedLinears:
     def chosen(self, tokens: int):
         """``active`` for a forward of ``tokens`` tokens where packed weights were the faster
         form for its bucket at this thread count, plain ``nn.Linear`` where not; while both are
-        being tried, the form tried less so far, the whole block timed."""
+        being tried (or checked again, ``FormChooser``), the form tried less so far. The whole
+        block is timed (the head's trial and check excess left out)."""
         key = (_bucket(tokens), torch.get_num_threads())
-        form = self.choice.get(key)
-        trying = form is None
-        if trying:
-            tried = self._trials.get(key, {})
-            form = min(BODY_FORMS, key=lambda f: len(tried.get(f, ())))
-            if form == "packed" and len(self._packed) != len(self.modules):
-                self.refresh()  # (the copies are made before the clock)
+        form = self._chooser.pick(key)  # the chosen form, or one being tried or checked (FormChooser)
+        if form == "packed" and len(self._packed) != len(self.modules):
+            self.refresh()  # (the copies are made before the clock)
         head_excess, start = _TRIAL_EXCESS[0], time.perf_counter()
         with self.active() if form == "packed" else contextlib.nullcontext():
             yield
-        if trying:
-            seconds = time.perf_counter() - start - (_TRIAL_EXCESS[0] - head_excess)
-            self.excess_s += _record_trial(self._trials, self.choice, key, form, seconds, BODY_FORMS)
+        seconds = time.perf_counter() - start - (_TRIAL_EXCESS[0] - head_excess)
+        self.excess_s += self._chooser.record(key, form, seconds)
 
     def refresh(self) -> None:
         """Pack every weight not packed yet or changed since it was (a new tensor, or written in
