@@ -12,8 +12,8 @@ import torch
 from conftest import cached_tiny
 from helpers import FakeTokenizer
 from lookupdec import Engine, EngineConfig
-from lookupdec.model.kernels import (BODY_FORMS, FORM_TRIALS, FORMS, GQA_SWITCH, FastHead, PackedLinears, fast_head_for,
-                                     packed_available, packed_linears_for, swapped)
+from lookupdec.model.kernels import (BODY_FORMS, FORM_TRIALS, FORMS, GQA_SWITCH, INHERITED_CHECK, FastHead, PackedLinears,
+                                     fast_head_for, packed_available, packed_linears_for, swapped)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 40])
@@ -108,9 +108,14 @@ def test_the_body_keeps_the_faster_form_per_token_bucket_and_thread_count(monkey
     assert body.take_excess() > 0 and body.take_excess() == 0.0
     with torch.inference_mode(), body.chosen(3):
         assert "forward" not in layers[0].__dict__  # plain nn.Linear from now on for 3 tokens
-    with torch.inference_mode(), body.chosen(40):
-        pass  # another bucket: tried afresh
-    assert (64, torch.get_num_threads()) not in body.choice and len(body._trials) == 1
+    seen = []
+    for _ in range(INHERITED_CHECK + 1):  # another bucket starts from the nearest one's choice ...
+        with torch.inference_mode(), body.chosen(40):
+            form = "packed" if "forward" in layers[0].__dict__ else "linear"
+            seen.append(form)
+            now[0] += slow[form] * 2
+    assert body.choice[(64, torch.get_num_threads())] == "linear" and not body._trials
+    assert seen == ["linear"] * INHERITED_CHECK + ["packed"]  # ... and checks the other form soon
 
 
 @needs_onednn

@@ -36,6 +36,7 @@ in a benchmark). Greedy identity with ``transformers`` is tested as everywhere
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import weakref
@@ -93,15 +94,18 @@ def _record_trial(trials: dict, choice: dict, key, form: str, seconds: float, fo
 
 
 RECHECK_FIRST = 16  # calls of a bucket after its choice (or a switch) before another form is timed again
+INHERITED_CHECK = 4  # calls of a bucket that took its nearest bucket's choice before its first check
 RECHECK_MARGIN = 0.97  # another form takes over when its call took less than this x the chosen's fastest
 
 
 class FormChooser:
-    """Which form computes each bucket (``choice``, key -> form). The first calls of a bucket try
-    every form ``FORM_TRIALS`` times and keep the fastest (``_record_trial``). The chosen form's
-    calls stay timed, and after ``RECHECK_FIRST`` of them one call tries another form, each in
-    turn (the interval doubles once every other form has failed at it): it takes over where it
-    took less than ``RECHECK_MARGIN`` times the chosen form's fastest call since the last check.
+    """Which form computes each bucket (``choice``, ``(rows, threads)`` -> form). The first calls
+    of the first bucket at a thread count try every form ``FORM_TRIALS`` times and keep the
+    fastest (``_record_trial``); a later bucket starts from its nearest bucket's choice
+    (``_inherit``). The chosen form's calls stay timed, and after ``RECHECK_FIRST`` of them one
+    call tries another form, each in turn (the interval doubles once every other form has failed
+    at it): it takes over where it took less than ``RECHECK_MARGIN`` times the chosen form's
+    fastest call since the last check.
     Noise on a shared machine only ever adds time, so a form can lose its two trials to a burst
     of it and then compute its bucket for the whole process (SmolLM2 at one thread: the body kept
     ``nn.Linear`` for 8-token forwards, 108 ms, where packed weights take 67); a check costs one
@@ -117,13 +121,31 @@ class FormChooser:
         """The form for the next call in ``key``'s bucket (time it, then ``record``)."""
         form = self.choice.get(key)
         if form is None:
-            tried = self.trials.get(key, {})
+            tried = self.trials.get(key)
+            if tried is None:
+                form = self._inherit(key)
+                if form is not None:
+                    return form
+            tried = tried or {}
             return min(self.forms, key=lambda f: len(tried.get(f, ())))
         watch = self._watch.get(key)
         if watch is None or watch[0] > 0 or watch[2] == float("inf"):
             return form
         others = [f for f in self.forms if f != form]
         return others[watch[3] % len(others)] if others else form
+
+    def _inherit(self, key) -> str | None:
+        """A new bucket ``(rows, threads)`` takes the choice of the nearest bucket (by ratio) at
+        the same thread count, checked against the other forms after ``INHERITED_CHECK`` calls:
+        trying every form twice cost SmolLM2 25-70 ms per slower trial, in every new bucket,
+        all of it in the first requests' latency. None where no bucket has a choice yet."""
+        rows, threads = key
+        near = [(abs(math.log2(b / rows)), b) for b, t in self.choice if t == threads]
+        if not near:
+            return None
+        form = self.choice[key] = self.choice[(min(near)[1], threads)]
+        self._watch[key] = [INHERITED_CHECK, RECHECK_FIRST, float("inf"), 0]
+        return form
 
     def record(self, key, form: str, seconds: float) -> float:
         """A timed call of ``form`` in ``key``'s bucket; returns what it took beyond the best
