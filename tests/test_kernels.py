@@ -12,8 +12,8 @@ import torch
 from conftest import cached_tiny
 from helpers import FakeTokenizer
 from lookupdec import Engine, EngineConfig
-from lookupdec.model.kernels import (BODY_FORMS, FORM_TRIALS, FORMS, GQA_SWITCH, INHERITED_CHECK, FastHead, PackedLinears,
-                                     fast_head_for, packed_available, packed_linears_for, swapped)
+from lookupdec.model.kernels import (BODY_FORMS, FORM_TRIALS, FORMS, GQA_SWITCH, INHERITED_CHECK, FastHead,
+                                     PackedLinears, fast_head_for, packed_available, packed_linears_for, swapped)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 40])
@@ -147,6 +147,17 @@ def test_a_form_that_lost_its_trials_to_noise_takes_over_at_a_check():
         assert chooser.record(key, form, true[form]) == (true["linear"] - true["packed"] if form != "packed" else 0.0)
     assert chooser.choice[key] == "packed"
     assert 1 <= tried_other <= 7  # after 16, 32, 64, ... calls: log2(2000 / 16) checks
+
+
+def test_a_new_bucket_takes_the_nearest_choice_at_its_thread_count():
+    from lookupdec.model.kernels import FormChooser
+
+    chooser = FormChooser(("packed", "linear"))
+    chooser.choice.update({(1, 1): "linear", (16, 1): "packed", (4, 2): "linear"})
+    assert chooser.pick((2, 1)) == "linear" and chooser.pick((32, 1)) == "packed"
+    assert chooser.pick((8, 1)) == "packed"  # 8 is nearer 16 than 1 by ratio
+    assert chooser.pick((0, 1)) == "packed"  # no ratio to 0 rows: tried afresh (the form tried least)
+    assert (0, 1) not in chooser.choice and chooser.pick((64, 3)) == "packed" and (64, 3) not in chooser.choice
 
 
 def test_every_other_form_is_checked_in_turn():

@@ -140,7 +140,7 @@ class FormChooser:
         trying every form twice cost SmolLM2 25-70 ms per slower trial, in every new bucket,
         all of it in the first requests' latency. None where no bucket has a choice yet."""
         rows, threads = key
-        near = [(abs(math.log2(b / rows)), b) for b, t in self.choice if t == threads]
+        near = [(abs(math.log2(b / rows)), b) for b, t in self.choice if t == threads and b > 0] if rows > 0 else []
         if not near:
             return None
         form = self.choice[key] = self.choice[(min(near)[1], threads)]
