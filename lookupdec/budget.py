@@ -303,13 +303,12 @@ class AcceptanceCalibrator:
         self._rows: dict = {}  # (source, match bucket) -> row of the tables
         self._row_source: list[str] = []
         self._sources: dict[str, int] = {}  # source -> its index (the compiled calibration's)
-        self._row_source_index = bytearray()  # int32 per row: its source's index
+        self._row_source_index = b""  # int32 per row: its source's index (bytes, for the compiled calibration)
         self._reached = np.zeros((0, CELLS_PER_ROW))  # decayed counts of reached nodes
         self._predicted = np.zeros((0, CELLS_PER_ROW))  # decayed sums of their claimed conditional probabilities
         self._matched = np.zeros((0, CELLS_PER_ROW))  # decayed counts of accepted nodes
         self._calibration: Calibration | None = None  # cached until the next learn
         self._rows_copy: dict | None = None  # the calibrations' copy of _rows (until a row is added)
-        self._row_source_bytes = b""  # bytes(_row_source_index), for the compiled calibration
 
     def _row(self, draft: Draft) -> int:
         key = (draft.source, match_bucket(draft.match_length))
@@ -318,7 +317,6 @@ class AcceptanceCalibrator:
             row = self._rows[key] = len(self._row_source)
             self._row_source.append(draft.source)
             self._row_source_index += np.int32(self._sources.setdefault(draft.source, len(self._sources))).tobytes()
-            self._row_source_bytes = bytes(self._row_source_index)
             self._rows_copy = None
             grow = np.zeros((1, CELLS_PER_ROW))
             self._reached = np.vstack([self._reached, grow])
@@ -356,7 +354,7 @@ class AcceptanceCalibrator:
         claimed probability (``CELL_PRIOR_WEIGHT`` observations' worth, at most ``MAX_PRIOR_PROB``)."""
         if self._calibration is None and self.compiled:
             table, by_row, by_source = _core.calibration_table(
-                self._reached, self._predicted, self._matched, self._row_source_bytes, len(self._sources),
+                self._reached, self._predicted, self._matched, self._row_source_index, len(self._sources),
                 _COND_MIDS_BYTES, SOURCE_PRIOR_WEIGHT, ROW_PRIOR_WEIGHT, CELL_PRIOR_WEIGHT, MAX_FACTOR, MAX_PRIOR_PROB)
             if self._rows_copy is None:  # the rows change only when a draft brings a new one
                 self._rows_copy = dict(self._rows)

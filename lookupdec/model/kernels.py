@@ -98,6 +98,18 @@ INHERITED_CHECK = 4  # calls of a bucket that took its nearest bucket's choice b
 RECHECK_MARGIN = 0.97  # another form takes over when its call took less than this x the chosen's fastest
 
 
+class _Watch:
+    """A chosen form's record in its bucket (``FormChooser``)."""
+
+    __slots__ = ("left", "interval", "best", "turn")
+
+    def __init__(self, left: int, best: float = float("inf")) -> None:
+        self.left = left  # calls of the chosen form until the next check
+        self.interval = RECHECK_FIRST  # calls between checks (doubles once every other form failed)
+        self.best = best  # the chosen form's fastest call since the last check
+        self.turn = 0  # which other form the next check tries
+
+
 class FormChooser:
     """Which form computes each bucket (``choice``, ``(rows, threads)`` -> form). The first calls
     of the first bucket at a thread count try every form ``FORM_TRIALS`` times and keep the
@@ -115,7 +127,7 @@ class FormChooser:
         self.forms = tuple(forms)
         self.choice: dict = {}  # key -> the form that computes it
         self.trials: dict = {}  # key -> form -> seconds of its trials, while every form is being tried
-        self._watch: dict = {}  # key -> [calls until the next check, interval, chosen's fastest since, next other]
+        self._watch: dict[object, _Watch] = {}  # key -> its chosen form's record
 
     def pick(self, key) -> str:
         """The form for the next call in ``key``'s bucket (time it, then ``record``)."""
@@ -129,10 +141,10 @@ class FormChooser:
             tried = tried or {}
             return min(self.forms, key=lambda f: len(tried.get(f, ())))
         watch = self._watch.get(key)
-        if watch is None or watch[0] > 0 or watch[2] == float("inf"):
+        if watch is None or watch.left > 0 or watch.best == float("inf"):
             return form
         others = [f for f in self.forms if f != form]
-        return others[watch[3] % len(others)] if others else form
+        return others[watch.turn % len(others)] if others else form
 
     def _inherit(self, key) -> str | None:
         """A new bucket ``(rows, threads)`` takes the choice of the nearest bucket (by ratio) at
@@ -144,7 +156,7 @@ class FormChooser:
         if not near:
             return None
         form = self.choice[key] = self.choice[(min(near)[1], threads)]
-        self._watch[key] = [INHERITED_CHECK, RECHECK_FIRST, float("inf"), 0]
+        self._watch[key] = _Watch(INHERITED_CHECK)
         return form
 
     def record(self, key, form: str, seconds: float) -> float:
@@ -154,22 +166,24 @@ class FormChooser:
         if chosen is None:
             excess = _record_trial(self.trials, self.choice, key, form, seconds, self.forms)
             if key in self.choice:
-                self._watch[key] = [RECHECK_FIRST, RECHECK_FIRST, float("inf"), 0]
+                self._watch[key] = _Watch(RECHECK_FIRST)
             return excess
-        watch = self._watch.setdefault(key, [RECHECK_FIRST, RECHECK_FIRST, float("inf"), 0])
+        watch = self._watch.get(key)
+        if watch is None:
+            watch = self._watch[key] = _Watch(RECHECK_FIRST)
         if form == chosen:
-            watch[0] -= 1
-            watch[2] = min(watch[2], seconds)
+            watch.left -= 1
+            watch.best = min(watch.best, seconds)
             return 0.0
-        best = watch[2]  # a check of another form
+        best = watch.best  # a check of another form
         if seconds < RECHECK_MARGIN * best:
             self.choice[key] = form
-            self._watch[key] = [RECHECK_FIRST, RECHECK_FIRST, seconds, 0]
+            self._watch[key] = _Watch(RECHECK_FIRST, best=seconds)
             return 0.0
-        watch[3] += 1
-        if watch[3] % (len(self.forms) - 1) == 0:  # every other form has failed at this interval
-            watch[1] *= 2
-        watch[0], watch[2] = watch[1], float("inf")
+        watch.turn += 1
+        if watch.turn % (len(self.forms) - 1) == 0:  # every other form has failed at this interval
+            watch.interval *= 2
+        watch.left, watch.best = watch.interval, float("inf")
         return max(0.0, seconds - best)
 
 

@@ -237,7 +237,7 @@ class InputBuffers:
     ``TargetModel`` holds one). A fresh mask [1+n, n_cached+1+n] per step costs its page faults
     and a write of every prefix column (0.5 MB at a 2000-token context, tens of µs); here the
     mask is a view of a zeroed buffer [rows, cols] whose prefix columns are never written: a step
-    clears the last step's tree block and writes its own ([1+n, 1+n], ``_core.tree_inputs_into``).
+    clears the last step's tree block and writes its own ([1+n, 1+n], ``_core.tree_inputs_at``).
     The tensors returned are views, valid until the next call (a forward reads them at once)."""
 
     def __init__(self) -> None:

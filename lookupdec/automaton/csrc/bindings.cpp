@@ -229,27 +229,43 @@ nb::list suffix_drafts(Automaton& automaton, const std::vector<int32_t>& context
   return out;
 }
 
+// A verify forward's input ids and positions (n_cached + depth) into `id` and `position` (n
+// int64 each); `name` names the caller in errors. Returns whether the tree is a chain.
+template <class Token>
+bool write_ids_positions(const std::vector<Token>& token_ids, const std::vector<int32_t>& parents, int64_t n_cached,
+                         int64_t* id, int64_t* position, const char* name) {
+  int64_t n = static_cast<int64_t>(parents.size());
+  bool chain = true;
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t p = parents[i];
+    if (i > 0 && (p < 0 || p >= i)) throw std::invalid_argument(std::string(name) + ": parents[i] must be in [0, i)");
+    id[i] = static_cast<int64_t>(token_ids[i]);
+    position[i] = i == 0 ? n_cached : position[p] + 1;
+    chain = chain && p == i - 1;
+  }
+  return chain;
+}
+
+template <class Token>
+void check_tree(const std::vector<Token>& token_ids, const std::vector<int32_t>& parents, int64_t n_cached,
+                const char* name) {
+  if (token_ids.size() != parents.size() || parents.empty() || parents[0] != -1 || n_cached < 0)
+    throw std::invalid_argument(std::string(name) + ": need parents[0] == -1 and one token per node");
+}
+
 // A verify forward's inputs, for torch.frombuffer: (input ids, positions) as int64 bytearrays
 // [n] (positions: n_cached + depth), and the additive mask bytearray [n, n_cached + n] of
 // len(fill)-byte elements (tree.hpp), or None for a chain (the model's causal mask is the same).
 template <class Token>
 nb::tuple tree_inputs(const std::vector<Token>& token_ids, const std::vector<int32_t>& parents, int64_t n_cached,
                       nb::bytes fill) {
+  check_tree(token_ids, parents, n_cached, "tree_inputs");
   int64_t n = static_cast<int64_t>(parents.size());
-  if (static_cast<int64_t>(token_ids.size()) != n || n == 0 || parents[0] != -1 || n_cached < 0)
-    throw std::invalid_argument("tree_inputs: need parents[0] == -1 and one token per node");
   nb::bytearray ids(nullptr, static_cast<size_t>(n) * sizeof(int64_t));
-  std::copy(token_ids.begin(), token_ids.end(), reinterpret_cast<int64_t*>(ids.data()));
   nb::bytearray positions(nullptr, static_cast<size_t>(n) * sizeof(int64_t));
-  int64_t* position = reinterpret_cast<int64_t*>(positions.data());
-  bool chain = true;
-  for (int64_t i = 0; i < n; ++i) {
-    int32_t p = parents[i];
-    if (i > 0 && (p < 0 || p >= i)) throw std::invalid_argument("tree_inputs: parents[i] must be in [0, i)");
-    position[i] = i == 0 ? n_cached : position[p] + 1;
-    chain = chain && p == i - 1;
-  }
-  if (chain) return nb::make_tuple(ids, positions, nb::none());
+  if (write_ids_positions(token_ids, parents, n_cached, reinterpret_cast<int64_t*>(ids.data()),
+                          reinterpret_cast<int64_t*>(positions.data()), "tree_inputs"))
+    return nb::make_tuple(ids, positions, nb::none());
   size_t elem = fill.size();
   nb::bytearray mask(nullptr, static_cast<size_t>(n * (n_cached + n)) * elem);
   lookupdec::additive_tree_mask(parents.data(), n, n_cached, elem, reinterpret_cast<const uint8_t*>(fill.c_str()),
@@ -257,61 +273,33 @@ nb::tuple tree_inputs(const std::vector<Token>& token_ids, const std::vector<int
   return nb::make_tuple(ids, positions, mask);
 }
 
-// The n x n tree block of an additive mask: row i at `block + i * row_bytes`, 0 where `seen`
-// (the ancestor mask) is set, `fill` elsewhere.
-template <class T>
-void write_tree_block(const uint8_t* seen, int64_t n, const char* fill, uint8_t* block, int64_t row_bytes) {
-  T value;
-  std::memcpy(&value, fill, sizeof(T));
-  for (int64_t i = 0; i < n; ++i) {
-    T* row = reinterpret_cast<T*>(block + i * row_bytes);
-    const uint8_t* visible = seen + i * n;
-    for (int64_t j = 0; j < n; ++j) row[j] = visible[j] ? T{0} : value;
-  }
-}
-
 // tree_inputs into buffers kept across steps (model.target.InputBuffers), given by address (an
 // ndarray argument costs microseconds to convert each step): the tree's n input ids and positions
 // into the int64 arrays at `ids` and `positions` (`rows` long), and its mask block into the
 // additive mask at `mask`: `rows` rows of `cols` len(fill)-byte elements, zero outside the last
 // step's tree block, which is cleared first (last_rows x last_rows elements at column last_col);
-// then, unless the tree is a chain, this tree's block is written (n x n at column n_cached: 0
-// where node i sees node j, fill elsewhere). The prefix columns are never written: they stay 0.
-// Returns false for a chain (no block written: the model's causal mask is the tree mask).
+// then, unless the tree is a chain, this tree's block is written (n x n at column n_cached,
+// additive_tree_block). The prefix columns are never written: they stay 0. Returns false for a
+// chain (no block written: the model's causal mask is the tree mask).
 template <class Token>
 bool tree_inputs_at(const std::vector<Token>& token_ids, const std::vector<int32_t>& parents, int64_t n_cached,
                     nb::bytes fill, uintptr_t ids, uintptr_t positions, uintptr_t mask, int64_t rows, int64_t cols,
                     int64_t last_rows, int64_t last_col) {
+  check_tree(token_ids, parents, n_cached, "tree_inputs_at");
   int64_t n = static_cast<int64_t>(parents.size());
-  if (static_cast<int64_t>(token_ids.size()) != n || n == 0 || parents[0] != -1 || n_cached < 0)
-    throw std::invalid_argument("tree_inputs_at: need parents[0] == -1 and one token per node");
   int64_t elem = static_cast<int64_t>(fill.size());
   if (elem == 0 || !ids || !positions || !mask || rows < std::max(n, last_rows) || cols < n_cached + n ||
       last_rows < 0 || last_col < 0 || cols < last_col + last_rows)
     throw std::invalid_argument("tree_inputs_at: buffers too small for the tree");
-  int64_t* id = reinterpret_cast<int64_t*>(ids);
-  int64_t* position = reinterpret_cast<int64_t*>(positions);
-  bool chain = true;
-  for (int64_t i = 0; i < n; ++i) {
-    int32_t p = parents[i];
-    if (i > 0 && (p < 0 || p >= i)) throw std::invalid_argument("tree_inputs_at: parents[i] must be in [0, i)");
-    id[i] = static_cast<int64_t>(token_ids[i]);
-    position[i] = i == 0 ? n_cached : position[p] + 1;
-    chain = chain && p == i - 1;
-  }
+  bool chain = write_ids_positions(token_ids, parents, n_cached, reinterpret_cast<int64_t*>(ids),
+                                   reinterpret_cast<int64_t*>(positions), "tree_inputs_at");
   uint8_t* base = reinterpret_cast<uint8_t*>(mask);
   int64_t row_bytes = cols * elem;
   for (int64_t i = 0; i < last_rows; ++i)
     std::memset(base + i * row_bytes + last_col * elem, 0, static_cast<size_t>(last_rows * elem));
   if (chain) return false;
-  std::vector<uint8_t> seen(static_cast<size_t>(n * n));
-  lookupdec::ancestor_mask(parents.data(), n, seen.data());
-  switch (elem) {  // the element as an unsigned integer of its size: zero bits are 0.0
-    case 2: write_tree_block<uint16_t>(seen.data(), n, fill.c_str(), base + n_cached * elem, row_bytes); break;
-    case 4: write_tree_block<uint32_t>(seen.data(), n, fill.c_str(), base + n_cached * elem, row_bytes); break;
-    case 8: write_tree_block<uint64_t>(seen.data(), n, fill.c_str(), base + n_cached * elem, row_bytes); break;
-    default: throw std::invalid_argument("tree_inputs_at: elements of 2, 4 or 8 bytes");
-  }
+  lookupdec::additive_tree_block(parents.data(), n, static_cast<size_t>(elem),
+                                 reinterpret_cast<const uint8_t*>(fill.c_str()), base + n_cached * elem, row_bytes);
   return true;
 }
 

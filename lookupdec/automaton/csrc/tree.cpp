@@ -445,44 +445,35 @@ void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask) {
 namespace {
 
 template <class T>
-void fill_mask(const uint8_t* seen, int64_t n, int64_t n_cached, T fill, T* mask) {
-  int64_t width = n_cached + n;
+void fill_block(const uint8_t* seen, int64_t n, const uint8_t* fill, uint8_t* block, int64_t row_bytes) {
+  T value;
+  std::memcpy(&value, fill, sizeof(T));
   for (int64_t i = 0; i < n; ++i) {
-    T* row = mask + i * width;
-    std::fill(row, row + n_cached, T{0});
+    T* row = reinterpret_cast<T*>(block + i * row_bytes);
     const uint8_t* visible = seen + i * n;
-    for (int64_t j = 0; j < n; ++j) row[n_cached + j] = visible[j] ? T{0} : fill;
+    for (int64_t j = 0; j < n; ++j) row[j] = visible[j] ? T{0} : value;
   }
 }
 
 }  // namespace
 
-void additive_tree_mask(const int32_t* parents, int64_t n, int64_t n_cached, size_t elem_size, const uint8_t* fill,
-                        uint8_t* mask) {
+void additive_tree_block(const int32_t* parents, int64_t n, size_t elem_size, const uint8_t* fill, uint8_t* block,
+                         int64_t row_bytes) {
   std::vector<uint8_t> seen(static_cast<size_t>(n * n));
   ancestor_mask(parents, n, seen.data());
   switch (elem_size) {  // the element as an unsigned integer of its size: zero bits are 0.0
-    case 2: {
-      uint16_t value;
-      std::memcpy(&value, fill, 2);
-      fill_mask(seen.data(), n, n_cached, value, reinterpret_cast<uint16_t*>(mask));
-      return;
-    }
-    case 4: {
-      uint32_t value;
-      std::memcpy(&value, fill, 4);
-      fill_mask(seen.data(), n, n_cached, value, reinterpret_cast<uint32_t*>(mask));
-      return;
-    }
-    case 8: {
-      uint64_t value;
-      std::memcpy(&value, fill, 8);
-      fill_mask(seen.data(), n, n_cached, value, reinterpret_cast<uint64_t*>(mask));
-      return;
-    }
-    default:
-      throw std::invalid_argument("additive_tree_mask: elements of 2, 4 or 8 bytes");
+    case 2: return fill_block<uint16_t>(seen.data(), n, fill, block, row_bytes);
+    case 4: return fill_block<uint32_t>(seen.data(), n, fill, block, row_bytes);
+    case 8: return fill_block<uint64_t>(seen.data(), n, fill, block, row_bytes);
+    default: throw std::invalid_argument("additive_tree_block: elements of 2, 4 or 8 bytes");
   }
+}
+
+void additive_tree_mask(const int32_t* parents, int64_t n, int64_t n_cached, size_t elem_size, const uint8_t* fill,
+                        uint8_t* mask) {
+  int64_t row_bytes = (n_cached + n) * static_cast<int64_t>(elem_size);
+  std::memset(mask, 0, static_cast<size_t>(n * row_bytes));  // every cached slot is seen
+  additive_tree_block(parents, n, elem_size, fill, mask + n_cached * static_cast<int64_t>(elem_size), row_bytes);
 }
 
 namespace {

@@ -66,6 +66,11 @@ void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask);
 void additive_tree_mask(const int32_t* parents, int64_t n, int64_t n_cached, size_t elem_size, const uint8_t* fill,
                         uint8_t* mask);
 
+// Its tree part alone: the n x n block of node-to-node entries (0 where node j is node i or an
+// ancestor, `fill` elsewhere), row i at `block + i * row_bytes` (a mask row's stride).
+void additive_tree_block(const int32_t* parents, int64_t n, size_t elem_size, const uint8_t* fill, uint8_t* block,
+                         int64_t row_bytes);
+
 // AcceptanceCalibrator.learn's count of one draft (lookupdec.tree.observe_draft_reference):
 // every node whose parent path matches `committed` was reached, accepted if its own token is
 // the next committed one; reached/predicted/matched ([kCellsPerRow] each, `stride` apart) get
