@@ -39,7 +39,8 @@ log = logging.getLogger("lookupdec")
 
 CALIBRATION_SECONDS = 2.0  # cap on a full measurement (``CostModel.measure``, benchmarks)
 SEED_SIZES = (1, 4, 16, 64)  # an engine's first context bucket: one forward each, then learnt online
-COST_CACHE_VERSION = 4  # 3: the key names the kernels (model/kernels.py); 4: the body packs only where faster
+COST_CACHE_VERSION = 5  # 3: the key names the kernels (model/kernels.py); 4: the body packs only where faster;
+# 5: kernel forms re-checked while running (curves cached before measured choices since corrected)
 MAX_CACHED_CURVES = 32  # the cost cache keeps the curves updated last
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
 COST_LEARNING_RATE = 0.1  # an observed forward moves its size's estimate this far (after the first few)
@@ -49,6 +50,19 @@ COST_SPIKE = 2.0  # an observation above this many times the estimate counts as 
 # it would otherwise never be chosen, hence never corrected. SmolLM2, chat, one thread: 5 tokens
 # measured once at 55.4 ms kept the default at 4 (50.3 ms) while 5 cost 47.1 ms (0.90x fixed4).
 COST_OPTIMISM = 0.15
+# A size the chooser stopped taking is never re-measured, so an estimate made under other
+# conditions (a kernel form since replaced, a cached curve, a noisy stretch) sticks: SmolLM2, QA,
+# one thread: 6 tokens cached at 63.6 ms while they cost 49.8, 4 tokens 51.3: the default kept 4
+# tokens, 0.80-0.95x a fixed 5. So every EXPLORE_EVERY forwards of a curve, a chosen size whose
+# neighbour (one token more, else one fewer) is unsettled is verified at the neighbour's size
+# instead; unsettled: stale (not observed in the last STALE_OBSERVATIONS forwards of the curve,
+# or never in this process: a cached or interpolated value) or observed fewer than
+# EXPLORE_MIN_COUNT times. A stale estimate counts as STALE_COUNT observations when observed
+# again, so the new forward moves it by a third, not a hundredth.
+EXPLORE_EVERY = 32
+EXPLORE_MIN_COUNT = 8
+STALE_OBSERVATIONS = 256
+STALE_COUNT = 2
 HISTORY_DECAY = 0.95  # per-step decay of old observations (half-life about 14 steps)
 MAX_FACTOR = 1.5  # a source's scores are never trusted more than this
 DRAFT_BUDGET_HEADROOM = 2.0  # proposers are asked for this many times the nodes lately kept
@@ -64,7 +78,9 @@ class CostModel:
     (another process, a cold cache) clipped. Between observed sizes ``t`` is interpolated
     linearly; and since a tree can always take more nodes, the cost of ``n`` tokens is the
     cheapest of any size ``>= n`` (on one CPU thread SmolLM2 verifies 4 tokens faster than 2:
-    the matrix kernels for 2 and 3 rows are slow), which ``choose_num_nodes`` exploits.
+    the matrix kernels for 2 and 3 rows are slow), which ``choose_num_nodes`` exploits. Sizes
+    the chooser no longer takes are re-measured now and then (``explore``), and an estimate that
+    old gives way fast (``STALE_COUNT``).
     """
 
     def __init__(self, sizes: Sequence[int], seconds: Sequence[float], counts: Sequence[int] | None = None) -> None:
@@ -72,6 +88,10 @@ class CostModel:
             raise ValueError("CostModel: sizes must be increasing and match seconds")
         self.sizes, self.seconds = [int(n) for n in sizes], [float(t) for t in seconds]
         self.counts = list(counts) if counts is not None else [1] * len(self.sizes)  # observations per size
+        # per size: the forward (of this curve, this process) that last observed it; None: never
+        self._last_seen: list[int | None] = [None] * len(self.sizes)
+        self._clock = 0  # forwards observed
+        self._since_explore = 0  # choices since the last exploration (``explore``)
         self._dense: np.ndarray | None = None
         self._optimistic: np.ndarray | None = None
 
@@ -81,6 +101,7 @@ class CostModel:
         return cls([1], [1.0])
 
     def copy(self) -> "CostModel":
+        """The same estimates, every one stale (another context bucket's: re-checked here)."""
         return CostModel(self.sizes, self.seconds, self.counts)
 
     @classmethod
@@ -118,12 +139,52 @@ class CostModel:
             self.sizes.insert(i, n)
             self.seconds.insert(i, self._raw(n, skip=i))
             self.counts.insert(i, 0)
+            self._last_seen.insert(i, None)
+        self._clock += 1
+        if self._stale_at(i):  # an old estimate: the new forward weighs as much as STALE_COUNT old ones
+            self.counts[i] = min(self.counts[i], STALE_COUNT)
+        self._last_seen[i] = self._clock
         old = self.seconds[i]
         seconds = min(seconds, COST_SPIKE * old)
         self.counts[i] += 1
         rate = max(COST_LEARNING_RATE, 1.0 / self.counts[i])
         self.seconds[i] = old + rate * (seconds - old)
         self._dense = self._optimistic = None
+
+    def _stale_at(self, i: int) -> bool:
+        last = self._last_seen[i]
+        return last is None or self._clock - last > STALE_OBSERVATIONS
+
+    def stale(self, n: int) -> bool:
+        """``n`` tokens were not observed in the last ``STALE_OBSERVATIONS`` forwards (or never in
+        this process: interpolated, seeded from the cache)."""
+        i = bisect.bisect_left(self.sizes, n)
+        return i == len(self.sizes) or self.sizes[i] != n or self._stale_at(i)
+
+    def unsettled(self, n: int) -> bool:
+        """``n`` tokens are ``stale`` or observed fewer than ``EXPLORE_MIN_COUNT`` times."""
+        i = bisect.bisect_left(self.sizes, n)
+        return self.stale(n) or self.counts[i] < EXPLORE_MIN_COUNT
+
+    def explore(self, nodes: int, available: int) -> int:
+        """The draft nodes to verify given the chooser's ``nodes`` (of ``available``): ``nodes``,
+        or once every ``EXPLORE_EVERY`` calls an ``unsettled`` neighbouring size (one node more
+        first, then one fewer), so that no size's estimate outlives what it measured. The root
+        alone (``nodes`` = 0: no draft worth its cost) is never explored. History only (the
+        curve's own timings): sampling stays exact.
+
+        >>> cost = CostModel([1, 4, 8], [1.0, 1.1, 1.5])
+        >>> [cost.explore(3, 7) for _ in range(EXPLORE_EVERY)][-2:]   # 5 tokens never observed
+        [3, 4]
+        """
+        self._since_explore += 1
+        if self._since_explore < EXPLORE_EVERY or nodes <= 0:
+            return nodes
+        for other in (nodes + 1, nodes - 1):
+            if 0 <= other <= available and self.unsettled(other + 1):
+                self._since_explore = 0
+                return other
+        return nodes
 
     def _raw(self, n: int, skip: int = -1) -> float:
         """Linear interpolation between measured sizes (extrapolated past the ends); ``skip``:

@@ -164,6 +164,7 @@ class StepCore:
         if cost is not None and tree.num_draft_nodes:
             gains = tree.expected_in_prune_order()
             scales = self.sizes.scales(min(len(gains), max_nodes), scale)
-            tree = tree.prune(choose_num_nodes(gains, cost, overhead_s, max_nodes, scales))
+            chosen = choose_num_nodes(gains, cost, overhead_s, max_nodes, scales)
+            tree = tree.prune(cost.explore(chosen, min(len(gains), max_nodes)))
             self.draft_budget.observe(tree.num_draft_nodes)
         return tree

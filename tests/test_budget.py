@@ -11,7 +11,7 @@ from conftest import cached_references, cached_tiny
 from helpers import FakeTokenizer, SpyProposer
 from lookupdec import Engine, EngineConfig
 from lookupdec.proposers import build_proposers
-from lookupdec.budget import (COST_LEARNING_RATE, COST_OPTIMISM, COST_SPIKE, DRAFT_BUDGET_MIN, CostModel, DraftBudget,
+from lookupdec.budget import (EXPLORE_EVERY, EXPLORE_MIN_COUNT, STALE_OBSERVATIONS, COST_LEARNING_RATE, COST_OPTIMISM, COST_SPIKE, DRAFT_BUDGET_MIN, CostModel, DraftBudget,
                               choose_num_nodes)
 
 
@@ -211,3 +211,45 @@ def test_calibrated_predictions_match_what_is_accepted(workload, bound):
           f"uncalibrated {raw_predicted:.0f} / {raw_accepted:.0f} (error {raw_error:.2f})")
     assert error < bound
     assert error < raw_error or raw_error < bound
+
+
+def test_a_stale_cached_estimate_is_explored_and_corrected():
+    """A size whose cached estimate is too high is never chosen, hence never re-measured, unless
+    explored: SmolLM2, QA, one thread, 5 tokens cached at 63.6 ms while they cost 49.8 kept the
+    default at 4 tokens. Exploration verifies the neighbouring size within EXPLORE_EVERY steps,
+    the stale estimate gives way, and from then on the chooser takes the cheaper size."""
+    cost = CostModel([1, 4, 5, 8], [54.1, 51.3, 63.6, 75.0], counts=[40, 700, 170, 30])  # from a cache
+    gains = [0.3, 0.2, 0.1, 0.05, 0.04]
+    chosen = choose_num_nodes(gains, cost, 0.0, 5)
+    assert chosen == 3  # 4 tokens: 5 look 24% dearer
+    picks = []
+    for _ in range(EXPLORE_EVERY):
+        n = cost.explore(choose_num_nodes(gains, cost, 0.0, 5), len(gains))
+        picks.append(n)
+        cost.observe(n + 1, {4: 51.3, 5: 49.8}.get(n + 1, 60.0))  # what the forwards really take
+    assert picks[:-1] == [3] * (EXPLORE_EVERY - 1) and picks[-1] == 4  # one step verified 5 tokens
+    assert cost(5) < 60.0  # a third of the way to 49.8 at once, not a 171st
+    for _ in range(8 * EXPLORE_EVERY):  # explored again until settled, then chosen for itself
+        n = cost.explore(choose_num_nodes(gains, cost, 0.0, 5), len(gains))
+        cost.observe(n + 1, {4: 51.3, 5: 49.8}.get(n + 1, 60.0))
+    assert cost(5) == pytest.approx(49.8, rel=0.02)
+    assert choose_num_nodes(gains, cost, 0.0, 5) == 4
+
+
+def test_exploration_stays_within_the_tree_and_leaves_fresh_sizes_alone():
+    cost = CostModel([1, 2, 3, 4], [1.0, 1.0, 1.0, 1.0])
+    for _ in range(EXPLORE_MIN_COUNT):  # every size observed enough, and lately: none unsettled
+        for n in (1, 2, 3, 4):
+            cost.observe(n, 1.0)
+    assert [cost.explore(2, 3) for _ in range(4 * EXPLORE_EVERY)] == [2] * (4 * EXPLORE_EVERY)
+    fresh = CostModel([1], [1.0])
+    picks = [fresh.explore(0, 5) for _ in range(2 * EXPLORE_EVERY)]
+    assert picks == [0] * (2 * EXPLORE_EVERY)  # the root alone: no draft worth verifying, none explored
+    assert [CostModel([1], [1.0]).explore(1, 1) for _ in range(EXPLORE_EVERY)] == [1] * EXPLORE_EVERY
+    one = CostModel([1], [1.0])
+    assert [one.explore(1, 1) for _ in range(EXPLORE_EVERY)][-1] == 0  # no node to add: one fewer
+    assert CostModel([1], [1.0]).stale(1) and not cost.stale(3) and not cost.unsettled(3)
+    for _ in range(STALE_OBSERVATIONS + 1):
+        cost.observe(4, 1.0)
+    assert cost.stale(3) and not cost.stale(4)  # not seen for STALE_OBSERVATIONS forwards
+    assert cost.explore(3, 3) == 2  # 4 tokens -> 3 (stale), at once: the clock ran on unexplored
