@@ -50,19 +50,22 @@ COST_SPIKE = 2.0  # an observation above this many times the estimate counts as 
 # it would otherwise never be chosen, hence never corrected. SmolLM2, chat, one thread: 5 tokens
 # measured once at 55.4 ms kept the default at 4 (50.3 ms) while 5 cost 47.1 ms (0.90x fixed4).
 COST_OPTIMISM = 0.15
-# A size the chooser stopped taking is never re-measured, so an estimate made under other
-# conditions (a kernel form since replaced, a cached curve, a noisy stretch) sticks: SmolLM2, QA,
-# one thread: 6 tokens cached at 63.6 ms while they cost 49.8, 4 tokens 51.3: the default kept 4
-# tokens, 0.80-0.95x a fixed 5. So every EXPLORE_EVERY forwards of a curve, a chosen size whose
-# neighbour (one token more, else one fewer) is unsettled is verified at the neighbour's size
-# instead; unsettled: stale (not observed in the last STALE_OBSERVATIONS forwards of the curve,
-# or never in this process: a cached or interpolated value) or observed fewer than
-# EXPLORE_MIN_COUNT times. A stale estimate counts as STALE_COUNT observations when observed
-# again, so the new forward moves it by a third, not a hundredth.
+# A size the chooser stopped taking was never re-measured, so an estimate made under other
+# conditions (a kernel form since replaced, a cached curve, the seed's single forward) stuck:
+# SmolLM2, QA, one thread: 5 tokens cached at 63.6 ms while they cost 49.8 and 4 tokens 51.3, so
+# the default kept 4 tokens, 0.80-0.95x a fixed 5; and with 2-3 tokens slow (64-73 ms) and 5
+# never measured, weak drafts kept trees of 2-3 tokens, 0.68x a fixed 5 on a QA prompt. So the
+# counts behind each estimate decay (COUNT_DECAY per forward of the curve, whatever its size: a
+# size seen every step settles near 200, one not seen for 500 forwards below 20% of that), an
+# old estimate gives way fast when observed again (its rate is 1 / count), and every
+# EXPLORE_EVERY choices one step verifies the size, among one token fewer and up to EXPLORE_SPAN
+# more, that was observed least lately (if under EXPLORE_MIN_COUNT): a step in 32 at a
+# neighbouring size, never more.
+COUNT_DECAY = 0.995
 EXPLORE_EVERY = 32
-EXPLORE_MIN_COUNT = 8
-STALE_OBSERVATIONS = 256
-STALE_COUNT = 2
+EXPLORE_SPAN = 4
+EXPLORE_MIN_COUNT = 3.0
+CACHED_COUNT_CAP = 4.0  # a curve read from the cost cache counts as this many forwards at most per size
 HISTORY_DECAY = 0.95  # per-step decay of old observations (half-life about 14 steps)
 MAX_FACTOR = 1.5  # a source's scores are never trusted more than this
 DRAFT_BUDGET_HEADROOM = 2.0  # proposers are asked for this many times the nodes lately kept
@@ -76,11 +79,12 @@ class CostModel:
     Seeded by a few timed forwards (``measure``) or from the cost cache, then refined by every
     verify forward the engine times (``observe``): each size keeps a running estimate, spikes
     (another process, a cold cache) clipped. Between observed sizes ``t`` is interpolated
-    linearly; and since a tree can always take more nodes, the cost of ``n`` tokens is the
-    cheapest of any size ``>= n`` (on one CPU thread SmolLM2 verifies 4 tokens faster than 2:
-    the matrix kernels for 2 and 3 rows are slow), which ``choose_num_nodes`` exploits. Sizes
-    the chooser no longer takes are re-measured now and then (``explore``), and an estimate that
-    old gives way fast (``STALE_COUNT``).
+    linearly. Costs need not grow with ``n`` (on one CPU thread SmolLM2 verifies 4-6 tokens
+    faster than 2: the matrix kernels for 2 and 3 rows are slow): ``choose_num_nodes`` weighs
+    every size at its own cost, and where a caller pads smaller trees (a batch's width),
+    ``n`` tokens cost the cheapest of any size ``>= n`` (``__call__``, ``dense(padded=True)``). Sizes
+    the chooser no longer takes are re-measured now and then (``explore``), and the counts behind
+    the estimates decay (``COUNT_DECAY``), so an old estimate gives way fast.
     """
 
     def __init__(self, sizes: Sequence[int], seconds: Sequence[float], counts: Sequence[int] | None = None) -> None:
@@ -88,21 +92,19 @@ class CostModel:
             raise ValueError("CostModel: sizes must be increasing and match seconds")
         self.sizes, self.seconds = [int(n) for n in sizes], [float(t) for t in seconds]
         self.counts = list(counts) if counts is not None else [1] * len(self.sizes)  # observations per size
-        # per size: the forward (of this curve, this process) that last observed it; None: never
-        self._last_seen: list[int | None] = [None] * len(self.sizes)
-        self._clock = 0  # forwards observed
         self._since_explore = 0  # choices since the last exploration (``explore``)
-        self._dense: np.ndarray | None = None
-        self._optimistic: np.ndarray | None = None
+        self._curves: dict[tuple[bool, bool], np.ndarray] = {}  # (optimistic, padded) -> dense()
 
     @classmethod
     def flat(cls) -> "CostModel":
         """Every size costs the same: verify as many nodes as allowed."""
         return cls([1], [1.0])
 
-    def copy(self) -> "CostModel":
-        """The same estimates, every one stale (another context bucket's: re-checked here)."""
-        return CostModel(self.sizes, self.seconds, self.counts)
+    def copy(self, max_count: float | None = None) -> "CostModel":
+        """The same estimates; ``max_count``: each counting as that many forwards at most (a
+        curve taken for another context bucket, checked again there)."""
+        counts = self.counts if max_count is None else [min(c, max_count) for c in self.counts]
+        return CostModel(self.sizes, self.seconds, counts)
 
     @classmethod
     def measure(cls, forward: Callable[[int], None], max_tokens: int, sizes: Sequence[int] | None = None,
@@ -139,39 +141,26 @@ class CostModel:
             self.sizes.insert(i, n)
             self.seconds.insert(i, self._raw(n, skip=i))
             self.counts.insert(i, 0)
-            self._last_seen.insert(i, None)
-        self._clock += 1
-        if self._stale_at(i):  # an old estimate: the new forward weighs as much as STALE_COUNT old ones
-            self.counts[i] = min(self.counts[i], STALE_COUNT)
-        self._last_seen[i] = self._clock
         old = self.seconds[i]
         seconds = min(seconds, COST_SPIKE * old)
+        self.counts = [c * COUNT_DECAY for c in self.counts]  # recent forwards weigh more
         self.counts[i] += 1
         rate = max(COST_LEARNING_RATE, 1.0 / self.counts[i])
         self.seconds[i] = old + rate * (seconds - old)
-        self._dense = self._optimistic = None
+        self._curves.clear()
 
-    def _stale_at(self, i: int) -> bool:
-        last = self._last_seen[i]
-        return last is None or self._clock - last > STALE_OBSERVATIONS
-
-    def stale(self, n: int) -> bool:
-        """``n`` tokens were not observed in the last ``STALE_OBSERVATIONS`` forwards (or never in
-        this process: interpolated, seeded from the cache)."""
+    def count(self, n: int) -> float:
+        """The decayed number of forwards of ``n`` tokens behind its estimate (0: interpolated)."""
         i = bisect.bisect_left(self.sizes, n)
-        return i == len(self.sizes) or self.sizes[i] != n or self._stale_at(i)
-
-    def unsettled(self, n: int) -> bool:
-        """``n`` tokens are ``stale`` or observed fewer than ``EXPLORE_MIN_COUNT`` times."""
-        i = bisect.bisect_left(self.sizes, n)
-        return self.stale(n) or self.counts[i] < EXPLORE_MIN_COUNT
+        return self.counts[i] if i < len(self.sizes) and self.sizes[i] == n else 0.0
 
     def explore(self, nodes: int, available: int) -> int:
         """The draft nodes to verify given the chooser's ``nodes`` (of ``available``): ``nodes``,
-        or once every ``EXPLORE_EVERY`` calls an ``unsettled`` neighbouring size (one node more
-        first, then one fewer), so that no size's estimate outlives what it measured. The root
-        alone (``nodes`` = 0: no draft worth its cost) is never explored. History only (the
-        curve's own timings): sampling stays exact.
+        or once every ``EXPLORE_EVERY`` calls the size observed least lately (``count``) among
+        one node fewer and up to ``EXPLORE_SPAN`` more, if under ``EXPLORE_MIN_COUNT`` (ties: the
+        nearest larger), so that no size's estimate outlives what it measured and a larger tree
+        that costs less is found. The root alone (``nodes`` = 0: no draft worth its cost) is never
+        explored. History only (the curve's own timings): sampling stays exact.
 
         >>> cost = CostModel([1, 4, 8], [1.0, 1.1, 1.5])
         >>> [cost.explore(3, 7) for _ in range(EXPLORE_EVERY)][-2:]   # 5 tokens never observed
@@ -180,11 +169,12 @@ class CostModel:
         self._since_explore += 1
         if self._since_explore < EXPLORE_EVERY or nodes <= 0:
             return nodes
-        for other in (nodes + 1, nodes - 1):
-            if 0 <= other <= available and self.unsettled(other + 1):
-                self._since_explore = 0
-                return other
-        return nodes
+        candidates = [m for m in range(nodes + 1, min(nodes + EXPLORE_SPAN, available) + 1)] + [nodes - 1]
+        other = min(candidates, key=lambda m: self.count(m + 1), default=nodes)
+        if other == nodes or self.count(other + 1) >= EXPLORE_MIN_COUNT:
+            return nodes
+        self._since_explore = 0
+        return other
 
     def _raw(self, n: int, skip: int = -1) -> float:
         """Linear interpolation between measured sizes (extrapolated past the ends); ``skip``:
@@ -204,12 +194,16 @@ class CostModel:
         (n0, t0), (n1, t1) = pairs[i - 1], pairs[i]
         return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
 
-    def dense(self, upto: int, *, optimistic: bool = False) -> np.ndarray:
-        """``out[k]`` = the effective cost of ``k`` tokens for k = 0 ... upto (``out[0] = out[1]``):
-        interpolated, and the cheapest of any size from ``k`` up to the largest of ``upto`` and
-        the largest observed size. ``optimistic`` (what the choosers use): each size's estimate
-        lowered by ``COST_OPTIMISM / sqrt(observations)`` first."""
-        cached = self._optimistic if optimistic else self._dense
+    def dense(self, upto: int, *, optimistic: bool = False, padded: bool = True) -> np.ndarray:
+        """``out[k]`` = the cost of ``k`` tokens for k = 0 ... upto (``out[0] = out[1]``):
+        interpolated (linear past the largest observed size); ``padded``: the cheapest of any
+        size from ``k`` up to the largest of ``upto`` and the largest observed size (what ``k``
+        tokens cost where the caller pads a smaller tree: a batch's width); without it, each
+        size at its own estimate (what a tree of exactly ``k`` tokens costs: the single
+        sequence's chooser, which weighs every size itself). ``optimistic`` (what the choosers
+        use): each size's estimate lowered by ``COST_OPTIMISM / sqrt(observations)`` first."""
+        key = (optimistic, padded)
+        cached = self._curves.get(key)
         if cached is None or len(cached) <= upto:
             top = max(upto, self.sizes[-1])
             ks = np.arange(1, top + 1, dtype=np.float64)
@@ -220,12 +214,9 @@ class CostModel:
             if len(xs) > 1 and top > xs[-1]:  # linear past the last size
                 tail = ks > xs[-1]
                 curve[tail] = ys[-1] + tail_slope(xs, ys) * (ks[tail] - xs[-1])
-            curve = np.minimum.accumulate(curve[::-1])[::-1]
-            cached = np.concatenate([curve[:1], curve])
-            if optimistic:
-                self._optimistic = cached
-            else:
-                self._dense = cached
+            if padded:
+                curve = np.minimum.accumulate(curve[::-1])[::-1]
+            cached = self._curves[key] = np.concatenate([curve[:1], curve])
         return cached
 
     def __call__(self, n: int) -> float:
@@ -294,7 +285,10 @@ def load_cached_cost(key: str) -> CostModel | None:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
         entry = doc["curves"][key] if doc.get("version") == COST_CACHE_VERSION else None
-        return CostModel(entry["sizes"], entry["seconds"], entry.get("counts")) if entry else None
+        if not entry:
+            return None
+        counts = [min(float(c), CACHED_COUNT_CAP) for c in entry.get("counts") or [1] * len(entry["sizes"])]
+        return CostModel(entry["sizes"], entry["seconds"], counts)  # another process's: re-checked here
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.debug("cost cache %s unreadable (%r): measuring", path, exc)
         return None
@@ -543,8 +537,12 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
     overhead); the values are the nodes' probabilities of acceptance in the order pruning keeps
     them (``TokenTree.expected_in_prune_order``), ``scale`` the step's correction of them
     (``StepCore.scale``), one for every n or ``scale[n]`` per n (``SizeRecord.scales``). ``t``
-    is the cost curve's optimistic reading (``CostModel.dense``):
-    sizes seldom observed are tried again. The first of equal rates wins (fewer nodes).
+    is the cost curve's optimistic reading (``CostModel.dense``): sizes seldom observed are
+    tried again; each size at its own estimate, not padded: the tree verified has exactly
+    ``1 + n`` tokens, so ``n`` costs what they cost (a larger tree that costs less wins by its
+    own rate). A curve read as padded made weak drafts pay for 2 tokens (SmolLM2, one thread:
+    61-65 ms) what 5 cost (44-46 ms), where a size-2 record promised more than the rest. The
+    first of equal rates wins (fewer nodes).
 
     >>> cost = CostModel([1, 2, 4], [1.0, 1.1, 1.3])
     >>> choose_num_nodes([0.9, 0.8, 0.01], cost, 0.0, 3)   # the third node is not worth 0.1
@@ -555,7 +553,8 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
             return 0
         upto = min(len(sorted_scores), max_nodes) + 1
         scales = [scale] * upto if isinstance(scale, (int, float)) else scale
-        return _core.choose_num_nodes(sorted_scores, cost.dense(upto, optimistic=True), overhead_s, max_nodes, scales)
+        return _core.choose_num_nodes(sorted_scores, cost.dense(upto, optimistic=True, padded=False), overhead_s,
+                                      max_nodes, scales)
     return choose_num_nodes_reference(sorted_scores, cost, overhead_s, max_nodes, scale)
 
 
@@ -570,5 +569,5 @@ def choose_num_nodes_reference(sorted_scores: Sequence[float], cost: CostModel, 
     np.cumsum(values, out=expected[1:])
     expected[1:] *= scale if isinstance(scale, (int, float)) else np.asarray(scale[1 : len(values) + 1], np.float64)
     expected[1:] += 1.0
-    seconds = cost.dense(len(values) + 1, optimistic=True)[1 : len(values) + 2] + overhead_s
+    seconds = cost.dense(len(values) + 1, optimistic=True, padded=False)[1 : len(values) + 2] + overhead_s
     return int(np.argmax(expected / seconds))

@@ -430,7 +430,7 @@ class Engine:
         already knows; else from one forward of each of ``SEED_SIZES`` (about half a second on
         SmolLM2 at one CPU thread): on the cache as it is when ``in_place`` (a request's
         prefilled context), on a dummy prefix of the bucket's length otherwise."""
-        from lookupdec.budget import SEED_SIZES, cost_key, load_cached_cost
+        from lookupdec.budget import CACHED_COUNT_CAP, SEED_SIZES, cost_key, load_cached_cost
 
         bucket = self._cost_bucket(context_tokens)
         if bucket not in self._costs:
@@ -442,7 +442,7 @@ class Engine:
                 self.cost_origin[bucket] = "cached"
             elif self._costs:
                 near = min(self._costs, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
-                cost = self._costs[near].copy()
+                cost = self._costs[near].copy(max_count=CACHED_COUNT_CAP)
                 self.cost_origin[bucket] = f"bucket {near}"
             else:
                 self.cost_origin[bucket] = "measured"

@@ -11,13 +11,13 @@ from conftest import cached_references, cached_tiny
 from helpers import FakeTokenizer, SpyProposer
 from lookupdec import Engine, EngineConfig
 from lookupdec.proposers import build_proposers
-from lookupdec.budget import (EXPLORE_EVERY, EXPLORE_MIN_COUNT, STALE_OBSERVATIONS, COST_LEARNING_RATE, COST_OPTIMISM, COST_SPIKE, DRAFT_BUDGET_MIN, CostModel, DraftBudget,
+from lookupdec.budget import (COUNT_DECAY, EXPLORE_EVERY, EXPLORE_MIN_COUNT, COST_LEARNING_RATE, COST_OPTIMISM, COST_SPIKE, DRAFT_BUDGET_MIN, CostModel, DraftBudget,
                               choose_num_nodes)
 
 
 def _rate(values, n, cost, overhead):
     """The chooser's rate: on the cost curve's optimistic reading (seldom observed sizes look cheaper)."""
-    return (1 + sum(values[:n])) / (cost.dense(1 + n, optimistic=True)[1 + n] + overhead)
+    return (1 + sum(values[:n])) / (cost.dense(1 + n, optimistic=True, padded=False)[1 + n] + overhead)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -213,43 +213,57 @@ def test_calibrated_predictions_match_what_is_accepted(workload, bound):
     assert error < raw_error or raw_error < bound
 
 
-def test_a_stale_cached_estimate_is_explored_and_corrected():
-    """A size whose cached estimate is too high is never chosen, hence never re-measured, unless
+def test_a_stale_estimate_is_explored_and_corrected():
+    """A size whose estimate is too high is never chosen, hence never re-measured, unless
     explored: SmolLM2, QA, one thread, 5 tokens cached at 63.6 ms while they cost 49.8 kept the
     default at 4 tokens. Exploration verifies the neighbouring size within EXPLORE_EVERY steps,
-    the stale estimate gives way, and from then on the chooser takes the cheaper size."""
-    cost = CostModel([1, 4, 5, 8], [54.1, 51.3, 63.6, 75.0], counts=[40, 700, 170, 30])  # from a cache
-    gains = [0.3, 0.2, 0.1, 0.05, 0.04]
-    chosen = choose_num_nodes(gains, cost, 0.0, 5)
-    assert chosen == 3  # 4 tokens: 5 look 24% dearer
-    picks = []
-    for _ in range(EXPLORE_EVERY):
-        n = cost.explore(choose_num_nodes(gains, cost, 0.0, 5), len(gains))
-        picks.append(n)
-        cost.observe(n + 1, {4: 51.3, 5: 49.8}.get(n + 1, 60.0))  # what the forwards really take
-    assert picks[:-1] == [3] * (EXPLORE_EVERY - 1) and picks[-1] == 4  # one step verified 5 tokens
-    assert cost(5) < 60.0  # a third of the way to 49.8 at once, not a 171st
-    for _ in range(8 * EXPLORE_EVERY):  # explored again until settled, then chosen for itself
-        n = cost.explore(choose_num_nodes(gains, cost, 0.0, 5), len(gains))
-        cost.observe(n + 1, {4: 51.3, 5: 49.8}.get(n + 1, 60.0))
-    assert cost(5) == pytest.approx(49.8, rel=0.02)
-    assert choose_num_nodes(gains, cost, 0.0, 5) == 4
+    the old estimate gives way at once, and from then on the chooser takes the cheaper size."""
+    cost = CostModel([1, 4, 5, 8], [54.1, 51.3, 63.6, 75.0], counts=[4, 4, 4, 4])  # from the cache
+    truth = {1: 54.1, 2: 64.0, 3: 54.0, 4: 51.3, 5: 49.8, 6: 50.5, 7: 58.0, 8: 61.5}
+    gains = [0.3, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02]
+    assert choose_num_nodes(gains, cost, 0.0, 7) == 3  # 4 tokens: 5 look 24% dearer
+    picks, explored = [], []
+    for _ in range(8 * EXPLORE_EVERY):
+        chosen = choose_num_nodes(gains, cost, 0.0, 7)
+        n = cost.explore(chosen, len(gains))
+        picks.append(chosen)
+        if n != chosen:
+            explored.append(n)
+        cost.observe(n + 1, truth[n + 1])
+    assert picks[: EXPLORE_EVERY] == [3] * EXPLORE_EVERY
+    assert explored[0] == 5  # the 32nd step verified 6 tokens (never observed), found them cheaper than 4
+    assert min(picks[EXPLORE_EVERY:]) >= 4  # ... and from then on the chooser takes 5 tokens or more
+    assert len(explored) == len(picks) // EXPLORE_EVERY  # one step in EXPLORE_EVERY, never more
+    assert 4 in explored and cost(5) == pytest.approx(49.8, rel=0.05)  # 5 tokens re-measured too
 
 
-def test_exploration_stays_within_the_tree_and_leaves_fresh_sizes_alone():
-    cost = CostModel([1, 2, 3, 4], [1.0, 1.0, 1.0, 1.0])
-    for _ in range(EXPLORE_MIN_COUNT):  # every size observed enough, and lately: none unsettled
-        for n in (1, 2, 3, 4):
-            cost.observe(n, 1.0)
-    assert [cost.explore(2, 3) for _ in range(4 * EXPLORE_EVERY)] == [2] * (4 * EXPLORE_EVERY)
-    fresh = CostModel([1], [1.0])
-    picks = [fresh.explore(0, 5) for _ in range(2 * EXPLORE_EVERY)]
-    assert picks == [0] * (2 * EXPLORE_EVERY)  # the root alone: no draft worth verifying, none explored
-    assert [CostModel([1], [1.0]).explore(1, 1) for _ in range(EXPLORE_EVERY)] == [1] * EXPLORE_EVERY
-    one = CostModel([1], [1.0])
-    assert [one.explore(1, 1) for _ in range(EXPLORE_EVERY)][-1] == 0  # no node to add: one fewer
-    assert CostModel([1], [1.0]).stale(1) and not cost.stale(3) and not cost.unsettled(3)
-    for _ in range(STALE_OBSERVATIONS + 1):
-        cost.observe(4, 1.0)
-    assert cost.stale(3) and not cost.stale(4)  # not seen for STALE_OBSERVATIONS forwards
-    assert cost.explore(3, 3) == 2  # 4 tokens -> 3 (stale), at once: the clock ran on unexplored
+def test_exploration_takes_the_size_seen_least_and_stays_within_the_tree():
+    """From a tree of 2 tokens (weak drafts), exploration reaches up to EXPLORE_SPAN larger
+    sizes: the one observed least lately first. Sizes seen often enough are left alone, and
+    the root alone is never explored."""
+    cost = CostModel([1, 2, 3], [52.0, 64.0, 54.0], counts=[50, 50, 50])
+    picks = [cost.explore(1, 10) for _ in range(EXPLORE_EVERY)]
+    assert picks[:-1] == [1] * (EXPLORE_EVERY - 1) and picks[-1] == 3  # 4 tokens: never observed; 5, 6 neither
+    cost.observe(4, 50.0)
+    assert [cost.explore(1, 10) for _ in range(EXPLORE_EVERY)][-1] == 4  # then 5 tokens
+    assert [cost.explore(1, 1) for _ in range(EXPLORE_EVERY)] == [1] * EXPLORE_EVERY  # no node to add; 1 token seen often
+    assert [cost.explore(0, 10) for _ in range(2 * EXPLORE_EVERY)] == [0] * (2 * EXPLORE_EVERY)  # the root alone
+    settled = CostModel([1, 2, 3, 4, 5, 6], [1.0] * 6, counts=[EXPLORE_MIN_COUNT] * 6)
+    assert [settled.explore(1, 5) for _ in range(2 * EXPLORE_EVERY)] == [1] * (2 * EXPLORE_EVERY)
+
+
+def test_counts_decay_so_an_old_estimate_gives_way():
+    cost = CostModel([1, 4], [1.0, 2.0], counts=[1, 1])
+    for _ in range(2000):
+        cost.observe(1, 1.0)
+    assert cost.count(4) < 0.01 and cost.count(1) == pytest.approx(1 / (1 - COUNT_DECAY), rel=0.01)
+    cost.observe(4, 1.2)  # an estimate that old: the new forward replaces it
+    assert cost(4) == pytest.approx(1.2, rel=0.01)
+
+
+def test_a_cached_curve_counts_as_a_few_forwards(tmp_path, monkeypatch):
+    from lookupdec.budget import CACHED_COUNT_CAP, load_cached_cost, store_cached_cost
+
+    monkeypatch.setenv("LOOKUPDEC_COST_CACHE", str(tmp_path / "c.json"))
+    store_cached_cost("k", CostModel([1, 4], [1.0, 2.0], counts=[500, 2]))
+    assert load_cached_cost("k").counts == [CACHED_COUNT_CAP, 2]
