@@ -110,8 +110,9 @@ def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequ
                             cost=choose_with)
             draft_seconds.append(step.propose_s + step.tree_s)
             result.nodes_per_step.append(step.tree.num_draft_nodes)
-            if cost is not None:
-                result.modeled_seconds += cost(1 + step.tree.num_draft_nodes)
+            if cost is not None:  # a tree of exactly 1 + n tokens (not padded to a cheaper size)
+                n = 1 + step.tree.num_draft_nodes
+                result.modeled_seconds += float(cost.dense(n, padded=False)[n])
             step.count_sources(result.accepted_by_source)
             result.predicted += step.predicted
             result.accepted += len(step.accepted)
