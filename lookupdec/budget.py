@@ -56,7 +56,7 @@ COST_OPTIMISM = 0.15
 # the default kept 4 tokens, 0.80-0.95x a fixed 5; and with 2-3 tokens slow (64-73 ms) and 5
 # never measured, weak drafts kept trees of 2-3 tokens, 0.68x a fixed 5 on a QA prompt. So the
 # counts behind each estimate decay (COUNT_DECAY per forward of the curve, whatever its size: a
-# size seen every step settles near 200, one not seen for 500 forwards below 20% of that), an
+# size seen every step settles near 200, one not seen for 500 forwards at 8% of that), an
 # old estimate gives way fast when observed again (its rate is 1 / count), and every
 # EXPLORE_EVERY choices one step verifies the size, among one token fewer and up to EXPLORE_SPAN
 # more, that was observed least lately (if under EXPLORE_MIN_COUNT): a step in 32 at a
@@ -169,9 +169,9 @@ class CostModel:
         self._since_explore += 1
         if self._since_explore < EXPLORE_EVERY or nodes <= 0:
             return nodes
-        candidates = [m for m in range(nodes + 1, min(nodes + EXPLORE_SPAN, available) + 1)] + [nodes - 1]
-        other = min(candidates, key=lambda m: self.count(m + 1), default=nodes)
-        if other == nodes or self.count(other + 1) >= EXPLORE_MIN_COUNT:
+        candidates = [*range(nodes + 1, min(nodes + EXPLORE_SPAN, available) + 1), nodes - 1]
+        other = min(candidates, key=lambda m: self.count(m + 1))  # the first of equal counts: nearest larger
+        if self.count(other + 1) >= EXPLORE_MIN_COUNT:
             return nodes
         self._since_explore = 0
         return other
@@ -287,8 +287,8 @@ def load_cached_cost(key: str) -> CostModel | None:
         entry = doc["curves"][key] if doc.get("version") == COST_CACHE_VERSION else None
         if not entry:
             return None
-        counts = [min(float(c), CACHED_COUNT_CAP) for c in entry.get("counts") or [1] * len(entry["sizes"])]
-        return CostModel(entry["sizes"], entry["seconds"], counts)  # another process's: re-checked here
+        # another process's curve: re-checked here
+        return CostModel(entry["sizes"], entry["seconds"], entry.get("counts")).copy(max_count=CACHED_COUNT_CAP)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.debug("cost cache %s unreadable (%r): measuring", path, exc)
         return None

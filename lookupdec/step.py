@@ -163,8 +163,8 @@ class StepCore:
             tree = tree.best_chain()
         if cost is not None and tree.num_draft_nodes:
             gains = tree.expected_in_prune_order()
-            scales = self.sizes.scales(min(len(gains), max_nodes), scale)
-            chosen = choose_num_nodes(gains, cost, overhead_s, max_nodes, scales)
-            tree = tree.prune(cost.explore(chosen, min(len(gains), max_nodes)))
+            available = min(len(gains), max_nodes)
+            chosen = choose_num_nodes(gains, cost, overhead_s, max_nodes, self.sizes.scales(available, scale))
+            tree = tree.prune(cost.explore(chosen, available))
             self.draft_budget.observe(tree.num_draft_nodes)
         return tree
