@@ -149,6 +149,44 @@ def test_a_form_that_lost_its_trials_to_noise_takes_over_at_a_check():
     assert 1 <= tried_other <= 7  # after 16, 32, 64, ... calls: log2(2000 / 16) checks
 
 
+def test_neighbouring_buckets_share_one_schedule_of_checks():
+    """Buckets of one check group (4-7 rows) pay checks at the rate of one bucket, not each its
+    own: a budget that varies its tree size between 4 and 7 tokens checks as often as one that
+    keeps 5. A check still compares within its own bucket, and a form that wins there takes
+    over that bucket only."""
+    from lookupdec.model.kernels import RECHECK_FIRST, FormChooser, check_group
+
+    assert check_group((4, 1)) == check_group((7, 1)) != check_group((8, 1)) and check_group((4, 1)) != check_group((4, 2))
+    true = {"packed": 50.0, "linear": 90.0}
+    chooser = FormChooser(("packed", "linear"))
+    for _ in range(FORM_TRIALS * 2):
+        form = chooser.pick((5, 1))
+        chooser.record((5, 1), form, true[form])
+    assert chooser.choice[(5, 1)] == "packed"
+    checks, calls = 0, 4 * RECHECK_FIRST * 8
+    for i in range(calls):
+        key = (4 + i % 4, 1)  # 4, 5, 6, 7 tokens in turn
+        form = chooser.pick(key)
+        checks += form != "packed"
+        chooser.record(key, form, true[form] * (1 + key[0] / 100))
+    assert all(chooser.choice[(rows, 1)] == "packed" for rows in range(4, 8))
+    assert 1 <= checks <= 5  # after 16, 32, 64, 128, 256 calls of the group (a schedule per bucket: ~4x as many)
+    # where linear is faster at 7 rows only, the check that lands on 7 switches 7 alone
+    chooser = FormChooser(("packed", "linear"))
+    for _ in range(FORM_TRIALS * 2):
+        form = chooser.pick((5, 1))
+        chooser.record((5, 1), form, true[form])
+    true7 = {"packed": 50.0, "linear": 30.0}
+    for i in range(4 * RECHECK_FIRST * 16):
+        key = (4 + i % 4, 1)
+        form = chooser.pick(key)
+        chooser.record(key, form, (true7 if key[0] == 7 else true)[form])
+        if chooser.choice.get((7, 1)) == "linear":
+            break
+    assert chooser.choice[(7, 1)] == "linear"
+    assert all(chooser.choice[(rows, 1)] == "packed" for rows in range(4, 7))
+
+
 def test_a_new_bucket_takes_the_nearest_choice_at_its_thread_count():
     from lookupdec.model.kernels import FormChooser
 
