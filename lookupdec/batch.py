@@ -207,6 +207,7 @@ class BatchDecoder:
             seq.seen.update(step.new_tokens)
             seq.produced += len(step.new_tokens)
             seq.timer.forward += forward
+            seq.timer.prepare += engine.target.last_prepare_s
             engine._count(seq.stats, seq.timer, step, t0)
             piece = seq.text.add(step.new_tokens)
             if piece and seq.request.on_text is not None:

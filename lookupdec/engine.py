@@ -45,6 +45,8 @@ class GenerationStats:
     logit_rows: float = 0.0  # per step: tree nodes whose logits the forward computed (greedy: the likely ones)
     logit_misses: int = 0  # times a walk reached a node whose logits were not computed (computed then)
     prefill_ms: float = 0.0  # the prompt's forward
+    kernel_ms: float = 0.0  # in all: kernel-form trials and checks inside verify forwards (model/kernels.py),
+    # in tokens_per_s but in neither forward_ms nor overhead_us (a batch's: those of the forwards it shared)
     tokens_per_s: float = 0.0  # new tokens / (prefill + all steps)
 
     def to_dict(self) -> dict:
@@ -511,4 +513,5 @@ class Engine:
             stats.forward_ms = timer.forward / stats.steps * 1e3
             stats.logit_rows = timer.head_rows / stats.steps
             stats.logit_misses = timer.head_misses
+        stats.kernel_ms = timer.prepare * 1e3
         stats.tokens_per_s = n_tokens / elapsed if elapsed > 0 else 0.0

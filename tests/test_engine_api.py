@@ -116,6 +116,31 @@ def test_generation_fields(engine):
     assert stats["forward_ms"] > 0 and stats["tokens_per_s"] > 0 and stats["overhead_us"] >= stats["draft_us"] >= 0
 
 
+def test_kernel_time_is_reported_apart_from_forward_and_overhead():
+    """``kernel_ms``: what the request's verify forwards spent on kernel-form trials and checks
+    (``TargetModel.last_prepare_s``), kept out of ``forward_ms`` and ``overhead_us``. A fresh
+    engine: its first forwards try the forms."""
+    engine = Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig(budget="fixed"))
+    prompt, n, ref = cached_references("llama")[3]
+    target, seen = engine.target, []
+    verify = target.verify
+
+    def counted(*args, **kwargs):
+        out = verify(*args, **kwargs)
+        seen.append(target.last_prepare_s)
+        return out
+
+    target.verify = counted
+    try:
+        target.take_excess()
+        gen = engine.generate(prompt, max_new_tokens=n)
+    finally:
+        del target.verify
+    assert gen.token_ids == ref and len(seen) == gen.stats.steps
+    assert sum(seen) > 0  # the first forwards of a bucket try the kernel forms
+    assert gen.stats.kernel_ms == pytest.approx(sum(seen) * 1e3)
+
+
 def test_length_and_eos_finish_reasons(engine):
     refs = cached_references("llama")
     eos_case = next((r for r in refs if r[2][-1] == 2 and len(r[2]) < r[1]), None)

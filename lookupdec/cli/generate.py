@@ -81,6 +81,7 @@ def run(args) -> int:
         s = gen.stats
         print(f"[{gen.finish_reason}] {s.new_tokens} tokens in {s.steps} steps: {s.mean_accepted:.2f} tokens/step, "
               f"{s.tokens_per_s:.1f} tokens/s, forward {s.forward_ms:.2f} ms, overhead {s.overhead_us:.0f} us/step, "
+              f"kernel choices {s.kernel_ms:.0f} ms, "
               f"tree {s.mean_tree_nodes:.1f} nodes, accepted {s.realised_accepted:.2f} drafts/step "
               f"(predicted {s.predicted_accepted:.2f}), "
               f"accepted by source {s.accepted_by_source}, nodes by source {s.nodes_by_source}"
