@@ -98,9 +98,6 @@ INHERITED_CHECK = 4  # calls of a bucket that took its nearest bucket's choice b
 RECHECK_MARGIN = 0.97  # another form takes over when its call took less than this x the chosen's fastest
 
 
-_INF = float("inf")
-
-
 def check_group(key) -> tuple:
     """The group of buckets ``(rows, threads)`` whose checks share one schedule (``FormChooser``):
     row buckets of the same bit length at the same thread count (1; 2-3; 4-7; 8-15; 16; 32; ...).
@@ -160,7 +157,7 @@ class FormChooser:
             tried = tried or {}
             return min(self.forms, key=lambda f: len(tried.get(f, ())))
         watch = self._watch.get(check_group(key))
-        if watch is None or watch.left > 0 or self._best.get(key, _INF) == _INF:
+        if watch is None or watch.left > 0 or self._best.get(key, math.inf) == math.inf:
             return form
         others = [f for f in self.forms if f != form]
         return others[watch.turn % len(others)] if others else form
@@ -191,7 +188,7 @@ class FormChooser:
         watch = self._watch.get(group)
         if watch is None:
             watch = self._watch[group] = _Watch(RECHECK_FIRST)
-        best = self._best.get(key, _INF)
+        best = self._best.get(key, math.inf)
         if form == chosen:
             watch.left -= 1
             self._best[key] = min(best, seconds)
@@ -204,7 +201,7 @@ class FormChooser:
         watch.turn += 1
         if watch.turn % (len(self.forms) - 1) == 0:  # every other form has failed at this interval
             watch.interval *= 2
-        watch.left, self._best[key] = watch.interval, _INF
+        watch.left, self._best[key] = watch.interval, math.inf
         return max(0.0, seconds - best)
 
 
