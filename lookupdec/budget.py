@@ -32,8 +32,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from lookupdec.tree import (CELLS_PER_ROW, Calibration, Draft, _core, cell_probabilities, match_bucket,
-                            observe_draft)
+from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, Calibration, Draft, _core, match_bucket, observe_draft
 
 
 log = logging.getLogger("lookupdec")
@@ -329,6 +328,9 @@ CELL_PRIOR_WEIGHT = 2.0  # a cell starts at its row's factor x its claimed proba
 MAX_PRIOR_PROB = 0.9  # ... but a cell never observed is not believed certain
 
 
+_COND_MIDS_BYTES = np.ascontiguousarray(COND_MIDS, dtype=np.float64).tobytes()
+
+
 def _row_sums(counts: np.ndarray) -> np.ndarray:
     """Each row's sum, left to right (numpy's ``sum`` adds in pairs: its last bits differ)."""
     return np.cumsum(counts, axis=1)[:, -1] if counts.shape[0] else np.zeros(0)
@@ -355,7 +357,7 @@ class AcceptanceCalibrator:
     def __init__(self, backend: str = "auto") -> None:
         if backend not in ("auto", "reference"):
             raise ValueError(f"AcceptanceCalibrator: backend must be 'auto' or 'reference', not {backend!r}")
-        self.compiled = backend == "auto" and _core is not None and hasattr(_core, "calibration_factors")
+        self.compiled = backend == "auto" and _core is not None and hasattr(_core, "calibration_table")
         self._rows: dict = {}  # (source, match bucket) -> row of the tables
         self._row_source: list[str] = []
         self._sources: dict[str, int] = {}  # source -> its index (the compiled calibration's)
@@ -363,10 +365,8 @@ class AcceptanceCalibrator:
         self._reached = np.zeros((0, CELLS_PER_ROW))  # decayed counts of reached nodes
         self._predicted = np.zeros((0, CELLS_PER_ROW))  # decayed sums of their claimed conditional probabilities
         self._matched = np.zeros((0, CELLS_PER_ROW))  # decayed counts of accepted nodes
-        self._row_sums = np.zeros((0, 2))  # compiled learn: each row's sums of _predicted and _matched
         self._calibration: Calibration | None = None  # cached until the next learn
         self._rows_copy: dict | None = None  # the calibrations' copy of _rows (until a row is added)
-        self._version = 0  # learn() calls: a calibration reads the counts of its version only
 
     def _row(self, draft: Draft) -> int:
         key = (draft.source, match_bucket(draft.match_length))
@@ -380,7 +380,6 @@ class AcceptanceCalibrator:
             self._reached = np.vstack([self._reached, grow])
             self._predicted = np.vstack([self._predicted, grow])
             self._matched = np.vstack([self._matched, grow])
-            self._row_sums = np.vstack([self._row_sums, np.zeros((1, 2))])
         return row
 
     def _levels(self) -> tuple[dict, np.ndarray]:
@@ -412,20 +411,18 @@ class AcceptanceCalibrator:
         between steps): accepted over reached, leaning on the row's factor times the cell's mean
         claimed probability (``CELL_PRIOR_WEIGHT`` observations' worth, at most ``MAX_PRIOR_PROB``)."""
         if self._calibration is None and self.compiled:
-            by_row, by_source = _core.calibration_factors(self._row_sums, self._row_source_index, len(self._sources),
-                                                          SOURCE_PRIOR_WEIGHT, ROW_PRIOR_WEIGHT, MAX_FACTOR)
+            table, by_row, by_source = _core.calibration_table(
+                self._reached, self._predicted, self._matched, self._row_source_index, len(self._sources),
+                _COND_MIDS_BYTES, SOURCE_PRIOR_WEIGHT, ROW_PRIOR_WEIGHT, CELL_PRIOR_WEIGHT, MAX_FACTOR, MAX_PRIOR_PROB)
             if self._rows_copy is None:  # the rows change only when a draft brings a new one
                 self._rows_copy = dict(self._rows)
             factors = np.frombuffer(by_source, np.float64).tolist()
-            version = self._version
-            self._calibration = Calibration.counted(
-                self._rows_copy, (self._reached, self._predicted, self._matched), dict(zip(self._sources, factors)),
-                by_row, cell_prior=CELL_PRIOR_WEIGHT, max_prior_prob=MAX_PRIOR_PROB,
-                valid=lambda: self._version == version)
+            self._calibration = Calibration.packed(self._rows_copy, table, dict(zip(self._sources, factors)), by_row)
         elif self._calibration is None:
             by_source, by_row = self._levels()
-            table = cell_probabilities(self._reached, self._predicted, self._matched, by_row, CELL_PRIOR_WEIGHT,
-                                       MAX_PRIOR_PROB)
+            claimed = np.where(self._reached > 0, self._predicted / np.maximum(self._reached, 1e-12), COND_MIDS)
+            prior = np.minimum(by_row[:, None] * claimed, MAX_PRIOR_PROB)
+            table = (self._matched + CELL_PRIOR_WEIGHT * prior) / (self._reached + CELL_PRIOR_WEIGHT)
             self._calibration = Calibration(dict(self._rows), table, by_source, row_factors=by_row,
                                             probabilities=True)
         return self._calibration
@@ -435,11 +432,10 @@ class AcceptanceCalibrator:
         against the ``committed`` tokens (the verified tree needs no pass of its own: every
         verified node came from a draft)."""
         self._calibration = None
-        self._version += 1  # a calibration made before reads counts no longer there
         committed = list(committed)
         if self.compiled:
             rows = [self._row(draft) for draft in drafts]  # first: a new row grows the arrays
-            _core.learn_drafts(self._reached, self._predicted, self._matched, self._row_sums, HISTORY_DECAY, rows,
+            _core.learn_drafts(self._reached, self._predicted, self._matched, HISTORY_DECAY, rows,
                                [draft.packed() for draft in drafts], committed)
             return
         self._reached *= HISTORY_DECAY

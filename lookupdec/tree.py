@@ -32,7 +32,7 @@ import bisect
 from array import array
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -148,7 +148,6 @@ COND_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.95)  # and the proposer's own conditiona
 CELLS_PER_ROW = len(DEPTH_BUCKETS) * SIBLING_RANKS * len(COND_BUCKETS)
 # each cell's midpoint of its conditional probability bucket, [CELLS_PER_ROW]
 COND_MIDS = np.tile(np.diff(np.append(COND_BUCKETS, 1.0)) / 2 + np.array(COND_BUCKETS), len(DEPTH_BUCKETS) * SIBLING_RANKS)
-COND_MIDS_BYTES = np.ascontiguousarray(COND_MIDS, dtype=np.float64).tobytes()  # for the compiled core
 if _core is not None and (tuple(getattr(_core, "DEPTH_BUCKETS", ())) != DEPTH_BUCKETS
                           or getattr(_core, "SIBLING_RANKS", None) != SIBLING_RANKS
                           or tuple(getattr(_core, "COND_BUCKETS", ())) != COND_BUCKETS):
@@ -243,17 +242,6 @@ def draft_features(draft: Draft) -> tuple[list[int], list[int]]:
     return depth, rank
 
 
-def cell_probabilities(reached: np.ndarray, predicted: np.ndarray, matched: np.ndarray, row_factors: np.ndarray,
-                       cell_prior: float, max_prior_prob: float) -> np.ndarray:
-    """Each cell's acceptance probability [rows, CELLS_PER_ROW] from decayed counts: accepted
-    over reached, leaning on the row's factor times the cell's mean claimed probability
-    (``cell_prior`` observations' worth, at most ``max_prior_prob``). Elementwise, so the
-    compiled core's cell by cell (``calibration_cell``) is bit-identical."""
-    claimed = np.where(reached > 0, predicted / np.maximum(reached, 1e-12), COND_MIDS)
-    prior = np.minimum(np.asarray(row_factors)[:, None] * claimed, max_prior_prob)
-    return (matched + cell_prior * prior) / (reached + cell_prior)
-
-
 class Calibration:
     """What ``TokenTree.from_drafts`` multiplies each draft node's conditional probability by
     (``budget.AcceptanceCalibrator.calibration`` builds it from verified steps).
@@ -286,47 +274,13 @@ class Calibration:
         calibration._packed_table, calibration._packed_row_factors = table, row_factors
         return calibration
 
-    @classmethod
-    def counted(cls, rows: dict, counts: tuple, fallback: dict, row_factors: bytes, *, cell_prior: float,
-                max_prior_prob: float, valid: Callable[[], bool]) -> "Calibration":
-        """A probabilities calibration whose cells are computed where they are read
-        (``cell_probabilities``) from the calibrator's decayed counts ``(reached, predicted,
-        matched)`` [rows, CELLS_PER_ROW] and one factor per row: the compiled merge computes only
-        the cells of the step's draft nodes, a few hundred of a table of thousands. The counts
-        are the calibrator's own arrays, which its next ``learn`` changes: ``valid()`` says
-        whether they are still those this calibration was made from (reading it after that
-        raises)."""
-        calibration = cls.__new__(cls)
-        calibration.probabilities, calibration.rows, calibration.fallback = True, rows, fallback
-        calibration._counts, calibration._packed_row_factors = counts, row_factors
-        calibration._cell_weights, calibration._valid = (cell_prior, max_prior_prob), valid
-        return calibration
-
-    def _check_counts(self) -> None:
-        if not self.__dict__["_valid"]():
-            raise RuntimeError("Calibration: the calibrator has learnt since this calibration was made "
-                               "(its counts changed); ask AcceptanceCalibrator.calibration() again")
-
-    def __getattr__(self, name: str):  # ``table`` and ``row_factors`` of a ``packed`` or ``counted`` calibration
-        factors = self.__dict__.get("_packed_row_factors")
-        if factors is None or name not in ("table", "row_factors"):
+    def __getattr__(self, name: str):  # ``table`` and ``row_factors`` of a ``packed`` calibration
+        packed = self.__dict__.get("_packed_table")
+        if packed is None or name not in ("table", "row_factors"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        self.row_factors = np.frombuffer(factors, np.float64)
-        if "_packed_table" in self.__dict__:
-            self.table = np.frombuffer(self.__dict__["_packed_table"], np.float64).reshape(-1, CELLS_PER_ROW)
-        else:
-            self._check_counts()
-            self.table = cell_probabilities(*self.__dict__["_counts"], self.row_factors, *self._cell_weights)
+        self.table = np.frombuffer(packed, np.float64).reshape(-1, CELLS_PER_ROW)
+        self.row_factors = np.frombuffer(self.__dict__["_packed_row_factors"], np.float64)
         return self.__dict__[name]
-
-    def merge_table(self):
-        """What the compiled merge reads the cells from: ``packed_table()``'s bytes, or for a
-        ``counted`` calibration the counts it computes the cells of the step's nodes from."""
-        counts = self.__dict__.get("_counts")
-        if counts is None or "table" in self.__dict__:
-            return self.packed_table()
-        self._check_counts()
-        return (*counts, self._packed_row_factors, COND_MIDS_BYTES, *self._cell_weights)
 
     def row_factor(self, draft: Draft) -> float:
         row = self.row(draft)
@@ -491,7 +445,7 @@ class TokenTree:
         else:
             rows = [calibration.row(d) for d in drafts]
             fallback = [calibration.fallback.get(d.source, 1.0) if r < 0 else 1.0 for d, r in zip(drafts, rows)]
-            table, probabilities = calibration.merge_table(), calibration.probabilities
+            table, probabilities = calibration.packed_table(), calibration.probabilities
         core, node_of = _core.merge_drafts(root_token, packed, rows, fallback, bytes([d.samples is None for d in drafts]),
                                            table, probabilities, [d.source for d in drafts] + [""], max_nodes,
                                            max_depth)

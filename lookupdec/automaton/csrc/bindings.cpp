@@ -145,26 +145,11 @@ nb::list expected_in_prune_order(const CoreTree& t) {
   return float_list(values);
 }
 
-using CountsIn = nb::ndarray<const double, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-using CountsOut = nb::ndarray<double, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-
-void check_counts(size_t rows, std::initializer_list<size_t> shape0, std::initializer_list<size_t> shape1,
-                  const char* who) {
-  for (size_t r : shape0)
-    if (r != rows) throw std::invalid_argument(std::string(who) + ": reached, predicted, matched: alike rows");
-  for (size_t c : shape1)
-    if (c != static_cast<size_t>(lookupdec::kCellsPerRow))
-      throw std::invalid_argument(std::string(who) + ": rows of CELLS_PER_ROW cells");
-}
-
 // drafts: one (token_ids, parents, scores) bytes tuple per draft (Draft.packed()); rows,
-// fallback, point_mass: one entry per draft; names: each draft's source, then the root's "";
-// table: the calibration's values as float64 bytes, or (reached, predicted, matched, row factors
-// bytes, cond mids bytes, cell prior, max prior probability) to compute each cell read from them
-// (Calibration.merge_table).
+// fallback, point_mass: one entry per draft; names: each draft's source, then the root's "".
 // Returns (the kept tree as a CoreTree, each draft node's node in it as int32 bytes, -1: none).
 nb::tuple merge_drafts(int32_t root_token, nb::list drafts, const std::vector<int32_t>& rows,
-                       const std::vector<double>& fallback, nb::bytes point_mass, nb::object table,
+                       const std::vector<double>& fallback, nb::bytes point_mass, nb::bytes table,
                        bool probabilities, nb::list names, int32_t max_nodes, int32_t max_depth) {
   size_t num_drafts = nb::len(drafts);
   if (rows.size() != num_drafts || fallback.size() != num_drafts || point_mass.size() != num_drafts ||
@@ -207,29 +192,7 @@ nb::tuple merge_drafts(int32_t root_token, nb::list drafts, const std::vector<in
   in.rows = rows.data();
   in.fallback = fallback.data();
   in.point_mass = reinterpret_cast<const uint8_t*>(point_mass.c_str());
-  lookupdec::CellCounts counts{};
-  if (nb::isinstance<nb::bytes>(table)) {
-    in.table = bytes_array<double>(nb::borrow<nb::bytes>(table), &table_size, "table");
-  } else {  // (reached, predicted, matched, row factors bytes, cond mids bytes, cell prior, max prior probability)
-    nb::tuple spec = nb::cast<nb::tuple>(table);
-    if (spec.size() != 7) throw std::invalid_argument("merge_drafts: table is bytes or a 7-tuple of counts");
-    CountsIn reached = nb::cast<CountsIn>(spec[0]), predicted = nb::cast<CountsIn>(spec[1]),
-             matched = nb::cast<CountsIn>(spec[2]);
-    size_t rows = reached.shape(0);
-    check_counts(rows, {predicted.shape(0), matched.shape(0)},
-                 {reached.shape(1), predicted.shape(1), matched.shape(1)}, "merge_drafts");
-    int64_t nrows = static_cast<int64_t>(rows), cells = lookupdec::kCellsPerRow;
-    counts.reached = reached.data();
-    counts.predicted = predicted.data();
-    counts.matched = matched.data();
-    counts.by_row = bytes_array<double>(nb::cast<nb::bytes>(spec[3]), &nrows, "row factors");
-    counts.cond_mids = bytes_array<double>(nb::cast<nb::bytes>(spec[4]), &cells, "cond_mids");
-    counts.cell_prior = nb::cast<double>(spec[5]);
-    counts.max_prior_prob = nb::cast<double>(spec[6]);
-    in.table = nullptr;
-    in.counts = &counts;
-    table_size = nrows * lookupdec::kCellsPerRow;
-  }
+  in.table = bytes_array<double>(table, &table_size, "table");
   in.table_size = table_size;
   in.probabilities = probabilities;
   in.max_nodes = max_nodes;
@@ -369,35 +332,45 @@ void observe_draft(nb::bytes tokens, nb::bytes parents, nb::bytes scores, const 
   lookupdec::observe_draft(t, p, s, n, committed, reached.data(), predicted.data(), matched.data(), reached.stride(0));
 }
 
+using CountsIn = nb::ndarray<const double, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using CountsOut = nb::ndarray<double, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
-// budget.AcceptanceCalibrator.calibration's row and source factors from the row sums learn_drafts
-// leaves (the cells are computed where the merge reads them): (row factors float64 bytes [rows],
-// source factors float64 bytes [sources]).
-nb::tuple calibration_factors(nb::ndarray<const double, nb::ndim<2>, nb::c_contig, nb::device::cpu> row_sums,
-                              nb::bytes row_source, int64_t sources, double source_prior, double row_prior,
-                              double max_factor) {
-  if (row_sums.shape(1) != 2) throw std::invalid_argument("calibration_factors: row sums are [rows, 2]");
-  int64_t n = static_cast<int64_t>(row_sums.shape(0));
+void check_counts(size_t rows, std::initializer_list<size_t> shape0, std::initializer_list<size_t> shape1,
+                  const char* who) {
+  for (size_t r : shape0)
+    if (r != rows) throw std::invalid_argument(std::string(who) + ": reached, predicted, matched: alike rows");
+  for (size_t c : shape1)
+    if (c != static_cast<size_t>(lookupdec::kCellsPerRow))
+      throw std::invalid_argument(std::string(who) + ": rows of CELLS_PER_ROW cells");
+}
+
+// budget.AcceptanceCalibrator.calibration: (table float64 bytes [rows * CELLS_PER_ROW], row
+// factors float64 bytes [rows], source factors float64 bytes [sources]).
+nb::tuple calibration_table(CountsIn reached, CountsIn predicted, CountsIn matched, nb::bytes row_source,
+                            int64_t sources, nb::bytes cond_mids, double source_prior, double row_prior,
+                            double cell_prior, double max_factor, double max_prior_prob) {
+  size_t rows = reached.shape(0);
+  check_counts(rows, {predicted.shape(0), matched.shape(0)}, {reached.shape(1), predicted.shape(1), matched.shape(1)},
+               "calibration_table");
+  int64_t n = static_cast<int64_t>(rows), cells = lookupdec::kCellsPerRow;
   const int32_t* src = bytes_array<int32_t>(row_source, &n, "row_source");
-  std::vector<double> by_source, by_row;
-  lookupdec::calibration_factors(row_sums.data(), n, src, sources, {source_prior, row_prior, 0.0, max_factor, 0.0},
-                                 &by_source, &by_row);
-  return nb::make_tuple(to_bytes(by_row), to_bytes(by_source));
+  const double* mids = bytes_array<double>(cond_mids, &cells, "cond_mids");
+  std::vector<double> by_source, by_row, table;
+  lookupdec::calibration_table(reached.data(), predicted.data(), matched.data(), n, src, sources, mids,
+                               {source_prior, row_prior, cell_prior, max_factor, max_prior_prob}, &by_source, &by_row,
+                               &table);
+  return nb::make_tuple(to_bytes(table), to_bytes(by_row), to_bytes(by_source));
 }
 
 // budget.AcceptanceCalibrator.learn: every count decayed once (x *= decay, as numpy's), then each
-// draft (packed int32 tokens, int32 parents, float64 scores) counted into its row (observe_draft),
-// then each row's sums of predicted and matched into row_sums [rows, 2] (calibration_row_sums:
-// calibration_factors reads them, not the counts).
-void learn_drafts(CountsOut reached, CountsOut predicted, CountsOut matched, CountsOut row_sums, double decay,
+// draft (packed int32 tokens, int32 parents, float64 scores) counted into its row (observe_draft).
+void learn_drafts(CountsOut reached, CountsOut predicted, CountsOut matched, double decay,
                   const std::vector<int64_t>& rows, const std::vector<std::tuple<nb::bytes, nb::bytes, nb::bytes>>& drafts,
                   const std::vector<int64_t>& committed) {
   size_t nrows = reached.shape(0);
   check_counts(nrows, {predicted.shape(0), matched.shape(0)}, {reached.shape(1), predicted.shape(1), matched.shape(1)},
                "learn_drafts");
   if (rows.size() != drafts.size()) throw std::invalid_argument("learn_drafts: a row per draft");
-  if (row_sums.shape(0) != nrows || row_sums.shape(1) != 2)
-    throw std::invalid_argument("learn_drafts: row sums are [rows, 2]");
   for (int64_t r : rows)
     if (r < 0 || static_cast<size_t>(r) >= nrows) throw std::invalid_argument("learn_drafts: a draft's row is out of range");
   size_t total = nrows * lookupdec::kCellsPerRow;
@@ -414,7 +387,6 @@ void learn_drafts(CountsOut reached, CountsOut predicted, CountsOut matched, Cou
     int64_t at = rows[d] * C;
     lookupdec::observe_draft(t, p, s, n, committed, reached.data() + at, predicted.data() + at, matched.data() + at, 1);
   }
-  lookupdec::calibration_row_sums(predicted.data(), matched.data(), static_cast<int64_t>(nrows), row_sums.data());
 }
 
 // budget.choose_num_nodes over the first min(len(values), max_nodes) values, the cost curve
@@ -522,7 +494,7 @@ NB_MODULE(_core, m) {
   m.def("greedy_walk", &greedy_walk, nb::arg("logits"), nb::arg("token_ids"), nb::arg("parents"),
         nb::arg("top_k") = 0, nb::arg("row_of") = nb::none(), nb::arg("start") = 0);
   m.def("observe_draft", &observe_draft);
-  m.def("calibration_factors", &calibration_factors);
+  m.def("calibration_table", &calibration_table);
   m.def("learn_drafts", &learn_drafts);
   m.def("choose_num_nodes", &choose_num_nodes);
   m.def("top_tokens", &top_tokens);

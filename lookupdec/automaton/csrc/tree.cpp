@@ -135,8 +135,7 @@ void node_factors(const MergeInput& in, int64_t d, std::vector<double>* factors,
     int64_t at = cell < 0 ? cell + in.table_size : cell;  // Python's indexing (a negative score's cell)
     if (at < 0 || at >= in.table_size) throw std::out_of_range("merge_drafts: calibration cell outside the table");
     (*cells)[i] = static_cast<int32_t>(cell);
-    double value = in.counts != nullptr ? calibration_cell(*in.counts, at) : in.table[at];
-    (*factors)[i] = !in.probabilities ? value : cond > 0 ? value / cond : 0.0;
+    (*factors)[i] = !in.probabilities ? in.table[at] : cond > 0 ? in.table[at] / cond : 0.0;
   }
 }
 
@@ -377,44 +376,41 @@ void observe_draft(const int32_t* tokens, const int32_t* parents, const double* 
   }
 }
 
-void calibration_row_sums(const double* predicted, const double* matched, int64_t rows, double* row_sums) {
+void calibration_table(const double* reached, const double* predicted, const double* matched, int64_t rows,
+                       const int32_t* row_source, int64_t sources, const double* cond_mids,
+                       const CalibrationWeights& w, std::vector<double>* by_source, std::vector<double>* by_row,
+                       std::vector<double>* table) {
   const int64_t C = kCellsPerRow;
+  std::vector<double> row_p(rows, 0.0), row_m(rows, 0.0), src_p(sources, 0.0), src_m(sources, 0.0);
   for (int64_t r = 0; r < rows; ++r) {
     double p = 0.0, m = 0.0;
     for (int64_t c = 0; c < C; ++c) {
       p += predicted[r * C + c];
       m += matched[r * C + c];
     }
-    row_sums[2 * r] = p;
-    row_sums[2 * r + 1] = m;
-  }
-}
-
-void calibration_factors(const double* row_sums, int64_t rows, const int32_t* row_source, int64_t sources,
-                         const CalibrationWeights& w, std::vector<double>* by_source, std::vector<double>* by_row) {
-  std::vector<double> src_p(sources, 0.0), src_m(sources, 0.0);
-  for (int64_t r = 0; r < rows; ++r) {
+    row_p[r] = p;
+    row_m[r] = m;
     int32_t s = row_source[r];
-    if (s < 0 || s >= sources) throw std::invalid_argument("calibration_factors: a row's source index is out of range");
-    src_p[s] += row_sums[2 * r];
-    src_m[s] += row_sums[2 * r + 1];
+    if (s < 0 || s >= sources) throw std::invalid_argument("calibration_table: a row's source index is out of range");
+    src_p[s] += p;
+    src_m[s] += m;
   }
   by_source->assign(sources, 0.0);
   for (int64_t s = 0; s < sources; ++s)
     (*by_source)[s] = std::min(w.max_factor, (src_m[s] + w.source_prior) / (src_p[s] + w.source_prior));
   by_row->assign(rows, 0.0);
+  table->assign(rows * C, 0.0);
   for (int64_t r = 0; r < rows; ++r) {
     double prior = (*by_source)[row_source[r]];
-    (*by_row)[r] = std::min(w.max_factor, (row_sums[2 * r + 1] + w.row_prior * prior) / (row_sums[2 * r] + w.row_prior));
+    double factor = std::min(w.max_factor, (row_m[r] + w.row_prior * prior) / (row_p[r] + w.row_prior));
+    (*by_row)[r] = factor;
+    for (int64_t c = 0; c < C; ++c) {
+      int64_t k = r * C + c;
+      double claimed = reached[k] > 0 ? predicted[k] / std::max(reached[k], 1e-12) : cond_mids[c];
+      double cell_prior = std::min(factor * claimed, w.max_prior_prob);
+      (*table)[k] = (matched[k] + w.cell_prior * cell_prior) / (reached[k] + w.cell_prior);
+    }
   }
-}
-
-double calibration_cell(const CellCounts& c, int64_t at) {
-  int64_t row = at / kCellsPerRow, cell = at % kCellsPerRow;
-  double reached = c.reached[at];
-  double claimed = reached > 0 ? c.predicted[at] / std::max(reached, 1e-12) : c.cond_mids[cell];
-  double prior = std::min(c.by_row[row] * claimed, c.max_prior_prob);
-  return (c.matched[at] + c.cell_prior * prior) / (reached + c.cell_prior);
 }
 
 int64_t choose_num_nodes(const double* values, int64_t count, const double* curve, double overhead,

@@ -21,8 +21,6 @@ constexpr double kCondBuckets[] = {0.0, 0.25, 0.5, 0.75, 0.95};
 constexpr int32_t kNumCondBuckets = 5;
 constexpr int32_t kCellsPerRow = kNumDepthBuckets * kSiblingRanks * kNumCondBuckets;
 
-struct CellCounts;
-
 struct MergeInput {
   int32_t root_token;
   const int32_t* tokens;   // [total] every draft's token ids, draft after draft
@@ -33,10 +31,8 @@ struct MergeInput {
   const int32_t* rows;       // [num_drafts] calibration row, -1 = none (fallback then)
   const double* fallback;    // [num_drafts] factor of every node of a draft without a row
   const uint8_t* point_mass; // [num_drafts] 1 = a lookup draft (no draft-model samples)
-  const double* table;       // [table_size] calibration values, row * kCellsPerRow + cell (or null:
-                             // with `counts`, each value computed on demand, calibration_cell)
+  const double* table;       // [table_size] calibration values, row * kCellsPerRow + cell
   int64_t table_size;
-  const CellCounts* counts = nullptr;
   bool probabilities;        // the table holds acceptance probabilities: factor = value / cond
   int32_t max_nodes;
   int32_t max_depth;
@@ -90,25 +86,10 @@ void observe_draft(const int32_t* tokens, const int32_t* parents, const double* 
 struct CalibrationWeights {
   double source_prior, row_prior, cell_prior, max_factor, max_prior_prob;
 };
-// The calibrator's decayed counts [rows * kCellsPerRow] and row factors, from which a cell's
-// acceptance probability is computed (calibration_cell) where the merge needs it: a step's
-// drafts read a few hundred cells, the table has thousands.
-struct CellCounts {
-  const double* reached;
-  const double* predicted;
-  const double* matched;
-  const double* by_row;     // [rows] (calibration_factors)
-  const double* cond_mids;  // [kCellsPerRow]
-  double cell_prior, max_prior_prob;
-};
-// Each row's sums of `predicted` and `matched` [rows * kCellsPerRow], left to right (the
-// reference's cumulative sum): row_sums[2 * r] and row_sums[2 * r + 1].
-void calibration_row_sums(const double* predicted, const double* matched, int64_t rows, double* row_sums);
-// Per source and per row: the factor on claimed probabilities, prior included, from the row sums.
-void calibration_factors(const double* row_sums, int64_t rows, const int32_t* row_source, int64_t sources,
-                         const CalibrationWeights& w, std::vector<double>* by_source, std::vector<double>* by_row);
-// One cell's acceptance probability (flat index `at` = row * kCellsPerRow + cell).
-double calibration_cell(const CellCounts& c, int64_t at);
+void calibration_table(const double* reached, const double* predicted, const double* matched, int64_t rows,
+                       const int32_t* row_source, int64_t sources, const double* cond_mids,
+                       const CalibrationWeights& w, std::vector<double>* by_source, std::vector<double>* by_row,
+                       std::vector<double>* table);
 
 // budget.choose_num_nodes: the n in [0, count] maximising (1 + scale[n] * (v[0] + ... + v[n-1])) /
 // (curve[1 + n] + overhead), the first of equal rates (the reference's numpy operations, in order).
