@@ -38,6 +38,7 @@ by the wall clock and by this thread's CPU time (the machine is shared); between
 KV cache gets the forward's writes, so, as in the engine, every phase starts with cold caches.
 
     python bench/overhead_bench.py                       # ~1 minute, writes bench/results/overhead.json
+    python bench/overhead_bench.py --repeat 3            # three fresh replays: the spread between runs
     python bench/overhead_bench.py --workloads loghub --records 2 --out /tmp/o.json
 """
 from __future__ import annotations
@@ -363,8 +364,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-steps", type=int, default=120, help="steps per record at most")
     ap.add_argument("--paths", default="reference,fast", help="which sets of paths to time")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the engine's default on this machine: 1-2)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="replay the records this many times, each time with fresh proposers, calibrator and "
+                         "table: the tables and JSON summaries are the first time's; every time's median total "
+                         "is reported too (this machine moves by several per cent between runs)")
     ap.add_argument("--out", default=str(RESULTS_DIR / "overhead.json"))
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
     if not os.path.isdir(args.data):
         print(f"skipped: shared data not found at {args.data}")
         return 0
@@ -373,24 +380,31 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     records = load_records(args.records, args.data, tokenizer)
     factories = {"reference": reference_paths, "fast": fast_paths}
-    modes = [Mode.make(factories[name]()) for name in args.paths.split(",")]
     kv = KVBuffer(max(len(p) + len(r) for _, _, p, r in records) + 2 + MAX_NODES)
     slot_kv = SlotKV()
     walk = WalkLogits()
     cost = CostModel(COST_SIZES, COST_SECONDS)
-    seen: set = set()
     start = time.perf_counter()
-    with torch.inference_mode():
-        for workload, rid, prompt, response in records:
-            timed = workload in seen
-            seen.add(workload)
-            for mode in modes:  # record by record in turn: load on this shared machine hits both alike
-                gc.collect()
-                run_record(mode, rid, prompt, response, slot_kv if mode.paths.slot_cache else kv, walk, cost,
-                           timed, args.max_steps)
+    runs, digests = [], set()  # the modes of every repetition; every mode's trees and accepted nodes
+    for _ in range(args.repeat):
+        modes = [Mode.make(factories[name]()) for name in args.paths.split(",")]
+        seen: set = set()
+        with torch.inference_mode():
+            for workload, rid, prompt, response in records:
+                timed = workload in seen
+                seen.add(workload)
+                for mode in modes:  # record by record in turn: load on this shared machine hits both alike
+                    gc.collect()
+                    run_record(mode, rid, prompt, response, slot_kv if mode.paths.slot_cache else kv, walk, cost,
+                               timed, args.max_steps)
+        runs.append(modes)
+        digests |= {mode.digest.hexdigest() for mode in modes}
     seconds = time.perf_counter() - start
+    modes = runs[0]
+    repeats = {mode.paths.name: [summarize(m)["cpu_us_at_64"]["total"]["median"] for m in (r[i] for r in runs)]
+               for i, mode in enumerate(modes)} if args.repeat > 1 else None
     summaries = [summarize(mode) for mode in modes]
-    identical = len({mode.digest.hexdigest() for mode in modes}) == 1
+    identical = len(digests) == 1
     for s in summaries:
         print(f"{s['paths']}: {s['steps']} timed steps, mean {s['mean_nodes']:.1f} draft nodes, "
               f"{s['steps_at_64']} steps with >= {FULL_TREE} (mean {s['mean_nodes_at_64'] or 0:.1f}); "
@@ -400,12 +414,18 @@ def main(argv=None) -> int:
         print(table(summaries, f"{clock}_us_at_64"))
     print("\nµs per step (wall clock), all timed steps:")
     print(table(summaries, "wall_us"))
-    print(f"\ntrees and accepted nodes identical across paths: {identical}  ({seconds:.0f} s)")
+    if repeats:
+        print(f"\nmedian total µs per step (CPU time, >= {FULL_TREE} nodes), each of {args.repeat} replays:")
+        for name, totals in repeats.items():
+            print(f"  {name}: {', '.join(f'{t:.1f}' for t in totals)}  (median {float(np.median(totals)):.1f})")
+    print(f"\ntrees and accepted nodes identical across paths{' and replays' if repeats else ''}: {identical}  "
+          f"({seconds:.0f} s)")
     config = {**vars(args), "max_nodes": MAX_NODES, "max_depth": MAX_DEPTH, "full_tree": FULL_TREE,
               "kv_cache": f"{LAYERS} layers x [1, {KV_HEADS}, ctx+1+n, {HEAD_DIM}] {DTYPE}",
               "logits": f"[1+n, {VOCAB}] {DTYPE}", "cost_model": {"sizes": COST_SIZES, "seconds": COST_SECONDS}}
     path = write_result(args.out, "overhead", config, summaries, meta=meta, threads_set_by_benchmark=True,
-                        identical_across_paths=identical, seconds=seconds)
+                        identical_across_paths=identical, seconds=seconds,
+                        repeat_totals_cpu_us_at_64=repeats)
     print(f"wrote {path}")
     return 0 if identical else 1
 
