@@ -365,9 +365,9 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default="reference,fast", help="which sets of paths to time")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the engine's default on this machine: 1-2)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="replay the records this many times, each time with fresh proposers, calibrator and "
-                         "table: the tables and JSON summaries are the first time's; every time's median total "
-                         "is reported too (this machine moves by several per cent between runs)")
+                    help="replay the records this many times, each time with fresh proposers and calibrator: "
+                         "the tables and JSON summaries are the first replay's; every replay's median total at "
+                         "64 nodes is reported too (this machine moves by several per cent between runs)")
     ap.add_argument("--out", default=str(RESULTS_DIR / "overhead.json"))
     args = ap.parse_args(argv)
     if args.repeat < 1:
@@ -401,8 +401,9 @@ def main(argv=None) -> int:
         digests |= {mode.digest.hexdigest() for mode in modes}
     seconds = time.perf_counter() - start
     modes = runs[0]
-    repeats = {mode.paths.name: [summarize(m)["cpu_us_at_64"]["total"]["median"] for m in (r[i] for r in runs)]
-               for i, mode in enumerate(modes)} if args.repeat > 1 else None
+    repeats = {mode.paths.name: [summarize(m)["cpu_us_at_64"].get("total", {}).get("median")
+                                 for m in (r[i] for r in runs)]
+               for i, mode in enumerate(modes)} if args.repeat > 1 else None  # None: no step reached 64 nodes
     summaries = [summarize(mode) for mode in modes]
     identical = len(digests) == 1
     for s in summaries:
@@ -417,7 +418,9 @@ def main(argv=None) -> int:
     if repeats:
         print(f"\nmedian total µs per step (CPU time, >= {FULL_TREE} nodes), each of {args.repeat} replays:")
         for name, totals in repeats.items():
-            print(f"  {name}: {', '.join(f'{t:.1f}' for t in totals)}  (median {float(np.median(totals)):.1f})")
+            got = [t for t in totals if t is not None]
+            print(f"  {name}: {', '.join('-' if t is None else f'{t:.1f}' for t in totals)}  "
+                  f"(median {float(np.median(got)) if got else float('nan'):.1f})")
     print(f"\ntrees and accepted nodes identical across paths{' and replays' if repeats else ''}: {identical}  "
           f"({seconds:.0f} s)")
     config = {**vars(args), "max_nodes": MAX_NODES, "max_depth": MAX_DEPTH, "full_tree": FULL_TREE,
