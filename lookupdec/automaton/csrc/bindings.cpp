@@ -442,14 +442,15 @@ nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, co
   return nb::make_tuple(int_list(accepted), next_token, bonus, rows_out, missing);
 }
 
-// One tuple per draft: (token_ids, parents, scores, match_length), the arrays as bytes
-// (Draft.packed()); a draft's best chain (itself: a chain) is made from them only if asked for.
+// One tuple per draft: (token_ids, parents, scores, match_length, chain, chain_cond): the arrays
+// as bytes (Draft.packed()), the best chain (Draft.best_chain()) as lists.
 nb::list ngram_propose(const lookupdec::NgramIndex& index, int32_t max_draft_tokens, int32_t max_branches,
                        int32_t max_nodes, double branch_decay, double continue_prob) {
   nb::list out;
   for (const lookupdec::NgramDraft& d : index.propose(max_draft_tokens, max_branches, max_nodes, branch_decay,
                                                       continue_prob))
-    out.append(nb::make_tuple(to_bytes(d.token_ids), to_bytes(d.parents), to_bytes(d.scores), d.match_length));
+    out.append(nb::make_tuple(to_bytes(d.token_ids), to_bytes(d.parents), to_bytes(d.scores), d.match_length,
+                              int_list(d.token_ids), float_list(d.chain_cond)));
   return out;
 }
 
