@@ -401,10 +401,12 @@ def main(argv=None) -> int:
         digests |= {mode.digest.hexdigest() for mode in modes}
     seconds = time.perf_counter() - start
     modes = runs[0]
-    repeats = {mode.paths.name: [summarize(m)["cpu_us_at_64"].get("total", {}).get("median")
-                                 for m in (r[i] for r in runs)]
-               for i, mode in enumerate(modes)} if args.repeat > 1 else None  # None: no step reached 64 nodes
     summaries = [summarize(mode) for mode in modes]
+    repeats = None  # per paths, each replay's median total at 64 nodes (None: no step reached 64 nodes)
+    if args.repeat > 1:
+        repeats = {s["paths"]: [s["cpu_us_at_64"].get("total", {}).get("median")]
+                   + [summarize(m)["cpu_us_at_64"].get("total", {}).get("median") for m in later]
+                   for s, later in zip(summaries, zip(*runs[1:]))}
     identical = len(digests) == 1
     for s in summaries:
         print(f"{s['paths']}: {s['steps']} timed steps, mean {s['mean_nodes']:.1f} draft nodes, "
