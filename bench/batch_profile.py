@@ -1,7 +1,7 @@
 """Where a batch of rewrites spends its time, and what one batched verify forward costs.
 
-Two measurements on SmolLM2-135M-Instruct (float32, CPU), for reading the server and batch
-benchmarks (why batching gives rewrites about 2x, not more):
+Two measurements on SmolLM2-135M-Instruct (float32; CPU, or ``--device cuda``), for reading
+the server and batch benchmarks (why batching gives rewrites about 2x, not more):
 
 * ``forwards`` -- one batched verify forward (``BatchTarget.verify``) of ``rows x width``
   chain tokens after a ``--context``-token prefix per row, median of ``--repeats``, for each
@@ -9,8 +9,10 @@ benchmarks (why batching gives rewrites about 2x, not more):
 * ``split``    -- ``--prompts`` rewrite prompts (log lines to JSON and code edits, alternating,
   as ``server_batch_bench.py --workload rewrite`` sends them) through one ``BatchDecoder`` of
   ``--batch`` rows, greedy, ``--max-tokens`` each: the wall time split into prefill forwards
-  (``BatchTarget.add``), verify forwards (``BatchTarget.verify``) and the rest, with the
-  verified slots (nodes and padding) against the tokens produced.
+  (``BatchTarget.add``/``add_many``), verify forwards (``BatchTarget.verify``) and the rest
+  (of it: drafting and merging, acceptance, KV commit, observe and learn), with the verified
+  slots (nodes and padding) against the tokens produced; ``--cprofile PATH`` writes its
+  Python profile.
 
     python bench/batch_profile.py --threads 2      # ~2 minutes, writes bench/results/batch_profile_2t.json
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, format_table, run_metadata, write_result  # noqa: E402
+from common import RESULTS_DIR, add_device_option, format_table, run_metadata, write_result  # noqa: E402
 from real_model import build_workloads  # noqa: E402
 
 
@@ -61,6 +63,7 @@ def forwards(engine, shapes, context: int, repeats: int) -> list[dict]:
             trees = [chain(5, width, generator) for _ in range(rows)]
             start = time.perf_counter()
             target.verify(trees)
+            engine.target.sync()  # (a GPU's forward ends on the device, not at its launch)
             if r >= 2:
                 seconds.append(time.perf_counter() - start)
             target.commit([[] for _ in range(rows)])
@@ -70,40 +73,75 @@ def forwards(engine, shapes, context: int, repeats: int) -> list[dict]:
     return out
 
 
-def split(engine, prompts, batch: int, max_tokens: int) -> dict:
+def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = None) -> dict:
     from lookupdec.batch import BatchDecoder, BatchRequest
 
     decoder = BatchDecoder(engine, batch)
-    spent = {"prefill": 0.0, "verify": 0.0}
+    spent = {"prefill": 0.0, "verify": 0.0, "plan": 0.0, "accept": 0.0, "commit": 0.0, "finish": 0.0}
     slots = {"nodes": 0, "padded": 0}
+    depth = [0]  # (add_many calls add: time the outer call only)
 
-    def timed(kind, call):
+    def timed(kind, call, sync=False):
         def run(*args, **kwargs):
+            depth[0] += 1
             start = time.perf_counter()
             try:
                 return call(*args, **kwargs)
             finally:
-                spent[kind] += time.perf_counter() - start
+                if sync:
+                    engine.target.sync()  # a GPU's work ends on the device, not at its launch
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[kind] += time.perf_counter() - start
         return run
 
-    verify = timed("verify", decoder.target.verify)
+    verify = timed("verify", decoder.target.verify, sync=True)
 
     def counted(trees, rows=None):
         slots["nodes"] += sum(len(t) for t in trees)
         slots["padded"] += len(trees) * max(len(t) for t in trees)
         return verify(trees, rows)
 
-    decoder.target.add = timed("prefill", decoder.target.add)
+    decoder.target.add = timed("prefill", decoder.target.add, sync=True)
+    decoder.target.add_many = timed("prefill", decoder.target.add_many, sync=True)
     decoder.target.verify = counted
+    decoder.target.commit = timed("commit", decoder.target.commit, sync=True)
+    decoder._accept = timed("accept", decoder._accept)
+    core = engine.step_core
+    plan, finish = core.plan, core.finish
+    core.plan, core.finish = timed("plan", plan), timed("finish", finish)
     for p in prompts:
         decoder.submit(BatchRequest(p, max_tokens))
     start = time.perf_counter()
-    generations = decoder.run()
+    profiler = None
+    if cprofile is not None:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    try:
+        generations = decoder.run()
+    finally:
+        core.plan, core.finish = plan, finish
+        if profiler is not None:
+            import io
+            import pstats
+
+            profiler.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats("tottime").print_stats(40)
+            stats.sort_stats("cumulative").print_stats(60)
+            Path(cprofile).write_text(text.getvalue())
     total = time.perf_counter() - start
     tokens = sum(len(g.token_ids) for g in generations)
     return {"requests": len(prompts), "batch": batch, "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
             "tokens": tokens, "seconds": total, "tokens_per_s": tokens / total, "prefill_s": spent["prefill"],
             "verify_s": spent["verify"], "other_s": total - spent["prefill"] - spent["verify"],
+            # of other: drafting and merging (twice for a row drafted again), acceptance, KV commit,
+            # observe and learn; the rest is the joint choice, stop strings, bookkeeping
+            "plan_s": spent["plan"], "accept_s": spent["accept"], "commit_s": spent["commit"],
+            "finish_s": spent["finish"],
             "steps": len(decoder.widths), "mean_width": statistics.mean(decoder.widths),
             "verified_slots": slots["padded"], "node_slots": slots["nodes"],
             "padding_share": 1 - slots["nodes"] / slots["padded"]}
@@ -123,13 +161,16 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8, help="rows of the split's batch (8)")
     p.add_argument("--max-tokens", type=int, default=192, help="new tokens per prompt in the split (192)")
     p.add_argument("--out", type=Path, default=None, help="result JSON (default: bench/results/batch_profile_<T>t.json)")
+    p.add_argument("--cprofile", type=Path, default=None, metavar="PATH",
+                   help="write the split's Python profile (by own time, then cumulative) to PATH")
+    add_device_option(p)
     args = p.parse_args(argv)
     out = args.out or RESULTS_DIR / f"batch_profile_{args.threads}t.json"
     meta = run_metadata(threads_set_by_benchmark=True)
     torch.set_num_threads(args.threads)
     from lookupdec import Engine
 
-    engine = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype="float32")
     needed = args.offset + args.prompts
     workloads = build_workloads(engine, needed // 2 + 1, 1024)
     pool = [p for pair in zip(workloads["log_to_json"], workloads["code_edit"]) for p in pair]
@@ -139,11 +180,13 @@ def main(argv=None) -> int:
     rows = forwards(engine, args.shapes, args.context, args.repeats)
     print(format_table(rows, [("rows", "rows", "d"), ("width", "width", "d"), ("tokens", "tokens", "d"),
                               ("median_ms", "forward ms", ".1f"), ("ms_per_token", "ms/token", ".2f")]))
-    summary = split(engine, pool[args.offset : needed], args.batch, args.max_tokens)
+    summary = split(engine, pool[args.offset : needed], args.batch, args.max_tokens, args.cprofile)
     print(f"\nsplit: {summary['requests']} rewrite prompts ({summary['mean_prompt_tokens']:.0f} tokens on average), "
           f"B = {summary['batch']}: {summary['tokens']} tokens in {summary['seconds']:.1f} s "
           f"({summary['tokens_per_s']:.1f} tokens/s): prefill {summary['prefill_s']:.1f} s, verify "
-          f"{summary['verify_s']:.1f} s, other {summary['other_s']:.1f} s; {summary['steps']} steps, mean width "
+          f"{summary['verify_s']:.1f} s, other {summary['other_s']:.1f} s (plan {summary['plan_s']:.3f}, accept "
+          f"{summary['accept_s']:.3f}, commit {summary['commit_s']:.3f}, finish {summary['finish_s']:.3f}); "
+          f"{summary['steps']} steps, mean width "
           f"{summary['mean_width']:.2f}, padding {100 * summary['padding_share']:.1f}% of verified slots")
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     write_result(out, "batch_profile", config, {"forwards": rows, "split": summary}, meta=meta,

@@ -39,18 +39,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO_ROOT, RESULTS_DIR, format_table, run_metadata, write_result  # noqa: E402
+from common import REPO_ROOT, RESULTS_DIR, add_device_option, format_table, run_metadata, write_result  # noqa: E402
 from real_model import build_workloads  # noqa: E402
 
 START_TIMEOUT_S = 300
 LISTENING = re.compile(r"lookupdec: serving \S+ at (http://[\d.]+:\d+)")
 
 
-def start_server(model: str, threads: int, max_batch: int) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, threads: int, max_batch: int, device: str = "cpu") -> tuple[subprocess.Popen, str]:
     log_fd, log_path = tempfile.mkstemp(prefix="lookupdec-serve-", suffix=".log")
-    env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO_ROOT)}
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)  # (kept: packages there)
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
     proc = subprocess.Popen([sys.executable, "-m", "lookupdec", "serve", "--model", model, "--port", "0",
-                             "--model-name", "m", "--max-batch", str(max_batch)], cwd=REPO_ROOT, env=env,
+                             "--model-name", "m", "--max-batch", str(max_batch), "--device", device,
+                             "--dtype", "float32"], cwd=REPO_ROOT, env=env,
                             stdout=log_fd, stderr=log_fd, stdin=subprocess.DEVNULL)
     os.close(log_fd)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -113,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=16, help="the batching server's --max-batch (16)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each server (1)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "server_batch.json")
+    add_device_option(ap)
     args = ap.parse_args(argv)
 
     from lookupdec import Engine
@@ -131,8 +134,8 @@ def main(argv=None) -> int:
                          f"({args.prompts} per measurement x {len(measurements)} + 1)")
     warmup, pool = pool[0], pool[1:]
     del loader
-    servers = {"one-at-a-time": start_server(args.model, args.threads, 1),
-               f"max-batch-{args.max_batch}": start_server(args.model, args.threads, args.max_batch)}
+    servers = {"one-at-a-time": start_server(args.model, args.threads, 1, args.device),
+               f"max-batch-{args.max_batch}": start_server(args.model, args.threads, args.max_batch, args.device)}
     names = list(servers)
     rows, mismatches = [], 0
     try:

@@ -2,7 +2,8 @@
 
 ``BatchDecoder`` runs up to ``max_batch`` sequences of one ``Engine`` together. Each step:
 
-    admit    waiting sequences join while rows are free (a prefill forward each, ``BatchTarget.add``)
+    admit    waiting sequences join while rows are free (a prefill forward each, or one for all of
+             them on a GPU: ``BatchTarget.add_many``)
     plan     every sequence's drafts and merged tree (``StepCore.plan``, no pruning yet)
     choose   one joint budget: the width ``W`` (nodes per row, root included) maximising the
              batch's expected tokens per second, sum over rows of ``1 + scale(W) x`` the gains of
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from lookupdec.budget import CostModel, DraftBudget, SizeRecord
-from lookupdec.sampling import PartialLogits, SamplingParams
+from lookupdec.sampling import GreedyChoices, PartialLogits, SamplingParams
 from lookupdec.step import Verdict
 from lookupdec.stops import StopStrings, TextAssembler
 
@@ -89,14 +90,19 @@ class _Sequence:
 class BatchDecoder:
     """Continuous batching over one engine: ``submit`` requests, ``step`` until ``idle``."""
 
-    def __init__(self, engine, max_batch: int) -> None:
+    def __init__(self, engine, max_batch: int, joint_prefill: bool | None = None) -> None:
+        """``joint_prefill``: sequences joining together prefill in one forward (None: on a GPU,
+        not on a CPU; ``BatchTarget``)."""
         from lookupdec.model.batch import BatchTarget
 
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
         self.engine = engine
         self.max_batch = max_batch
-        self.target = BatchTarget(engine.target, max_batch)
+        self.target = BatchTarget(engine.target, max_batch, joint_prefill=joint_prefill)
+        # greedy rows read every row's argmax (and top tokens) from one pass over the batch's
+        # logits (None: where they lie on an accelerator; ``_greedy_choices``)
+        self.greedy_at_once: bool | None = None
         self.waiting: list[_Sequence] = []
         self.active: list[_Sequence] = []  # by row
         self.done: list[_Sequence] = []
@@ -184,8 +190,11 @@ class BatchDecoder:
         width = max(len(tree) for tree in trees)
         self.widths.append(width)
         accepted, verdicts = [], []
+        choices = self._greedy_choices(logits, trees)
         for b, (seq, tree) in enumerate(zip(self.active, trees)):
             mine = logits[b] if isinstance(logits, list) else logits[b, : len(tree)]
+            if choices is not None and seq.params.greedy and not seq.params.uses_prefix:
+                mine = choices[b]
             verdicts.append(self._accept(seq, tree, mine))
             accepted.append(verdicts[-1][0])
             if isinstance(mine, PartialLogits):  # rows the walk asked for are the forward's cost
@@ -222,13 +231,38 @@ class BatchDecoder:
         self.overhead_s = outside if len(self.widths) == 1 else 0.8 * self.overhead_s + 0.2 * outside
         return finished
 
+    def _greedy_choices(self, logits, trees) -> list | None:
+        """Every row's argmax and recycling's top tokens in one pass and one transfer
+        (``GreedyChoices``), for a forward's logits on an accelerator (``greedy_at_once``)
+        holding a greedy row; None otherwise (each row reads its own logits)."""
+        at_once = self.greedy_at_once
+        if isinstance(logits, list) or not (at_once or (at_once is None and logits.device.type != "cpu")):
+            return None
+        if not any(seq.params.greedy and not seq.params.uses_prefix for seq in self.active):
+            return None
+        engine = self.engine
+        k = engine.config.recycle.successors if engine.mixture.successor_sinks else 0
+        return GreedyChoices.of_batch(logits, [len(tree) for tree in trees], k)
+
     def _admit(self) -> None:
         core = self.engine.step_core
-        while self.waiting and len(self.active) < self.max_batch:
-            seq = self.waiting.pop(0)
+        joining = self.waiting[: self.max_batch - len(self.active)]
+        if not joining:
+            return
+        del self.waiting[: len(joining)]
+        rows, prefill_ms = [], []
+        if self.target.joint_prefill and len(joining) > 1:  # one forward for all (each gets its share)
             t = time.perf_counter()
-            seq.row = self.target.add(seq.context[:-1])
-            seq.stats.prefill_ms = (time.perf_counter() - t) * 1e3
+            rows = self.target.add_many([seq.context[:-1] for seq in joining])
+            prefill_ms = [(time.perf_counter() - t) * 1e3 / len(joining)] * len(joining)
+        else:
+            for seq in joining:
+                t = time.perf_counter()
+                rows.append(self.target.add(seq.context[:-1]))
+                prefill_ms.append((time.perf_counter() - t) * 1e3)
+        for seq, row, ms in zip(joining, rows, prefill_ms):
+            seq.row = row
+            seq.stats.prefill_ms = ms
             core.start(seq.rid, seq.context, seq.params, seq.request.seed)
             self.active.append(seq)
 

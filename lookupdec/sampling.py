@@ -36,6 +36,7 @@ continues into the child carrying the emitted token if the tree has one, else st
 from __future__ import annotations
 
 import time
+from typing import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -251,6 +252,27 @@ HEAD_MIN_ROWS = 8  # rows the output projection computes as fast as one on a CPU
 HEAD_ROW_THRESHOLD = 0.1  # a node's row is computed up front when the walk reaches it this likely
 
 
+class GreedyChoices:
+    """What greedy acceptance reads of a tree's logits, taken for a whole batch at once: every
+    node's argmax and, for token recycling, its ``k`` best tokens (``of_batch``). On an
+    accelerator each sequence's own argmax and top-k would wait for the device twice per row
+    and step; the batch waits once. ``accept`` walks these as it walks the logits (greedy
+    without a repetition penalty only)."""
+
+    def __init__(self, argmax: list[int], tops: list[list[int]] | None) -> None:
+        self.argmax, self.tops = argmax, tops
+
+    @staticmethod
+    def of_batch(logits: torch.Tensor, lengths: Sequence[int], k: int) -> list["GreedyChoices"]:
+        """One ``GreedyChoices`` per row of ``logits`` [rows, width, vocab], its first
+        ``lengths[b]`` nodes; ``k`` > 0: the ``k`` best tokens too. One transfer from the device."""
+        argmax = logits.argmax(-1)  # the first of equal maxima, as torch.argmax of each row alone
+        picked = torch.cat([argmax[..., None], logits.topk(k, dim=-1).indices], -1) if k else argmax[..., None]
+        picked = picked.tolist()
+        return [GreedyChoices([node[0] for node in row[:n]], [node[1:] for node in row[:n]] if k else None)
+                for row, n in zip(picked, lengths)]
+
+
 class PartialLogits:
     """A verify forward's logits for some of the tree's nodes, the rest computed on demand.
 
@@ -333,6 +355,18 @@ def _greedy_rows(logits: torch.Tensor, all_rows: bool):
 
 def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, generator,
             all_rows: bool, top_k: int = 0) -> Acceptance:
+    if isinstance(logits, GreedyChoices):
+        if not params.greedy or params.uses_prefix or (top_k and logits.tops is None):
+            raise ValueError("GreedyChoices: greedy acceptance without a repetition penalty only")
+        accepted, node, children = [], 0, tree.children
+        while True:
+            token = logits.argmax[node]
+            child = children[node].get(token)
+            if child is None:
+                tops = [logits.tops[u] for u in (0, *accepted)] if top_k else None
+                return Acceptance(accepted, token, bonus=not children[node], tops=tops)
+            accepted.append(child)
+            node = child
     if isinstance(logits, PartialLogits):
         if not all_rows and params.greedy and not params.uses_prefix and logits.logits.dtype == torch.float32:
             accepted, tops, start = [], [] if top_k else None, 0

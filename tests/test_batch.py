@@ -49,6 +49,51 @@ def test_greedy_batch_equals_transformers(family):
     assert decoder.target.rows == 0 and decoder.idle
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_joint_prefill_batch_equals_transformers(family):
+    """Sequences joining together prefill in one right-padded forward (``BatchTarget.add_many``,
+    the default on a GPU): each still gets exactly its output alone, with prompts of different
+    lengths in one group, more prompts than rows (later ones join as rows free up) and a group
+    split by the padded-token cap."""
+    from lookupdec.model import batch as model_batch
+
+    model = cached_tiny(family)
+    refs = cached_references(family)[:10]
+    engine = Engine(model, FakeTokenizer(), EngineConfig())
+    if not engine.batchable:
+        pytest.skip(f"{family}: no tree masks, one sequence at a time")
+    longest = max(len(p) for p, _, _ in refs)
+    for cap in (model_batch.PREFILL_TOKENS, 2 * longest):  # one group; groups of two
+        old, model_batch.PREFILL_TOKENS = model_batch.PREFILL_TOKENS, cap
+        try:
+            decoder = BatchDecoder(engine, 4, joint_prefill=True)
+            for prompt, n, _ in refs:
+                decoder.submit(BatchRequest(list(prompt), n))
+            outs = decoder.run()
+        finally:
+            model_batch.PREFILL_TOKENS = old
+        for i, (gen, (prompt, n, want)) in enumerate(zip(outs, refs)):
+            assert gen.token_ids == want, f"{family} prompt {i}: first difference at {first_difference(gen.token_ids, want)}"
+
+
+def test_joint_prefill_writes_what_each_rows_own_prefill_writes():
+    from lookupdec.model.batch import BatchTarget
+
+    engine = Engine(cached_tiny("llama"), FakeTokenizer())
+    contexts = [[5, 9, 13, 17, 21, 4, 8], [], [7, 8, 9], [3, 4, 5, 6, 3]]
+    joint = BatchTarget(engine.target, 6, joint_prefill=True)
+    alone = BatchTarget(engine.target, 6, joint_prefill=False)
+    assert alone.add(contexts[0]) == 0 and joint.add(contexts[0]) == 0  # a row already there
+    assert joint.add_many(contexts[1:]) == alone.add_many(contexts[1:]) == [1, 2, 3]
+    assert joint.lengths == alone.lengths == [len(c) for c in contexts]
+    assert joint.store.lengths == alone.store.lengths and joint.store.rows == 4
+    for b, n in enumerate(joint.lengths):
+        torch.testing.assert_close(joint.store.buffer[:, :, b, :, :n], alone.store.buffer[:, :, b, :, :n])
+    with pytest.raises(ValueError, match="full"):
+        joint.add_many([[1, 2], [3, 4], [5, 6]])
+    assert joint.rows == 4  # nothing half-added
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fixed_budget_batch_equals_transformers(family):
     model = cached_tiny(family)
@@ -72,6 +117,52 @@ def test_batch_on_partial_logits_equals_transformers_and_skips_rows(family):
     nodes = sum((g.stats.mean_tree_nodes + 1) * g.stats.steps for g in outs)
     assert projected < nodes  # rows were left out ...
     assert sum(g.stats.logit_misses for g in outs) > 0  # ... and some the walk reached were projected then
+
+
+def test_greedy_rows_read_at_once_equal_each_rows_own(monkeypatch):
+    """On an accelerator the batch takes every row's argmax and recycling's top tokens in one
+    pass (``GreedyChoices``); forced on the CPU, greedy rows still equal transformers and
+    sampled rows in the same batch their output alone for the seed."""
+    from lookupdec.sampling import GreedyChoices
+
+    calls = []
+    of_batch = GreedyChoices.of_batch
+    monkeypatch.setattr(GreedyChoices, "of_batch", staticmethod(lambda *a: calls.append(1) or of_batch(*a)))
+    model = cached_tiny("llama")
+    refs = cached_references("llama")[:6]
+    config = EngineConfig(partial_logits=False)  # (partial logits are per row already)
+    sampled = [5, 9, 13, 17, 21] * 3
+    alone = Engine(model, FakeTokenizer(), config).generate(sampled, max_new_tokens=20, seed=3, **SAMPLING).token_ids
+    decoder = BatchDecoder(Engine(model, FakeTokenizer(), config), 4)
+    decoder.greedy_at_once = True
+    for prompt, n, _ in refs:
+        decoder.submit(BatchRequest(list(prompt), n))
+    decoder.submit(BatchRequest(sampled, 20, seed=3, **SAMPLING))
+    outs = decoder.run()
+    assert [g.token_ids for g in outs[:-1]] == [want for _, _, want in refs]
+    assert outs[-1].token_ids == alone
+    assert len(calls) == len(decoder.widths)
+
+
+def test_greedy_choices_accept_as_the_logits():
+    from lookupdec.sampling import GreedyChoices, SamplingParams, accept
+    from lookupdec.tree import Draft, TokenTree
+
+    torch.manual_seed(1)
+    logits = torch.randn(7, 50)
+    best = logits.argmax(-1).tolist()
+    # a tree whose first branch follows the argmax two deep, then leaves it
+    drafts = [Draft((best[0], best[1], 3), (-1, 0, 1), (0.9, 0.8, 0.7), "a"), Draft((best[0] + 1,), (-1,), (0.5,), "b")]
+    tree = TokenTree.from_drafts(9, drafts, max_nodes=6, max_depth=4)
+    rows = len(tree)
+    choices = GreedyChoices.of_batch(logits[None, :rows], [rows], 4)[0]
+    greedy = SamplingParams()
+    want = accept(tree, logits[:rows], greedy, top_k=4)
+    got = accept(tree, choices, greedy, top_k=4)
+    assert (got.accepted, got.next_token, got.bonus, got.tops) == (want.accepted, want.next_token, want.bonus, want.tops)
+    assert len(got.accepted) >= 1
+    with pytest.raises(ValueError, match="greedy"):
+        accept(tree, choices, SamplingParams(temperature=0.7), generator=torch.Generator())
 
 
 def test_batch_asks_proposers_for_about_the_width_it_keeps():
@@ -121,6 +212,10 @@ def test_sampled_batch_equals_alone_for_a_seed(family):
     requests = [BatchRequest(p, 25, seed=100 + i, **(SAMPLING if i % 2 == 0 else {})) for i, p in enumerate(prompts)]
     outs, _ = run_batch(Engine(model, FakeTokenizer()), requests, max_batch=3)
     assert [g.token_ids for g in outs] == alone
+    decoder = BatchDecoder(Engine(model, FakeTokenizer()), 3, joint_prefill=True)
+    for r in requests:
+        decoder.submit(r)
+    assert [g.token_ids for g in decoder.run()] == alone  # and with the rows' prefills joint
 
 
 def test_generate_batch_api_and_seeds():
@@ -171,6 +266,27 @@ def test_batch_store_rows():
     assert torch.equal(store.view(1, 0)[0, :, 1:3], one.view(1, 0)[0, :, 3:5])
     store.move_row(0, 1, 5)
     assert torch.equal(store.buffer[:, :, 1, :, :5], store.buffer[:, :, 0, :, :5])
+
+
+def test_batch_store_gathers_rows_at_once_as_row_by_row():
+    """A batch's KV commit in one gather (an accelerator's) moves what ``gather_row`` moves row
+    by row (a CPU's), including slots read that are other slots' targets and rows with nothing
+    to move."""
+    torch.manual_seed(0)
+    store = BatchStore(2, max_rows=4)
+    store.buffer = torch.randn(2, 2, 4, 3, 40, 5)
+    store.rows = 4
+    moves = [(0, [20, 22, 25], 10), (1, [20, 21, 22], 20), (2, [20, 23, 24, 27], 18), (3, [20], 5)]
+    at_once, by_row = BatchStore(2, 4), BatchStore(2, 4)
+    at_once.buffer, by_row.buffer = store.buffer.clone(), store.buffer.clone()
+    at_once.gather_rows(moves, at_once=True)
+    by_row.gather_rows(moves)  # (CPU: row by row)
+    assert torch.equal(at_once.buffer, by_row.buffer)
+    assert not torch.equal(by_row.buffer, store.buffer)
+    assert torch.equal(by_row.buffer[:, :, 2, :, 18:22], store.buffer[:, :, 2, :, [20, 23, 24, 27]])
+    before = at_once.buffer.clone()
+    at_once.gather_rows([(1, [20, 21], 20)], at_once=True)  # already in place: nothing moves
+    assert torch.equal(at_once.buffer, before)
 
 
 def test_choose_width():

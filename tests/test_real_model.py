@@ -136,14 +136,22 @@ def test_greedy_identical_to_transformers(config):
     assert max(accepted) > 2.0, accepted
 
 
-@pytest.mark.parametrize("max_batch", [4, 13])
-def test_batched_greedy_identical_to_transformers(max_batch):
+@pytest.mark.parametrize("max_batch,joint_prefill", [(4, False), (13, False), (4, True)],
+                         ids=["4rows", "13rows", "4rows-joint-prefill"])
+def test_batched_greedy_identical_to_transformers(max_batch, joint_prefill):
     """Every prompt (the 1.9k-token one among them) in batches: 4 rows (rows reused as
-    sequences finish) or all at once; each output equals transformers' for that prompt."""
+    sequences finish) or all at once, the rows joining together prefilled one by one (a CPU's
+    default) or in one right-padded forward (a GPU's); each output equals transformers' for
+    that prompt."""
+    from lookupdec.batch import BatchDecoder, BatchRequest
+
     engine, model = engine_and_model()
     engine = Engine(model, engine.tokenizer, EngineConfig())
     refs = references()
-    outs = engine.generate_batch([ids for ids, _, _ in refs], max_new_tokens=MAX_NEW, max_batch=max_batch)
+    decoder = BatchDecoder(engine, max_batch, joint_prefill=joint_prefill)
+    for ids, _, _ in refs:
+        decoder.submit(BatchRequest(ids, MAX_NEW))
+    outs = decoder.run()
     mismatches = [f"{what}: first difference at {first_difference(gen.token_ids, want)}"
                   for gen, (ids, what, want) in zip(outs, refs) if gen.token_ids != want]
     assert not mismatches, mismatches

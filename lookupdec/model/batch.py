@@ -11,7 +11,8 @@ slot ``L + i`` with position ``length[b] + depth[i]``, and its mask row lets it 
 needed, holes only trail a row.
 
 A sequence joins (``add``) by a prefill forward of its own on a one-row cache, copied into the
-next free row; one leaves (``remove``) by moving the last row into its place. Exactness rests on
+next free row (several joining at once share one right-padded forward where ``joint_prefill``:
+``add_many``); one leaves (``remove``) by moving the last row into its place. Exactness rests on
 each row seeing exactly its own prefix and ancestors: ``tests/test_batch.py`` compares every
 sequence with its decoding alone.
 """
@@ -28,11 +29,14 @@ from lookupdec.model.target import TargetModel, _RowsHead, tree_inputs
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
+# the most padded tokens (rows x the longest context) one joint prefill forward takes
+PREFILL_TOKENS = 16384
+
 
 class BatchTarget:
     """Up to ``max_rows`` sequences of one ``TargetModel``'s model, verified together."""
 
-    def __init__(self, target: TargetModel, max_rows: int) -> None:
+    def __init__(self, target: TargetModel, max_rows: int, joint_prefill: bool | None = None) -> None:
         if not target.tree_mode or target._windows or target._num_layers is None:
             raise ValueError("batched verification needs a model that takes tree masks, without sliding windows")
         self.target = target
@@ -42,6 +46,10 @@ class BatchTarget:
         self.lengths: list[int] = []  # committed slots per row (the root not included)
         self._fill = torch.finfo(target.dtype).min
         self._base = 0
+        # sequences joining together prefill in one forward (``add_many``) where forwards cost
+        # about the same whatever their size (a GPU running a small model); on a CPU a prefill
+        # is bound by its arithmetic, which padding only adds to
+        self.joint_prefill = target.device.type != "cpu" if joint_prefill is None else joint_prefill
 
     @property
     def rows(self) -> int:
@@ -60,6 +68,67 @@ class BatchTarget:
         self.lengths.append(len(token_ids))
         self.store.rows = self.rows
         return self.rows - 1
+
+    @torch.inference_mode()
+    def add_many(self, contexts: Sequence[Sequence[int]]) -> list[int]:
+        """Prefill several new rows (each a sequence's context less its last token), in one
+        forward per group of at most ``PREFILL_TOKENS`` padded tokens where ``joint_prefill``,
+        else one forward each (``add``); their row indices, in order.
+
+        A group's rows are right-padded to its longest: row ``b``'s token ``i`` sits at slot and
+        position ``i`` and sees its own slots ``[0, i]`` only, so its K/V are what its own
+        prefill writes; padding slots (a copy of the row's last token) see the row's tokens and
+        land in the row's holes, which every later mask hides."""
+        if self.rows + len(contexts) > self.max_rows:
+            raise ValueError(f"the batch is full ({self.max_rows} rows)")
+        if not self.joint_prefill:
+            return [self.add(ids) for ids in contexts]
+        out, group = [], []
+        for ids in contexts:
+            if not len(ids):  # a one-token context: nothing to prefill
+                out.extend(self._add_group(group))
+                group = []
+                out.append(self.add(ids))
+                continue
+            longest = max([len(ids)] + [len(g) for g in group])
+            if group and (len(group) + 1) * longest > PREFILL_TOKENS:
+                out.extend(self._add_group(group))
+                group = []
+            group.append(ids)
+        out.extend(self._add_group(group))
+        return out
+
+    def _add_group(self, contexts: Sequence[Sequence[int]]) -> list[int]:
+        if len(contexts) <= 1:
+            return [self.add(ids) for ids in contexts]
+        target = self.target
+        if target.body is not None:
+            target.body.refresh()
+        k, lengths = len(contexts), np.array([len(ids) for ids in contexts], dtype=np.int64)
+        width = int(lengths.max())
+        ids = np.empty((k, width), dtype=np.int64)
+        for b, row in enumerate(contexts):
+            ids[b, : len(row)] = row
+            ids[b, len(row):] = row[-1]
+        slot = np.arange(width)
+        allowed = (slot[None, None, :] <= slot[None, :, None]) & (slot[None, None, :] < lengths[:, None, None])
+        mask = torch.zeros((k, 1, width, width), dtype=target.dtype)
+        mask.masked_fill_(torch.from_numpy(~allowed)[:, None], self._fill)
+        positions = torch.arange(width, dtype=torch.int64).repeat(k, 1)
+        group = new_batch_cache(target._num_layers, k)
+        group.slot_store.rows = k
+        device = target.device
+        with swapped(target.model, target.fast_head, body=target.body, tokens=k * width):
+            target.model(input_ids=torch.from_numpy(ids).to(device), position_ids=positions.to(device),
+                         attention_mask=mask.to(device), past_key_values=group, use_cache=True, logits_to_keep=1)
+        target.take_excess()  # a prefill is no verify forward (as ``TargetModel.fill``)
+        out = []
+        for b, n in enumerate(lengths.tolist()):
+            self.store.put_row(self.rows, group.slot_store, n, source_row=b)
+            self.lengths.append(n)
+            self.store.rows = self.rows
+            out.append(self.rows - 1)
+        return out
 
     @torch.inference_mode()
     def remove(self, row: int) -> int | None:
@@ -142,9 +211,9 @@ class BatchTarget:
     def commit(self, accepted: Sequence[Sequence[int]]) -> None:
         """Row ``b`` keeps its root and ``accepted[b]`` (node indices) after its prefix."""
         base = self._base
-        for b, nodes in enumerate(accepted):
-            keep = [base + node for node in (0, *nodes)]
-            self.store.gather_row(b, keep, self.lengths[b])
+        moves = [(b, [base + node for node in (0, *nodes)], self.lengths[b]) for b, nodes in enumerate(accepted)]
+        self.store.gather_rows(moves)
+        for b, keep, _ in moves:
             self.lengths[b] += len(keep)
         self._set_slots(max(self.lengths, default=0))
 

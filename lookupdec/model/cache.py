@@ -164,17 +164,45 @@ class BatchStore(SlotStore):
             kept = max(self.lengths)
             self.buffer[..., :kept, :] = old[..., :kept, :]
 
-    def put_row(self, row: int, source: SlotStore, length: int) -> None:
-        """Copy the first ``length`` slots of ``source`` (a one-sequence store) into ``row``; the
-        shared slot count grows to ``length`` if it was shorter."""
-        keys = source.buffer[0, 0, :1, :, :length]
+    def put_row(self, row: int, source: SlotStore, length: int, source_row: int = 0) -> None:
+        """Copy the first ``length`` slots of ``source``'s row ``source_row`` (a one-sequence
+        store's only row, or a row of another batch store) into ``row``; the shared slot count
+        grows to ``length`` if it was shorter."""
+        keys = source.buffer[0, 0, source_row : source_row + 1, :, :length]
         self.reserve(length, keys)
-        self.buffer[:, :, row, :, :length] = source.buffer[:, :, 0, :, :length]
+        self.buffer[:, :, row, :, :length] = source.buffer[:, :, source_row, :, :length]
         self.lengths = [max(n, length) for n in self.lengths]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` slots of row ``src`` to row ``dst``."""
         self.buffer[:, :, dst, :, :length] = self.buffer[:, :, src, :, :length]
+
+    def gather_rows(self, moves: Sequence[tuple[int, Sequence[int], int]], at_once: bool | None = None) -> None:
+        """``gather_row(row, slots, start)`` for every ``(row, slots, start)`` of ``moves`` (rows
+        distinct). ``at_once`` (None: on an accelerator) in one gather and one scatter, with one
+        index transfer to the device instead of one per row (a GPU waits for each); on a CPU row
+        by row is faster (405 against 713 us for 16 rows of SmolLM2's cache: indexing two
+        dimensions at once is a generic gather)."""
+        if at_once is None:
+            at_once = self.buffer is not None and self.buffer.device.type != "cpu"
+        if not at_once:
+            for row, slots, start in moves:
+                self.gather_row(row, slots, start)
+            return
+        rows, src, dst = [], [], []
+        for row, slots, start in moves:
+            skip = 0  # slots already in place (the root; often the accepted path's first nodes)
+            while skip < len(slots) and slots[skip] == start + skip:
+                skip += 1
+            count = len(slots) - skip
+            rows += [row] * count
+            src += slots[skip:]
+            dst += range(start + skip, start + len(slots))
+        if not rows:
+            return
+        index = torch.from_numpy(np.array([rows, src, dst], dtype=np.int64)).to(self.buffer.device)
+        # (gathered whole before any write: a slot read may be another's target)
+        self.buffer[:, :, index[0], :, index[2]] = self.buffer[:, :, index[0], :, index[1]]
 
     def gather_row(self, row: int, slots: Sequence[int], start: int) -> None:
         """Copy ``slots`` of ``row`` (every layer) to ``start, start + 1, ...`` (slots >= their targets)."""
