@@ -94,6 +94,26 @@ def test_joint_prefill_writes_what_each_rows_own_prefill_writes():
     assert joint.rows == 4  # nothing half-added
 
 
+def test_joint_prefill_groups_by_its_caps(monkeypatch):
+    """A joint prefill forward takes at most ``PREFILL_TOKENS`` padded tokens and
+    ``PREFILL_MASK`` mask cells; an empty context (a one-token prompt) has nothing to prefill."""
+    from lookupdec.model import batch as model_batch
+    from lookupdec.model.batch import BatchTarget
+
+    engine = Engine(cached_tiny("llama"), FakeTokenizer())
+    target = BatchTarget(engine.target, 8, joint_prefill=True)
+    groups, group = [], target._add_group
+    monkeypatch.setattr(target, "_add_group", lambda g: groups.append([len(c) for c in g]) or group(g))
+    monkeypatch.setattr(model_batch, "PREFILL_MASK", 2 * 6 ** 2)  # two 6-token contexts, not three
+    assert target.add_many([[1] * 6, [2] * 5, [3] * 4, [], [4] * 6]) == [0, 1, 2, 3, 4]
+    assert groups == [[6, 5], [4], [6]]
+    assert target.lengths == [6, 5, 4, 0, 6]
+    monkeypatch.setattr(model_batch, "PREFILL_TOKENS", 11)  # 2 x 6 padded tokens: one each
+    groups.clear()
+    target.add_many([[1] * 6, [2] * 5])
+    assert groups == [[6], [5]]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fixed_budget_batch_equals_transformers(family):
     model = cached_tiny(family)

@@ -29,8 +29,10 @@ from lookupdec.model.target import TargetModel, _RowsHead, tree_inputs
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
-# the most padded tokens (rows x the longest context) one joint prefill forward takes
+# the most padded tokens (rows x the longest context) one joint prefill forward takes, and the
+# most cells of its mask (rows x longest^2: 128 MB in float32; two 4096-token contexts, not three)
 PREFILL_TOKENS = 16384
+PREFILL_MASK = 1 << 25
 
 
 class BatchTarget:
@@ -72,8 +74,8 @@ class BatchTarget:
     @torch.inference_mode()
     def add_many(self, contexts: Sequence[Sequence[int]]) -> list[int]:
         """Prefill several new rows (each a sequence's context less its last token), in one
-        forward per group of at most ``PREFILL_TOKENS`` padded tokens where ``joint_prefill``,
-        else one forward each (``add``); their row indices, in order.
+        forward per group of at most ``PREFILL_TOKENS`` padded tokens and ``PREFILL_MASK`` mask
+        cells where ``joint_prefill``, else one forward each (``add``); their row indices, in order.
 
         A group's rows are right-padded to its longest: row ``b``'s token ``i`` sits at slot and
         position ``i`` and sees its own slots ``[0, i]`` only, so its K/V are what its own
@@ -91,7 +93,7 @@ class BatchTarget:
                 out.append(self.add(ids))
                 continue
             longest = max([len(ids)] + [len(g) for g in group])
-            if group and (len(group) + 1) * longest > PREFILL_TOKENS:
+            if group and ((len(group) + 1) * longest > PREFILL_TOKENS or (len(group) + 1) * longest ** 2 > PREFILL_MASK):
                 out.extend(self._add_group(group))
                 group = []
             group.append(ids)
