@@ -10,6 +10,9 @@ The methods decode the same prompts, greedy, side by side, in an order rotated p
   ``--fixed-threads``): how far the default's per-step choice is from the best fixed budget
 * ``all-logits`` -- the default with ``EngineConfig(partial_logits=False)`` (``--all-logits``):
   the verify forward projects every node's hidden state, not only the likely ones
+* ``no-prefix-cache`` -- the default with ``EngineConfig(prefix_cache=False)``
+  (``--no-prefix-cache``): every prompt prefilled whole, as ``transformers`` does; the
+  default keeps what a prompt shares with the one before (its chat template, an instruction)
 
 Workloads, every prompt in the model's chat template: the six Spec-Bench categories (first turn
 of multi-turn chat, translation, CNN/DM summarization, QA, GSM8K math, RAG), real code edits
@@ -147,11 +150,11 @@ def ld_run(engine, prompt, max_new) -> tuple[list[int], dict]:
         "draft_us": s.draft_us, "forward_ms": s.forward_ms, "prefill_ms": s.prefill_ms,
         "mean_tree_nodes": s.mean_tree_nodes, "predicted_accepted": s.predicted_accepted,
         "realised_accepted": s.realised_accepted, "accepted_by_source": dict(s.accepted_by_source),
-        "logit_rows": s.logit_rows, "logit_misses": s.logit_misses}
+        "logit_rows": s.logit_rows, "logit_misses": s.logit_misses, "prefix_reused": s.prefix_reused}
 
 
 def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed: list[int],
-                  all_logits: bool = False) -> tuple[dict, list[dict]]:
+                  all_logits: bool = False, no_prefix_cache: bool = False) -> tuple[dict, list[dict]]:
     label = f"{threads}t" if model.device.type == "cpu" else model.device.type  # the run's name in the tables
     from lookupdec import Engine, EngineConfig
 
@@ -161,6 +164,8 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
         engines[f"fixed{n}"] = Engine(model, tokenizer, EngineConfig(budget="fixed", max_nodes=n))
     if all_logits:
         engines["all-logits"] = Engine(model, tokenizer, EngineConfig(partial_logits=False))
+    if no_prefix_cache:
+        engines["no-prefix-cache"] = Engine(model, tokenizer, EngineConfig(prefix_cache=False))
     methods = ["greedy", "pld", *engines]
     info = {"threads": threads, "methods": methods, "cost_curve": cost_curve(engines["lookupdec"]),
             "load_average_before": load_average()}
@@ -244,6 +249,10 @@ def summarize_runs(runs: list[dict]) -> list[dict]:
             row["lookupdec/best_fixed"] = total["lookupdec"] / total[best]
         if "all-logits" in total:
             row["lookupdec/all-logits"] = total["lookupdec"] / total["all-logits"]
+        if "no-prefix-cache" in total:
+            row["lookupdec/no-prefix-cache"] = total["lookupdec"] / total["no-prefix-cache"]
+            row["no-prefix-cache/pld"] = total["no-prefix-cache"] / total["pld"]
+        row["lookupdec_prefix_reused"] = statistics.fmean(r.get("prefix_reused", 0) for r in ld)
         rows.append(row)
     return rows
 
@@ -257,6 +266,8 @@ TABLE = [("model", "run", ""), ("workload", "workload", ""), ("prompts", "n", "d
          ("lookupdec_predicted", "pred acc", ".2f"), ("lookupdec_realised", "real acc", ".2f"),
          ("lookupdec_overhead_us", "ovh us", ".0f"), ("lookupdec_forward_ms", "fwd ms", ".1f"),
          ("lookupdec_logit_rows", "rows", ".1f"), ("lookupdec/all-logits", "ld/all-logits", ".2f"),
+         ("lookupdec_prefix_reused", "reused", ".0f"), ("lookupdec/no-prefix-cache", "ld/no-prefix", ".2f"),
+         ("no-prefix-cache/pld", "no-prefix/pld", ".2f"),
          ("identical", "identical", "")]
 
 
@@ -275,6 +286,8 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", nargs="+", default=None, help="only these workloads")
     p.add_argument("--all-logits", action="store_true",
                    help="also run the default with EngineConfig(partial_logits=False): every node's logits computed")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="also run the default with EngineConfig(prefix_cache=False): every prompt prefilled whole")
     p.add_argument("--prompt-offset", type=int, default=0, metavar="K", help="skip the first K prompts of each workload")
     add_device_option(p)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "real_model.json", help="result JSON (and .png)")
@@ -298,7 +311,7 @@ def main(argv=None) -> int:
     for threads in args.threads:
         fixed = args.fixed if threads in args.fixed_threads else []
         info, r = bench_threads(threads, model, tokenizer, workloads, args.max_new_tokens, fixed,
-                                all_logits=args.all_logits)
+                                all_logits=args.all_logits, no_prefix_cache=args.no_prefix_cache)
         infos.append(info)
         runs.extend(r)
         report(args, argv, meta, workloads, load_s, infos, runs)  # after each setting: a cut run keeps its part

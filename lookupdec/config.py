@@ -138,6 +138,9 @@ class EngineConfig:
     #                            projection by the fastest product form per row count, grouped K/V
     #                            heads not copied in attention (model/kernels.py);
     #                            same logits up to float rounding (greedy identity is tested)
+    prefix_cache: bool = True  # a request's prompt keeps the K/V of what it shares with the last
+    #                            request's prompt (an instruction, a chat template): only the rest
+    #                            is prefilled (TargetModel.prefill); same logits up to float rounding
     partial_logits: bool = True  # greedy on CPU: the verify forward projects only the hidden states of
     #                              the nodes likely to be accepted; any other the walk reaches is
     #                              projected then (sampling.PartialLogits). Exact: the same rows

@@ -45,6 +45,7 @@ class GenerationStats:
     logit_rows: float = 0.0  # per step: tree nodes whose logits the forward computed (greedy: the likely ones)
     logit_misses: int = 0  # times a walk reached a node whose logits were not computed (computed then)
     prefill_ms: float = 0.0  # the prompt's forward
+    prefix_reused: int = 0  # prompt tokens whose K/V the last request's prefill left (EngineConfig.prefix_cache)
     kernel_ms: float = 0.0  # in all: kernel-form trials and checks inside verify forwards (model/kernels.py),
     # in tokens_per_s but in neither forward_ms nor overhead_us (a batch's: those of the forwards it shared)
     tokens_per_s: float = 0.0  # new tokens / (prefill + all steps)
@@ -335,7 +336,7 @@ class Engine:
         bucket = None
         try:
             t = time.perf_counter()
-            target.prefill(context[:-1])
+            stats.prefix_reused = target.prefill(context[:-1], reuse=self.config.prefix_cache)
             stats.prefill_ms = (time.perf_counter() - t) * 1e3
             cost = None
             if self.config.budget == "auto":  # cached, seeded from another bucket, or a few forwards here

@@ -125,13 +125,16 @@ def test_at_least_twelve_prompts_with_a_long_one():
 def test_greedy_identical_to_transformers(config):
     engine, model = engine_and_model()
     engine = Engine(model, engine.tokenizer, config)
-    mismatches, accepted = [], []
+    mismatches, accepted, reused = [], [], []
     for ids, what, want in references():
         gen = engine.generate(ids, max_new_tokens=MAX_NEW)
         if gen.token_ids != want:
             mismatches.append(f"{what}: first difference at {first_difference(gen.token_ids, want)}")
         accepted.append(gen.stats.mean_accepted)
+        reused.append(gen.stats.prefix_reused)
     assert not mismatches, mismatches
+    # consecutive chat prompts share the template's opening (prefix_cache): its K/V were reused
+    assert sum(r > 0 for r in reused) >= len(CHAT) - 1, reused
     # the prompts that copy (log rewrite, code edit, long prompt) must draft something real
     assert max(accepted) > 2.0, accepted
 

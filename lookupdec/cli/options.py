@@ -63,6 +63,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_default: str | None 
     p.add_argument("--all-logits", action="store_true",
                    help="greedy on CPU: project every tree node's hidden state in the verify forward (default: "
                    "only the nodes likely to be accepted, the others when the walk reaches them; same output)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: keep the K/V of what a prompt shares with the "
+                   "last one, e.g. an instruction or a chat template; same output up to rounding)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
 
@@ -81,7 +84,8 @@ def engine_config(args, **fields):
     from lookupdec.config import DraftConfig, EngineConfig
 
     fields = {"budget": "fixed" if args.fixed_budget else "auto", "draft": DraftConfig(mode=args.draft_mode),
-              "fast_kernels": not args.no_fast_kernels, "partial_logits": not args.all_logits, **fields}
+              "fast_kernels": not args.no_fast_kernels, "partial_logits": not args.all_logits,
+              "prefix_cache": not args.no_prefix_cache, **fields}
     if args.max_nodes is not None:
         fields["max_nodes"] = args.max_nodes
     return EngineConfig(**fields)

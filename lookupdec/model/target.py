@@ -22,6 +22,18 @@ _MASK_FILL: dict = {}  # dtype -> the bytes of its minimum (the additive mask's 
 
 
 
+PREFIX_MIN = 16  # shared tokens worth keeping from the last request's prefill (TargetModel.prefill)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if len(diff) else n
+
+
 class TargetModel:
     """A causal LM with a KV cache of the committed prefix, verifying token trees."""
 
@@ -44,6 +56,11 @@ class TargetModel:
         self._num_layers = getattr(self.config.get_text_config(decoder=True), "num_hidden_layers", None)
         self.cache = None
         self.n_cached = 0
+        # the tokens of the last prefill, whose K/V stay in slots [0, len) until the next prefill
+        # or reset (a request's steps write only after them), and the weights they were computed
+        # with (``prefill(reuse=True)``)
+        self._prefix: list[int] = []
+        self._prefix_weights: tuple | None = None
         self._inputs = InputBuffers()  # the CPU tree forward's ids, positions and mask, reused per step
         self.last_prepare_s = 0.0
         if verify == "auto":
@@ -59,13 +76,36 @@ class TargetModel:
     def reset(self) -> None:
         self.cache = new_cache(self._num_layers)
         self.n_cached = 0
+        self._prefix, self._prefix_weights = [], None
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[int]) -> None:
-        """Put ``token_ids`` in a fresh cache (everything but the root)."""
-        self.reset()
-        self.fill(self.cache, token_ids)
+    def prefill(self, token_ids: Sequence[int], reuse: bool = False) -> int:
+        """Put ``token_ids`` in the cache (a request's context less its root). With ``reuse``
+        (``EngineConfig.prefix_cache``), the longest common prefix with the last prefill's tokens
+        keeps the K/V computed then (if at least ``PREFIX_MIN`` tokens and the weights are
+        unchanged) and only the rest is computed: requests that share an instruction or a chat
+        template skip its forward. Returns the tokens reused (0: a fresh cache)."""
+        token_ids = list(token_ids)
+        weights = self._weights_state() if reuse else None
+        common = 0
+        if reuse and self.cache is not None and weights == self._prefix_weights:
+            common = _common_prefix(self._prefix, token_ids)
+        if common < PREFIX_MIN:
+            self.reset()
+            common = 0
+        else:
+            crop_cache(self.cache, common)
+            self._prefix = []  # (until the fill below ends: a failed one leaves nothing to reuse)
+        self.n_cached = common
+        self.fill(self.cache, token_ids[common:])
         self.n_cached = len(token_ids)
+        self._prefix, self._prefix_weights = token_ids, weights
+        return common
+
+    def _weights_state(self) -> tuple:
+        """Every parameter's identity and version: a weight replaced or written in place since the
+        last prefill changes it (its K/V are then not reused)."""
+        return tuple((id(w), w.data_ptr(), w._version) for w in self.model.parameters())
 
     @torch.inference_mode()
     def fill(self, cache, token_ids: Sequence[int]) -> None:

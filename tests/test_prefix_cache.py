@@ -1,0 +1,100 @@
+"""Prefix reuse across requests (``EngineConfig.prefix_cache``, ``TargetModel.prefill(reuse=True)``):
+a prompt that shares its start with the last request's prompt (an instruction, a chat template)
+keeps the K/V computed then and prefills only the rest. Outputs stay those of ``transformers``
+for every prompt; a weight written since, a prompt sharing too little, or the option off means
+a fresh prefill."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import cached_tiny
+from helpers import FakeTokenizer, first_difference, hf_greedy
+from lookupdec import Engine, EngineConfig
+from lookupdec.model.target import PREFIX_MIN, _common_prefix
+from tiny_models import FAMILIES, tiny_model
+
+SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9)
+
+
+def shared_prompts(seed: int, shared: int = 24, count: int = 5) -> list[list[int]]:
+    """``count`` prompts opening with the same ``shared`` tokens (an instruction), then their own
+    records (repetitive, so drafts are accepted); the last repeats the one before it."""
+    rng = random.Random(seed)
+    instruction = [rng.randrange(3, 90) for _ in range(shared)]
+    prompts = []
+    for _ in range(count - 1):
+        record = [rng.randrange(3, 90) for _ in range(rng.randrange(4, 9))]
+        prompts.append(instruction + record * 3)
+    return prompts + [list(prompts[-1])]
+
+
+def test_common_prefix():
+    assert _common_prefix([1, 2, 3, 4], [1, 2, 5]) == 2
+    assert _common_prefix([1, 2], [1, 2, 3]) == 2
+    assert _common_prefix([], [1]) == 0 and _common_prefix([7], [8]) == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reused_prefix_keeps_every_output(family):
+    model = cached_tiny(family)
+    prompts = shared_prompts(seed=hash(family) % 1000)
+    engine = Engine(model, FakeTokenizer(), EngineConfig())
+    reused = []
+    for i, prompt in enumerate(prompts):
+        want = hf_greedy(model, prompt, 20)
+        gen = engine.generate(prompt, max_new_tokens=20)
+        assert gen.token_ids == want, f"{family} prompt {i}: first difference at {first_difference(gen.token_ids, want)}"
+        reused.append(gen.stats.prefix_reused)
+    assert reused[0] == 0  # nothing before it
+    assert reused[1:-1] == [_common_prefix(a[:-1], b[:-1]) for a, b in zip(prompts[:-2], prompts[1:-1])]
+    assert all(r >= 24 for r in reused[1:-1]), reused  # the instruction (and any record start it shares)
+    assert reused[-1] == len(prompts[-1]) - 1  # the same prompt again: all but its root
+
+
+def test_prefix_reuse_matches_a_fresh_prefill_exactly_in_sampling():
+    model = cached_tiny("llama")
+    prompts = shared_prompts(seed=5)
+    on, off = Engine(model, FakeTokenizer()), Engine(model, FakeTokenizer(), EngineConfig(prefix_cache=False))
+    for i, prompt in enumerate(prompts):
+        a = on.generate(prompt, max_new_tokens=16, seed=40 + i, **SAMPLING)
+        b = off.generate(prompt, max_new_tokens=16, seed=40 + i, **SAMPLING)
+        assert a.token_ids == b.token_ids
+        assert b.stats.prefix_reused == 0
+    assert a.stats.prefix_reused > 0
+
+
+def test_kv_of_a_reused_prefix_is_the_fresh_prefills():
+    engine = Engine(cached_tiny("qwen2"), FakeTokenizer())
+    target = engine.target
+    first, second = list(range(3, 40)), list(range(3, 30)) + [93, 92, 91]
+    assert target.prefill(first, reuse=True) == 0
+    assert target.prefill(second, reuse=True) == 27
+    kept = [v.clone() for v in (target.cache.slot_store.view(0, 0), target.cache.slot_store.view(1, 1))]
+    assert target.n_cached == len(second) and kept[0].shape[-2] == len(second)
+    assert target.prefill(second) == 0  # reuse off: a fresh cache
+    fresh = (target.cache.slot_store.view(0, 0), target.cache.slot_store.view(1, 1))
+    for a, b in zip(kept, fresh):
+        torch.testing.assert_close(a, b)
+
+
+def test_too_little_shared_or_weights_written_means_a_fresh_prefill():
+    model = tiny_model("llama", tie_word_embeddings=False)  # (its own: a weight is written below)
+    engine = Engine(model, FakeTokenizer())
+    target = engine.target
+    base = list(range(3, 3 + PREFIX_MIN + 8))
+    target.prefill(base, reuse=True)
+    assert target.prefill(base[: PREFIX_MIN - 1] + [1, 2, 3], reuse=True) == 0  # shares 15 < PREFIX_MIN
+    target.prefill(base, reuse=True)
+    assert target.prefill(base + [7], reuse=True) == len(base)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # written in place: its K/V are stale
+    assert target.prefill(base + [7], reuse=True) == 0
+    want = hf_greedy(model, base + [7, 8], 12)
+    assert engine.generate(base + [7, 8], max_new_tokens=12).token_ids == want  # (reuses the fresh prefill)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(0.5)
+    gen = engine.generate(base + [7, 9], max_new_tokens=12)
+    assert gen.stats.prefix_reused == 0 and gen.token_ids == hf_greedy(model, base + [7, 9], 12)
