@@ -99,7 +99,8 @@ class BatchDecoder:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
         self.engine = engine
         self.max_batch = max_batch
-        self.target = BatchTarget(engine.target, max_batch, joint_prefill=joint_prefill)
+        self.target = BatchTarget(engine.target, max_batch, joint_prefill=joint_prefill,
+                                  prefix_cache=engine.config.prefix_cache)
         # greedy rows read every row's argmax (and top tokens) from one pass over the batch's
         # logits (None: where they lie on an accelerator; ``_greedy_choices``)
         self.greedy_at_once: bool | None = None
@@ -260,6 +261,7 @@ class BatchDecoder:
                 t = time.perf_counter()
                 rows.append(self.target.add(seq.context[:-1]))
                 prefill_ms.append((time.perf_counter() - t) * 1e3)
+                seq.stats.prefix_reused = self.target.last_reused
         for seq, row, ms in zip(joining, rows, prefill_ms):
             seq.row = row
             seq.stats.prefill_ms = ms

@@ -98,3 +98,43 @@ def test_too_little_shared_or_weights_written_means_a_fresh_prefill():
         model.model.layers[1].mlp.down_proj.weight.mul_(0.5)
     gen = engine.generate(base + [7, 9], max_new_tokens=12)
     assert gen.stats.prefix_reused == 0 and gen.token_ids == hf_greedy(model, base + [7, 9], 12)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_batch_rows_reuse_a_shared_prefix(family):
+    """A batch row joining alone prefills on the last row's one-row cache cut to what their
+    contexts share (``BatchTarget.add``): every output is still ``transformers``', rows joining
+    as others leave included."""
+    from lookupdec.batch import BatchDecoder, BatchRequest
+
+    model = cached_tiny(family)
+    prompts = shared_prompts(seed=11, count=6)
+    for config in (EngineConfig(), EngineConfig(prefix_cache=False)):
+        decoder = BatchDecoder(Engine(model, FakeTokenizer(), config), 2)
+        for prompt in prompts:
+            decoder.submit(BatchRequest(prompt, 16))
+        outs = decoder.run()
+        for i, (gen, prompt) in enumerate(zip(outs, prompts)):
+            want = hf_greedy(model, prompt, 16)
+            assert gen.token_ids == want, f"{family} prompt {i}: first difference at {first_difference(gen.token_ids, want)}"
+        reused = [g.stats.prefix_reused for g in outs]
+        if config.prefix_cache:
+            assert reused[0] == 0 and all(r >= 24 for r in reused[1:]), reused
+        else:
+            assert not any(reused)
+
+
+def test_batch_row_kv_with_a_reused_prefix_is_its_own_prefills():
+    from lookupdec.model.batch import BatchTarget
+
+    engine = Engine(cached_tiny("llama"), FakeTokenizer())
+    contexts = [list(range(3, 40)), list(range(3, 30)) + [80, 81], list(range(3, 30)) + [80, 82, 83], [5] * 10]
+    reused, fresh = BatchTarget(engine.target, 4, prefix_cache=True), BatchTarget(engine.target, 4)
+    kept = []
+    for ids in contexts:
+        reused.add(ids)
+        fresh.add(ids)
+        kept.append(reused.last_reused)
+    assert kept == [0, 27, 28, 0] and fresh.last_reused == 0
+    for b, n in enumerate(reused.lengths):
+        torch.testing.assert_close(reused.store.buffer[:, :, b, :, :n], fresh.store.buffer[:, :, b, :, :n])

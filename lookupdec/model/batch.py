@@ -11,8 +11,9 @@ slot ``L + i`` with position ``length[b] + depth[i]``, and its mask row lets it 
 needed, holes only trail a row.
 
 A sequence joins (``add``) by a prefill forward of its own on a one-row cache, copied into the
-next free row (several joining at once share one right-padded forward where ``joint_prefill``:
-``add_many``); one leaves (``remove``) by moving the last row into its place. Exactness rests on
+next free row (with ``prefix_cache``, the last row's one-row cache cut to what both contexts
+share, so only the rest is computed; several joining at once share one right-padded forward
+where ``joint_prefill``: ``add_many``); one leaves (``remove``) by moving the last row into its place. Exactness rests on
 each row seeing exactly its own prefix and ancestors: ``tests/test_batch.py`` compares every
 sequence with its decoding alone.
 """
@@ -23,9 +24,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from lookupdec.model.cache import new_batch_cache, new_cache
+from lookupdec.model.cache import crop_cache, new_batch_cache, new_cache
 from lookupdec.model.kernels import swapped
-from lookupdec.model.target import TargetModel, _RowsHead, tree_inputs
+from lookupdec.model.target import PREFIX_MIN, TargetModel, _common_prefix, _RowsHead, tree_inputs
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
@@ -38,7 +39,8 @@ PREFILL_MASK = 1 << 25
 class BatchTarget:
     """Up to ``max_rows`` sequences of one ``TargetModel``'s model, verified together."""
 
-    def __init__(self, target: TargetModel, max_rows: int, joint_prefill: bool | None = None) -> None:
+    def __init__(self, target: TargetModel, max_rows: int, joint_prefill: bool | None = None,
+                 prefix_cache: bool = False) -> None:
         if not target.tree_mode or target._windows or target._num_layers is None:
             raise ValueError("batched verification needs a model that takes tree masks, without sliding windows")
         self.target = target
@@ -52,6 +54,12 @@ class BatchTarget:
         # about the same whatever their size (a GPU running a small model); on a CPU a prefill
         # is bound by its arithmetic, which padding only adds to
         self.joint_prefill = target.device.type != "cpu" if joint_prefill is None else joint_prefill
+        # ``add`` keeps the K/V of what a row's context shares with the last row added alone (an
+        # instruction, a chat template: ``EngineConfig.prefix_cache``, as ``TargetModel.prefill``)
+        # by prefilling on that row's one-row cache cut there; ``last_reused``: the tokens kept
+        self.prefix_cache = prefix_cache
+        self._prefix: tuple | None = None  # (one-row cache, its tokens, the weights' state)
+        self.last_reused = 0
 
     @property
     def rows(self) -> int:
@@ -63,10 +71,26 @@ class BatchTarget:
         new row; its index."""
         if self.rows >= self.max_rows:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
-        one = new_cache(self.target._num_layers)
-        self.target.fill(one, token_ids)
-        if len(token_ids):
+        token_ids = list(token_ids)
+        one, common, weights = None, 0, None
+        if self.prefix_cache and token_ids:  # the last row's one-row cache, cut to what both share
+            weights = self.target._weights_state()
+            if self._prefix is not None and weights == self._prefix[2]:
+                common = _common_prefix(self._prefix[1], token_ids)
+            if common >= PREFIX_MIN:
+                one = self._prefix[0]
+                crop_cache(one, common)
+            else:
+                common = 0
+        self._prefix = None  # (until the fill below ends)
+        if one is None:
+            one = new_cache(self.target._num_layers)
+        self.target.fill(one, token_ids[common:])
+        if token_ids:
             self.store.put_row(self.rows, one.slot_store, len(token_ids))
+            if self.prefix_cache:
+                self._prefix = (one, token_ids, weights)
+        self.last_reused = common
         self.lengths.append(len(token_ids))
         self.store.rows = self.rows
         return self.rows - 1
