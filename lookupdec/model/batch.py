@@ -13,9 +13,9 @@ needed, holes only trail a row.
 A sequence joins (``add``) by a prefill forward of its own on a one-row cache, copied into the
 next free row (with ``prefix_cache``, the last row's one-row cache cut to what both contexts
 share, so only the rest is computed; several joining at once share one right-padded forward
-where ``joint_prefill``: ``add_many``); one leaves (``remove``) by moving the last row into its place. Exactness rests on
-each row seeing exactly its own prefix and ancestors: ``tests/test_batch.py`` compares every
-sequence with its decoding alone.
+where ``joint_prefill``: ``add_many``); one leaves (``remove``) by moving the last row into its
+place. Exactness rests on each row seeing exactly its own prefix and ancestors:
+``tests/test_batch.py`` compares every sequence with its decoding alone.
 """
 from __future__ import annotations
 
@@ -117,7 +117,8 @@ class BatchTarget:
                 out.append(self.add(ids))
                 continue
             longest = max([len(ids)] + [len(g) for g in group])
-            if group and ((len(group) + 1) * longest > PREFILL_TOKENS or (len(group) + 1) * longest ** 2 > PREFILL_MASK):
+            count = len(group) + 1
+            if group and (count * longest > PREFILL_TOKENS or count * longest ** 2 > PREFILL_MASK):
                 out.extend(self._add_group(group))
                 group = []
             group.append(ids)
