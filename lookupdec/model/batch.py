@@ -26,7 +26,7 @@ import torch
 
 from lookupdec.model.cache import crop_cache, new_batch_cache, new_cache
 from lookupdec.model.kernels import swapped
-from lookupdec.model.target import PREFIX_MIN, TargetModel, _common_prefix, _RowsHead, tree_inputs
+from lookupdec.model.target import TargetModel, _RowsHead, reusable_prefix, tree_inputs
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
@@ -75,13 +75,11 @@ class BatchTarget:
         one, common, weights = None, 0, None
         if self.prefix_cache and token_ids:  # the last row's one-row cache, cut to what both share
             weights = self.target._weights_state()
-            if self._prefix is not None and weights == self._prefix[2]:
-                common = _common_prefix(self._prefix[1], token_ids)
-            if common >= PREFIX_MIN:
+            if self._prefix is not None:
+                common = reusable_prefix(self._prefix[1], self._prefix[2], token_ids, weights)
+            if common:
                 one = self._prefix[0]
                 crop_cache(one, common)
-            else:
-                common = 0
         self._prefix = None  # (until the fill below ends)
         if one is None:
             one = new_cache(self.target._num_layers)

@@ -191,11 +191,8 @@ class BatchStore(SlotStore):
             return
         rows, src, dst = [], [], []
         for row, slots, start in moves:
-            skip = 0  # slots already in place (the root; often the accepted path's first nodes)
-            while skip < len(slots) and slots[skip] == start + skip:
-                skip += 1
-            count = len(slots) - skip
-            rows += [row] * count
+            skip = _in_place(slots, start)
+            rows += [row] * (len(slots) - skip)
             src += slots[skip:]
             dst += range(start + skip, start + len(slots))
         if not rows:
@@ -206,15 +203,22 @@ class BatchStore(SlotStore):
 
     def gather_row(self, row: int, slots: Sequence[int], start: int) -> None:
         """Copy ``slots`` of ``row`` (every layer) to ``start, start + 1, ...`` (slots >= their targets)."""
-        skip = 0  # slots already in place (the root; often the accepted path's first nodes)
-        while skip < len(slots) and slots[skip] == start + skip:
-            skip += 1
+        skip = _in_place(slots, start)
         slots, start = slots[skip:], start + skip
         if not len(slots):
             return
         buf = self.buffer[:, :, row]  # [layers, 2, heads, capacity, head dim]
         src = torch.from_numpy(np.array(slots, dtype=np.int64)).to(buf.device)
         buf[:, :, :, start:start + len(slots)] = buf.index_select(3, src)
+
+
+def _in_place(slots: Sequence[int], start: int) -> int:
+    """How many of ``slots`` already sit at ``start, start + 1, ...`` (the root; often the
+    accepted path's first nodes): nothing to move for them."""
+    skip = 0
+    while skip < len(slots) and slots[skip] == start + skip:
+        skip += 1
+    return skip
 
 
 def new_batch_cache(num_layers: int, max_rows: int):

@@ -34,6 +34,16 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def reusable_prefix(kept: Sequence[int], kept_weights, token_ids: Sequence[int], weights) -> int:
+    """How many leading tokens of ``token_ids`` may keep the K/V computed for ``kept``: what
+    both share, if at least ``PREFIX_MIN`` and the weights' state is the same; else 0 (the one
+    rule of ``TargetModel.prefill`` and ``BatchTarget.add``)."""
+    if kept_weights is None or weights != kept_weights:
+        return 0
+    common = _common_prefix(kept, token_ids)
+    return common if common >= PREFIX_MIN else 0
+
+
 class TargetModel:
     """A causal LM with a KV cache of the committed prefix, verifying token trees."""
 
@@ -87,12 +97,9 @@ class TargetModel:
         template skip its forward. Returns the tokens reused (0: a fresh cache)."""
         token_ids = list(token_ids)
         weights = self._weights_state() if reuse else None
-        common = 0
-        if reuse and self.cache is not None and weights == self._prefix_weights:
-            common = _common_prefix(self._prefix, token_ids)
-        if common < PREFIX_MIN:
+        common = reusable_prefix(self._prefix, self._prefix_weights, token_ids, weights) if self.cache is not None else 0
+        if not common:
             self.reset()
-            common = 0
         else:
             crop_cache(self.cache, common)
             self._prefix = []  # (until the fill below ends: a failed one leaves nothing to reuse)
