@@ -229,6 +229,7 @@ def run_method(method: str, model, engine, prompt: list[int], max_new: int) -> t
         extra = {"steps": s.steps, "mean_accepted": s.mean_accepted, "overhead_us": s.overhead_us,
                  "draft_us": s.draft_us, "forward_ms": s.forward_ms, "prefill_ms": s.prefill_ms,
                  "mean_tree_nodes": s.mean_tree_nodes, "accepted_by_source": dict(s.accepted_by_source),
+                 "prefix_reused": s.prefix_reused,
                  # wall time outside prefill and the steps' forward + overhead (text assembly, set-up)
                  "other_ms_per_step": (seconds * 1e3 - s.prefill_ms - s.steps * (s.forward_ms + s.overhead_us / 1e3))
                  / s.steps if s.steps else None}

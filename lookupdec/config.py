@@ -141,6 +141,10 @@ class EngineConfig:
     prefix_cache: bool = True  # a request's prompt keeps the K/V of what it shares with the last
     #                            request's prompt (an instruction, a chat template): only the rest
     #                            is prefilled (TargetModel.prefill); same logits up to float rounding
+    prefix_cache_mb: float = 256.0  # with prefix_cache: copies of earlier prompts' K/V kept too (least
+    #                                 recently used dropped first past this many MiB; model/cache.py
+    #                                 PrefixStore), so a prompt may start from any of them: editors
+    #                                 resending their own file, pipelines alternating instructions
     partial_logits: bool = True  # greedy on CPU: the verify forward projects only the hidden states of
     #                              the nodes likely to be accepted; any other the walk reaches is
     #                              projected then (sampling.PartialLogits). Exact: the same rows
@@ -148,6 +152,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.max_nodes >= 0, "max_nodes", self.max_nodes, "must be >= 0")
         _require(self.max_depth >= 1, "max_depth", self.max_depth, "must be >= 1")
+        _require(self.prefix_cache_mb >= 0, "prefix_cache_mb", self.prefix_cache_mb, "must be >= 0")
         _require(self.budget in ("auto", "fixed"), "budget", self.budget, "must be auto or fixed")
         _require(self.verify in ("auto", "tree", "chain"), "verify", self.verify, "must be auto, tree or chain")
         known = {"ngram", "suffix", "retrieval", "recycle"}

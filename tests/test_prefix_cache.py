@@ -13,7 +13,8 @@ import torch
 from conftest import cached_tiny
 from helpers import FakeTokenizer, first_difference, hf_greedy
 from lookupdec import Engine, EngineConfig
-from lookupdec.model.target import PREFIX_MIN, _common_prefix
+from lookupdec.model.cache import common_prefix
+from lookupdec.model.target import PREFIX_MIN
 from tiny_models import FAMILIES, tiny_model
 
 SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9)
@@ -32,9 +33,9 @@ def shared_prompts(seed: int, shared: int = 24, count: int = 5) -> list[list[int
 
 
 def test_common_prefix():
-    assert _common_prefix([1, 2, 3, 4], [1, 2, 5]) == 2
-    assert _common_prefix([1, 2], [1, 2, 3]) == 2
-    assert _common_prefix([], [1]) == 0 and _common_prefix([7], [8]) == 0
+    assert common_prefix([1, 2, 3, 4], [1, 2, 5]) == 2
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([], [1]) == 0 and common_prefix([7], [8]) == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -49,7 +50,9 @@ def test_reused_prefix_keeps_every_output(family):
         assert gen.token_ids == want, f"{family} prompt {i}: first difference at {first_difference(gen.token_ids, want)}"
         reused.append(gen.stats.prefix_reused)
     assert reused[0] == 0  # nothing before it
-    assert reused[1:-1] == [_common_prefix(a[:-1], b[:-1]) for a, b in zip(prompts[:-2], prompts[1:-1])]
+    # the most any earlier prompt shares (the last one's K/V in place, earlier ones' kept copies)
+    assert reused[1:-1] == [max(common_prefix(a[:-1], b[:-1]) for a in prompts[:i])
+                            for i, b in enumerate(prompts[1:-1], start=1)]
     assert all(r >= 24 for r in reused[1:-1]), reused  # the instruction (and any record start it shares)
     assert reused[-1] == len(prompts[-1]) - 1  # the same prompt again: all but its root
 
@@ -138,3 +141,114 @@ def test_batch_row_kv_with_a_reused_prefix_is_its_own_prefills():
     assert kept == [0, 27, 28, 0] and fresh.last_reused == 0
     for b, n in enumerate(reused.lengths):
         torch.testing.assert_close(reused.store.buffer[:, :, b, :, :n], fresh.store.buffer[:, :, b, :, :n])
+
+
+# -- earlier prompts kept (EngineConfig.prefix_cache_mb, model/cache.PrefixStore) -------------------
+
+def interleaved_prompts(seed: int) -> list[list[int]]:
+    """Two clients taking turns (a, b, a', b', a''), each resending its own long file with a new
+    ending: a prompt shares its file with the one before the last, only a short opening with the
+    last."""
+    rng = random.Random(seed)
+    opening = [rng.randrange(3, 90) for _ in range(4)]
+    files = [opening + [rng.randrange(3, 90) for _ in range(40)] for _ in range(2)]
+    prompts = []
+    for turn in range(5):
+        record = [rng.randrange(3, 90) for _ in range(rng.randrange(3, 7))]
+        prompts.append(files[turn % 2] + record * 2)
+    return prompts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_interleaved_clients_start_from_their_own_earlier_prompt(family):
+    model = cached_tiny(family)
+    prompts = interleaved_prompts(seed=hash(family) % 1000)
+    for mb in (256.0, 0.0):
+        engine = Engine(model, FakeTokenizer(), EngineConfig(prefix_cache_mb=mb))
+        reused = []
+        for i, prompt in enumerate(prompts):
+            gen = engine.generate(prompt, max_new_tokens=16)
+            want = hf_greedy(model, prompt, 16)
+            assert gen.token_ids == want, f"{family} {mb} MiB, prompt {i}: first difference at {first_difference(gen.token_ids, want)}"
+            reused.append(gen.stats.prefix_reused)
+        ctx = [p[:-1] for p in prompts]
+        if mb:  # the most any earlier prompt shares: its own file (44 tokens or more)
+            assert reused == [0, 0] + [max(common_prefix(a, b) for a in ctx[:i]) for i, b in enumerate(ctx[2:], start=2)]
+            assert all(r >= 44 for r in reused[2:]), reused
+            assert engine.target.prefixes.hits == 3
+        else:  # the last prompt only: the 4-token opening, too short to keep
+            assert reused == [0] * 5 and engine.target.prefixes.entries == []
+
+
+def test_kv_restored_from_an_earlier_prompt_is_a_fresh_prefills():
+    engine = Engine(cached_tiny("qwen2"), FakeTokenizer())
+    target = engine.target
+    a, b = list(range(3, 50)), [2] + list(range(60, 90))
+    target.prefill(a, reuse=True)
+    target.prefill(b, reuse=True)
+    again = a[:40] + [91, 92]
+    assert target.prefill(again, reuse=True) == 40  # from a's copy (b shares nothing)
+    kept = [target.cache.slot_store.view(layer, kind).clone() for layer in (0, 1) for kind in (0, 1)]
+    assert target.prefill(again) == 0
+    for k, (layer, kind) in zip(kept, [(0, 0), (0, 1), (1, 0), (1, 1)]):
+        torch.testing.assert_close(k, target.cache.slot_store.view(layer, kind))
+
+
+def test_prefix_store_bounds_and_replaces_entries():
+    from lookupdec.model.cache import PrefixStore
+
+    engine = Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig(prefix_cache_mb=0))
+    target = engine.target
+    target.prefill(list(range(3, 23)), reuse=True)  # (the store is off: 0 MiB)
+    assert target.prefixes.entries == []
+    per_token = sum(2 * v.numel() * v.element_size() for v in (layer.keys[:, :, :1] for layer in target.cache.layers))
+    store = target.prefixes = PrefixStore(per_token * 50, PREFIX_MIN)
+    weights = target._weights_state()
+    target.prefill(list(range(3, 23)), reuse=True)  # 20 tokens
+    target.prefill(list(range(3, 28)), reuse=True)  # extends it: replaces it
+    assert [len(t) for t, _, _ in store.entries] == [25]
+    target.prefill(list(range(3, 18)) + [1], reuse=True)  # shares 15 with the 25: kept beside it
+    target.prefill(list(range(3, 24)), reuse=True)  # 21 tokens, held by the 25-token entry: no copy
+    assert [len(t) for t, _, _ in store.entries] == [16, 25]
+    target.prefill([2] * 30, reuse=True)  # 16 + 25 + 30 > 50 tokens: the least recently used go first
+    assert [len(t) for t, _, _ in store.entries] == [30]
+    assert store.bytes == 30 * per_token
+    target.prefill([2] * 60, reuse=True)  # larger than the whole store: not kept (the 30 it extends dropped)
+    assert store.entries == []
+    target.prefill([2] * 20, reuse=True)
+    assert store.find([2] * 25, weights) == (0, 20) and store.find([2] * 25, ("other",)) == (-1, 0)
+    assert store.find([2] * 10, weights) == (-1, 0)  # shares fewer than PREFIX_MIN
+
+
+def test_prefix_store_forgets_prompts_of_other_weights():
+    model = tiny_model("llama", tie_word_embeddings=False)  # (its own: a weight is written below)
+    engine = Engine(model, FakeTokenizer())
+    a, b = list(range(3, 40)), [2] + list(range(50, 80))
+    engine.target.prefill(a, reuse=True)
+    engine.target.prefill(b, reuse=True)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    gen = engine.generate(a + [7, 8], max_new_tokens=12)
+    assert gen.stats.prefix_reused == 0 and gen.token_ids == hf_greedy(model, a + [7, 8], 12)
+    assert len(engine.target.prefixes.entries) == 1  # the two of the old weights dropped
+
+
+def test_batch_rows_start_from_earlier_prompts():
+    from lookupdec.batch import BatchDecoder, BatchRequest
+
+    model = cached_tiny("llama")
+    prompts = interleaved_prompts(seed=3)
+    decoder = BatchDecoder(Engine(model, FakeTokenizer()), 1)  # one row: every prompt joins alone
+    for prompt in prompts:
+        decoder.submit(BatchRequest(prompt, 16))
+    outs = decoder.run()
+    for i, (gen, prompt) in enumerate(zip(outs, prompts)):
+        want = hf_greedy(model, prompt, 16)
+        assert gen.token_ids == want, f"prompt {i}: first difference at {first_difference(gen.token_ids, want)}"
+    reused = [g.stats.prefix_reused for g in outs]
+    assert reused[:2] == [0, 0] and all(r >= 44 for r in reused[2:]), reused
+
+
+def test_prefix_cache_mb_is_checked():
+    with pytest.raises(ValueError, match="prefix_cache_mb"):
+        EngineConfig(prefix_cache_mb=-1)

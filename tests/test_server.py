@@ -117,6 +117,12 @@ def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["stories260K"]
     health = server.health()
     assert health["status"] == "ok" and health["model"] == "stories260K"
+    before = health["prefix_cache"]
+    complete(client, STORY, max_tokens=4)
+    complete(client, "A dog ran to the park and played with a red ball all day long.", max_tokens=4)
+    complete(client, STORY + " Then", max_tokens=4)  # starts from a copy of the story's K/V
+    after = server.health()["prefix_cache"]
+    assert after["prompts"] >= 2 and after["mib"] > 0 and after["hits"] == before["hits"] + 1, (before, after)
 
 
 def test_completion_is_transformers_greedy(client, stories):

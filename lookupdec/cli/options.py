@@ -66,8 +66,23 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_default: str | None 
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole (default: keep the K/V of what a prompt shares with the "
                    "last one, e.g. an instruction or a chat template; same output up to rounding)")
+    p.add_argument("--prefix-cache-mb", type=_mib, default=None, metavar="MB",
+                   help="memory for copies of earlier prompts' K/V, so a prompt may also start from one of "
+                   "them, not only from the last prompt (an editor resending its file among other clients; "
+                   "least recently used dropped first; 0: the last prompt only; default: 256)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
+
+
+def _mib(text: str) -> float:
+    """``--prefix-cache-mb``'s value: a number of MiB, at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
 
 
 def check_engine_options(args) -> None:
@@ -88,6 +103,8 @@ def engine_config(args, **fields):
               "prefix_cache": not args.no_prefix_cache, **fields}
     if args.max_nodes is not None:
         fields["max_nodes"] = args.max_nodes
+    if args.prefix_cache_mb is not None:
+        fields["prefix_cache_mb"] = args.prefix_cache_mb
     return EngineConfig(**fields)
 
 

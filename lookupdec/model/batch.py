@@ -12,7 +12,8 @@ needed, holes only trail a row.
 
 A sequence joins (``add``) by a prefill forward of its own on a one-row cache, copied into the
 next free row (with ``prefix_cache``, the last row's one-row cache cut to what both contexts
-share, so only the rest is computed; several joining at once share one right-padded forward
+share, or a copy of an earlier prompt's K/V that shares more, ``TargetModel.prefixes``, so only
+the rest is computed; several joining at once share one right-padded forward
 where ``joint_prefill``: ``add_many``); one leaves (``remove``) by moving the last row into its
 place. Exactness rests on each row seeing exactly its own prefix and ancestors:
 ``tests/test_batch.py`` compares every sequence with its decoding alone.
@@ -73,11 +74,16 @@ class BatchTarget:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
         token_ids = list(token_ids)
         one, common, weights = None, 0, None
-        if self.prefix_cache and token_ids:  # the last row's one-row cache, cut to what both share
+        prefixes = self.target.prefixes
+        if self.prefix_cache and token_ids:  # the last row's one-row cache, cut to what both share...
             weights = self.target._weights_state()
             if self._prefix is not None:
                 common = reusable_prefix(self._prefix[1], self._prefix[2], token_ids, weights)
-            if common:
+            entry, stored = prefixes.find(token_ids, weights)
+            if stored > common:  # ...or a copy of an earlier prompt's that shares more (TargetModel.prefill)
+                one, common = new_cache(self.target._num_layers), stored
+                prefixes.restore(entry, stored, one)
+            elif common:
                 one = self._prefix[0]
                 crop_cache(one, common)
         self._prefix = None  # (until the fill below ends)
@@ -88,6 +94,7 @@ class BatchTarget:
             self.store.put_row(self.rows, one.slot_store, len(token_ids))
             if self.prefix_cache:
                 self._prefix = (one, token_ids, weights)
+                prefixes.save(token_ids, weights, one)
         self.last_reused = common
         self.lengths.append(len(token_ids))
         self.store.rows = self.rows

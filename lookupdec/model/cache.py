@@ -322,3 +322,92 @@ class DraftLM:
         state.tokens.extend(ids)
         self.forwards += 1
         return out.logits[0, -1]
+
+
+class PrefixStore:
+    """Copies of earlier prompts' K/V, least recently used dropped first past ``max_bytes``: the
+    prompts a request may start from besides the last one, whose K/V stay in place
+    (``TargetModel.prefill``, ``BatchTarget.add``; ``EngineConfig.prefix_cache_mb``). Editors that
+    share a server resend their own file with every completion, a rewrite pipeline alternates
+    instructions: the last prompt alone shares only a chat template with the next.
+
+    Entries are ``(tokens, weights' state, K/V [layers, 2, 1, kv heads, len, head dim])``; one is
+    used only with the same weights' state (``TargetModel._weights_state``), and only for the
+    tokens it shares with a prompt (at least ``min_tokens``)."""
+
+    def __init__(self, max_bytes: int = 0, min_tokens: int = 1) -> None:
+        self.max_bytes = int(max_bytes)
+        self.min_tokens = min_tokens
+        self.entries: list[tuple[list[int], tuple, torch.Tensor]] = []  # least recently used first
+        self.hits = 0  # prompts that started from an entry
+
+    @property
+    def bytes(self) -> int:
+        return sum(kv.numel() * kv.element_size() for _, _, kv in self.entries)
+
+    def find(self, token_ids: Sequence[int], weights) -> tuple[int, int]:
+        """(entry index, tokens shared) of the entry sharing the most leading tokens with
+        ``token_ids`` (at least ``min_tokens``, the same weights), else (-1, 0)."""
+        best, best_common = -1, 0
+        for i, (tokens, state, _) in enumerate(self.entries):
+            if state != weights:
+                continue
+            common = common_prefix(tokens, token_ids)
+            if common >= self.min_tokens and common > best_common:
+                best, best_common = i, common
+        return best, best_common
+
+    def restore(self, entry: int, length: int, cache) -> None:
+        """Append the first ``length`` slots of entry ``entry`` to ``cache`` (an empty one, every
+        layer) and mark the entry used last."""
+        found = self.entries.pop(entry)
+        self.entries.append(found)
+        kv = found[2]
+        for layer in range(kv.shape[0]):
+            cache.update(kv[layer, 0, :, :, :length], kv[layer, 1, :, :, :length], layer)
+        self.hits += 1
+
+    def save(self, token_ids: Sequence[int], weights, cache) -> None:
+        """Keep a copy of ``cache``'s K/V of ``token_ids`` (its first slots, every layer) unless an
+        entry already holds them (that one is marked used last); entries they extend, or computed
+        with other weights, are dropped."""
+        token_ids = list(token_ids)
+        if self.max_bytes <= 0 or len(token_ids) < self.min_tokens:
+            return
+        kept = []
+        for entry in self.entries:
+            tokens, state, _ = entry
+            if state != weights:
+                continue
+            common = common_prefix(tokens, token_ids)
+            if common == len(token_ids):  # already held (in this entry or one it begins)
+                self.entries = [e for e in self.entries if e is not entry and e[1] == weights] + [entry]
+                self._evict()
+                return
+            if common < len(tokens):  # the new one does not extend it
+                kept.append(entry)
+        layers = [(layer.keys[:, :, : len(token_ids)], layer.values[:, :, : len(token_ids)]) for layer in cache.layers]
+        size = sum(k.numel() * k.element_size() * 2 for k, _ in layers)
+        self.entries = kept
+        if size > self.max_bytes:
+            self._evict()
+            return
+        kv = torch.stack([torch.stack(pair) for pair in layers])  # a copy
+        self.entries.append((token_ids, weights, kv))
+        self._evict()
+
+    def clear(self) -> None:
+        self.entries = []
+
+    def _evict(self) -> None:
+        while self.entries and self.bytes > self.max_bytes:
+            self.entries.pop(0)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if len(diff) else n

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from lookupdec.model.cache import commit_accepted, crop_cache, new_cache
+from lookupdec.model.cache import PrefixStore, commit_accepted, common_prefix, crop_cache, new_cache
 from lookupdec.model.kernels import fast_head_for, packed_linears_for, swapped
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
@@ -25,22 +25,13 @@ _MASK_FILL: dict = {}  # dtype -> the bytes of its minimum (the additive mask's 
 PREFIX_MIN = 16  # shared tokens worth keeping from the last request's prefill (TargetModel.prefill)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
-    return int(diff[0]) if len(diff) else n
-
-
 def reusable_prefix(kept: Sequence[int], kept_weights, token_ids: Sequence[int], weights) -> int:
     """How many leading tokens of ``token_ids`` may keep the K/V computed for ``kept``: what
     both share, if at least ``PREFIX_MIN`` and the weights' state is the same; else 0 (the one
     rule of ``TargetModel.prefill`` and ``BatchTarget.add``)."""
     if kept_weights is None or weights != kept_weights:
         return 0
-    common = _common_prefix(kept, token_ids)
+    common = common_prefix(kept, token_ids)
     return common if common >= PREFIX_MIN else 0
 
 
@@ -71,6 +62,9 @@ class TargetModel:
         # with (``prefill(reuse=True)``)
         self._prefix: list[int] = []
         self._prefix_weights: tuple | None = None
+        # copies of earlier prompts' K/V (``EngineConfig.prefix_cache_mb``; none until the engine
+        # sizes it), shared with the batched step's rows (``BatchTarget.add``)
+        self.prefixes = PrefixStore(0, PREFIX_MIN)
         self._inputs = InputBuffers()  # the CPU tree forward's ids, positions and mask, reused per step
         self.last_prepare_s = 0.0
         if verify == "auto":
@@ -92,21 +86,30 @@ class TargetModel:
     def prefill(self, token_ids: Sequence[int], reuse: bool = False) -> int:
         """Put ``token_ids`` in the cache (a request's context less its root). With ``reuse``
         (``EngineConfig.prefix_cache``), the longest common prefix with the last prefill's tokens
-        keeps the K/V computed then (if at least ``PREFIX_MIN`` tokens and the weights are
-        unchanged) and only the rest is computed: requests that share an instruction or a chat
-        template skip its forward. Returns the tokens reused (0: a fresh cache)."""
+        keeps the K/V computed then, in place, or, where an earlier prompt kept in ``prefixes``
+        shares more, starts from a copy of that one's (at least ``PREFIX_MIN`` tokens, the weights
+        unchanged); only the rest is computed: requests that share an instruction, a chat template
+        or a file skip its forward. The prompt's K/V are then kept in ``prefixes`` too. Returns
+        the tokens reused (0: a fresh cache)."""
         token_ids = list(token_ids)
         weights = self._weights_state() if reuse else None
         common = reusable_prefix(self._prefix, self._prefix_weights, token_ids, weights) if self.cache is not None else 0
-        if not common:
+        entry, stored = self.prefixes.find(token_ids, weights) if reuse else (-1, 0)
+        if stored > common:
+            self.reset()
+            self.prefixes.restore(entry, stored, self.cache)
+            common = stored
+        elif not common:
             self.reset()
         else:
             crop_cache(self.cache, common)
-            self._prefix = []  # (until the fill below ends: a failed one leaves nothing to reuse)
+        self._prefix = []  # (until the fill below ends: a failed one leaves nothing to reuse)
         self.n_cached = common
         self.fill(self.cache, token_ids[common:])
         self.n_cached = len(token_ids)
         self._prefix, self._prefix_weights = token_ids, weights
+        if reuse:
+            self.prefixes.save(token_ids, weights, self.cache)
         return common
 
     def _weights_state(self) -> tuple:
