@@ -139,6 +139,26 @@ def test_greedy_identical_to_transformers(config):
     assert max(accepted) > 2.0, accepted
 
 
+def test_prompts_started_from_kept_copies_are_transformers_greedy():
+    """Prompts seen before, sent again in another order: each starts from the copy of its own
+    earlier K/V (``EngineConfig.prefix_cache_mb``), not from the last prompt's, and answers as
+    ``transformers`` does."""
+    engine, model = engine_and_model()
+    engine = Engine(model, engine.tokenizer, EngineConfig())
+    refs = [r for r in references() if len(r[0]) < 1000][:6]
+    for ids, _, _ in refs:
+        engine.generate(ids, max_new_tokens=4)
+    mismatches, reused = [], []
+    for ids, what, want in reversed(refs[:-1]):  # (the last one is still in place: skipped)
+        gen = engine.generate(ids, max_new_tokens=MAX_NEW)
+        if gen.token_ids != want:
+            mismatches.append(f"{what}: first difference at {first_difference(gen.token_ids, want)}")
+        reused.append((gen.stats.prefix_reused, len(ids) - 1))
+    assert not mismatches, mismatches
+    assert all(r == n for r, n in reused), reused  # every prompt whole but its root
+    assert engine.target.prefixes.hits == len(refs) - 1
+
+
 @pytest.mark.parametrize("max_batch,joint_prefill", [(4, False), (13, False), (4, True)],
                          ids=["4rows", "13rows", "4rows-joint-prefill"])
 def test_batched_greedy_identical_to_transformers(max_batch, joint_prefill):
