@@ -103,24 +103,30 @@ def test_too_little_shared_or_weights_written_means_a_fresh_prefill():
     assert gen.stats.prefix_reused == 0 and gen.token_ids == hf_greedy(model, base + [7, 9], 12)
 
 
+def batch_reuse(model, prompts, config, *, rows: int, label: str) -> list[int]:
+    """``prompts`` through a ``BatchDecoder`` of ``rows`` rows, every output checked against
+    ``transformers``; the prompt tokens each reused."""
+    from lookupdec.batch import BatchDecoder, BatchRequest
+
+    decoder = BatchDecoder(Engine(model, FakeTokenizer(), config), rows)
+    for prompt in prompts:
+        decoder.submit(BatchRequest(prompt, 16))
+    outs = decoder.run()
+    for i, (gen, prompt) in enumerate(zip(outs, prompts)):
+        want = hf_greedy(model, prompt, 16)
+        assert gen.token_ids == want, f"{label} prompt {i}: first difference at {first_difference(gen.token_ids, want)}"
+    return [g.stats.prefix_reused for g in outs]
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
 def test_batch_rows_reuse_a_shared_prefix(family):
     """A batch row joining alone prefills on the last row's one-row cache cut to what their
     contexts share (``BatchTarget.add``): every output is still ``transformers``', rows joining
     as others leave included."""
-    from lookupdec.batch import BatchDecoder, BatchRequest
-
     model = cached_tiny(family)
     prompts = shared_prompts(seed=11, count=6)
     for config in (EngineConfig(), EngineConfig(prefix_cache=False)):
-        decoder = BatchDecoder(Engine(model, FakeTokenizer(), config), 2)
-        for prompt in prompts:
-            decoder.submit(BatchRequest(prompt, 16))
-        outs = decoder.run()
-        for i, (gen, prompt) in enumerate(zip(outs, prompts)):
-            want = hf_greedy(model, prompt, 16)
-            assert gen.token_ids == want, f"{family} prompt {i}: first difference at {first_difference(gen.token_ids, want)}"
-        reused = [g.stats.prefix_reused for g in outs]
+        reused = batch_reuse(model, prompts, config, rows=2, label=family)
         if config.prefix_cache:
             assert reused[0] == 0 and all(r >= 24 for r in reused[1:]), reused
         else:
@@ -234,18 +240,8 @@ def test_prefix_store_forgets_prompts_of_other_weights():
 
 
 def test_batch_rows_start_from_earlier_prompts():
-    from lookupdec.batch import BatchDecoder, BatchRequest
-
-    model = cached_tiny("llama")
-    prompts = interleaved_prompts(seed=3)
-    decoder = BatchDecoder(Engine(model, FakeTokenizer()), 1)  # one row: every prompt joins alone
-    for prompt in prompts:
-        decoder.submit(BatchRequest(prompt, 16))
-    outs = decoder.run()
-    for i, (gen, prompt) in enumerate(zip(outs, prompts)):
-        want = hf_greedy(model, prompt, 16)
-        assert gen.token_ids == want, f"prompt {i}: first difference at {first_difference(gen.token_ids, want)}"
-    reused = [g.stats.prefix_reused for g in outs]
+    # one row: every prompt joins alone
+    reused = batch_reuse(cached_tiny("llama"), interleaved_prompts(seed=3), EngineConfig(), rows=1, label="llama")
     assert reused[:2] == [0, 0] and all(r >= 44 for r in reused[2:]), reused
 
 
