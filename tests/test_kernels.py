@@ -198,24 +198,6 @@ def test_a_new_bucket_takes_the_nearest_choice_at_its_thread_count():
     assert (0, 1) not in chooser.choice and chooser.pick((64, 3)) == "packed" and (64, 3) not in chooser.choice
 
 
-def test_a_new_bucket_takes_the_fastest_form_so_far_while_none_is_chosen():
-    """A process's first requests open several buckets before any finishes its trials: a new
-    bucket takes the fastest form so far of the nearest bucket whose trials timed every form,
-    not trials of its own."""
-    from lookupdec.model.kernels import FormChooser
-
-    chooser = FormChooser(("packed", "linear", "mm"))
-    for form, seconds in (("packed", 2.0), ("linear", 1.0), ("mm", 3.0)):  # bucket 2: every form once
-        assert chooser.pick((2, 1)) == form
-        chooser.record((2, 1), form, seconds)
-    chooser.record((32, 1), "packed", 1.0)  # bucket 32: one form timed only
-    assert not chooser.choice
-    assert chooser.pick((16, 1)) == "linear" and chooser.choice[(16, 1)] == "linear"  # bucket 2's fastest
-    assert chooser.record((16, 1), "linear", 1.0) == 0.0 and (16, 1) not in chooser.trials
-    assert chooser.pick((3, 2)) == "packed" and (3, 2) not in chooser.choice  # other threads: tried afresh
-    assert chooser.pick((2, 1)) == "packed"  # bucket 2 goes on with its own trials
-
-
 def test_every_other_form_is_checked_in_turn():
     from lookupdec.model.kernels import FormChooser
 

@@ -164,28 +164,14 @@ class FormChooser:
 
     def _inherit(self, key) -> str | None:
         """A new bucket ``(rows, threads)`` takes the choice of the nearest bucket (by ratio) at
-        the same thread count (none chosen yet: the fastest form so far of the nearest bucket
-        whose trials timed every form), checked against the other forms after
-        ``INHERITED_CHECK`` calls: trying every form twice cost SmolLM2 25-70 ms per slower
-        trial, in every new bucket, all of it in the first requests' latency. None where no
-        bucket has a choice or has timed every form yet."""
+        the same thread count, checked against the other forms after ``INHERITED_CHECK`` calls:
+        trying every form twice cost SmolLM2 25-70 ms per slower trial, in every new bucket,
+        all of it in the first requests' latency. None where no bucket has a choice yet."""
         rows, threads = key
-        if rows <= 0:
+        near = [(abs(math.log2(b / rows)), b) for b, t in self.choice if t == threads and b > 0] if rows > 0 else []
+        if not near:
             return None
-        near = [(abs(math.log2(b / rows)), b) for b, t in self.choice if t == threads and b > 0]
-        if near:
-            form = self.choice[(min(near)[1], threads)]
-        else:  # none chosen yet (a process's first requests): the fastest so far of the nearest
-            #    bucket whose trials have timed every form (the default budget's varied tree sizes
-            #    opened several buckets at once, each trying every form twice: SmolLM2 spent
-            #    0.39 s in 6 such buckets over its first 10 log prompts; a scratch count)
-            timed = [(abs(math.log2(b / rows)), b) for (b, t), tried in self.trials.items()
-                     if t == threads and b > 0 and all(tried.get(f) for f in self.forms)]
-            if not timed:
-                return None
-            tried = self.trials[(min(timed)[1], threads)]
-            form = min(self.forms, key=lambda f: min(tried[f]))
-        self.choice[key] = form
+        form = self.choice[key] = self.choice[(min(near)[1], threads)]
         self._watch.setdefault(check_group(key), _Watch(INHERITED_CHECK))  # a group already watched keeps its schedule
         return form
 
