@@ -138,8 +138,9 @@ class Engine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.target = model_lib.TargetModel(model, verify=self.config.verify, fast_head=self.config.fast_kernels,
-                                            partial_head=self.config.partial_logits)
-        self.target.prefixes.max_bytes = int(self.config.prefix_cache_mb * 2**20) if self.config.prefix_cache else 0
+                                            partial_head=self.config.partial_logits,
+                                            prefix_bytes=int(self.config.prefix_cache_mb * 2**20)
+                                            if self.config.prefix_cache else 0)
         self.eos_token_ids = model_lib.tokenizer_info(tokenizer)["eos_token_ids"]
         self.calibrator = AcceptanceCalibrator()
         self.draft_budget = DraftBudget()  # budget="auto": nodes asked of the proposers

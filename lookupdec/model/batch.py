@@ -20,14 +20,15 @@ place. Exactness rests on each row seeing exactly its own prefix and ancestors:
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from lookupdec.model.cache import crop_cache, new_batch_cache, new_cache
+from lookupdec.model.cache import new_batch_cache, new_cache
 from lookupdec.model.kernels import swapped
-from lookupdec.model.target import TargetModel, _RowsHead, reusable_prefix, tree_inputs
+from lookupdec.model.target import TargetModel, _RowsHead, start_from_prefix, tree_inputs
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
@@ -74,27 +75,19 @@ class BatchTarget:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
         token_ids = list(token_ids)
         one, common, weights = None, 0, None
-        prefixes = self.target.prefixes
-        if self.prefix_cache and token_ids:  # the last row's one-row cache, cut to what both share...
+        fresh = functools.partial(new_cache, self.target._num_layers)
+        if self.prefix_cache and token_ids:  # the last row's one-row cache or a kept copy (as TargetModel.prefill)
             weights = self.target._weights_state()
-            if self._prefix is not None:
-                common = reusable_prefix(self._prefix[1], self._prefix[2], token_ids, weights)
-            entry, stored = prefixes.find(token_ids, weights)
-            if stored > common:  # ...or a copy of an earlier prompt's that shares more (TargetModel.prefill)
-                one, common = new_cache(self.target._num_layers), stored
-                prefixes.restore(entry, stored, one)
-            elif common:
-                one = self._prefix[0]
-                crop_cache(one, common)
+            one, common = start_from_prefix(token_ids, weights, self._prefix, self.target.prefixes, fresh)
         self._prefix = None  # (until the fill below ends)
         if one is None:
-            one = new_cache(self.target._num_layers)
+            one = fresh()
         self.target.fill(one, token_ids[common:])
         if token_ids:
             self.store.put_row(self.rows, one.slot_store, len(token_ids))
             if self.prefix_cache:
                 self._prefix = (one, token_ids, weights)
-                prefixes.save(token_ids, weights, one)
+                self.target.prefixes.save(token_ids, weights, one)
         self.last_reused = common
         self.lengths.append(len(token_ids))
         self.store.rows = self.rows

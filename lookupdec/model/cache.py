@@ -374,27 +374,32 @@ class PrefixStore:
         token_ids = list(token_ids)
         if self.max_bytes <= 0 or len(token_ids) < self.min_tokens:
             return
-        kept = []
+        kept, held = [], None
         for entry in self.entries:
             tokens, state, _ = entry
             if state != weights:
                 continue
             common = common_prefix(tokens, token_ids)
-            if common == len(token_ids):  # already held (in this entry or one it begins)
-                self.entries = [e for e in self.entries if e is not entry and e[1] == weights] + [entry]
-                self._evict()
-                return
-            if common < len(tokens):  # the new one does not extend it
+            if common == len(token_ids) and held is None:  # already held (in this entry or one it begins)
+                held = entry
+            elif common < len(tokens):  # the new one does not extend it
                 kept.append(entry)
-        layers = [(layer.keys[:, :, : len(token_ids)], layer.values[:, :, : len(token_ids)]) for layer in cache.layers]
-        size = sum(k.numel() * k.element_size() * 2 for k, _ in layers)
+        if held is not None:
+            kept.append(held)  # used last
+        else:
+            layers = [(layer.keys[:, :, : len(token_ids)], layer.values[:, :, : len(token_ids)])
+                      for layer in cache.layers]
+            if sum(k.numel() * k.element_size() * 2 for k, _ in layers) <= self.max_bytes:
+                kept.append((token_ids, weights, torch.stack([torch.stack(pair) for pair in layers])))  # a copy
         self.entries = kept
-        if size > self.max_bytes:
-            self._evict()
-            return
-        kv = torch.stack([torch.stack(pair) for pair in layers])  # a copy
-        self.entries.append((token_ids, weights, kv))
         self._evict()
+
+    def report(self) -> dict:
+        """``/health``'s view: prompts kept, their MiB, prompts that started from one (safe to
+        call from another thread: it reads a snapshot of the entries)."""
+        entries = list(self.entries)
+        held = sum(kv.numel() * kv.element_size() for _, _, kv in entries)
+        return {"prompts": len(entries), "mib": round(held / 2**20, 1), "hits": self.hits}
 
     def clear(self) -> None:
         self.entries = []

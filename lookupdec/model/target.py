@@ -35,12 +35,32 @@ def reusable_prefix(kept: Sequence[int], kept_weights, token_ids: Sequence[int],
     return common if common >= PREFIX_MIN else 0
 
 
+def start_from_prefix(token_ids: Sequence[int], weights, in_place, prefixes: PrefixStore, fresh):
+    """The cache a prefill of ``token_ids`` starts from and the tokens it keeps (the one rule of
+    ``TargetModel.prefill`` and ``BatchTarget.add``): ``in_place`` (``(cache, its tokens, their
+    weights' state)`` or None) cut to what it shares (``reusable_prefix``), or, where a prompt
+    kept in ``prefixes`` shares more, a fresh cache (``fresh()``) holding that one's copy;
+    ``(None, 0)`` where neither shares enough."""
+    common = reusable_prefix(in_place[1], in_place[2], token_ids, weights) if in_place is not None else 0
+    entry, stored = prefixes.find(token_ids, weights)
+    if stored > common:
+        cache = fresh()
+        prefixes.restore(entry, stored, cache)
+        return cache, stored
+    if common:
+        crop_cache(in_place[0], common)
+        return in_place[0], common
+    return None, 0
+
+
 class TargetModel:
     """A causal LM with a KV cache of the committed prefix, verifying token trees."""
 
-    def __init__(self, model, *, verify: str = "auto", fast_head: bool = True, partial_head: bool = True) -> None:
+    def __init__(self, model, *, verify: str = "auto", fast_head: bool = True, partial_head: bool = True,
+                 prefix_bytes: int = 0) -> None:
         """``fast_head``: ``EngineConfig.fast_kernels`` (model/kernels.py); ``partial_head``:
-        ``EngineConfig.partial_logits`` (where the model allows it: ``_probe_partial_head``)."""
+        ``EngineConfig.partial_logits`` (where the model allows it: ``_probe_partial_head``);
+        ``prefix_bytes``: the size of ``prefixes`` (``EngineConfig.prefix_cache_mb``)."""
         self.model = model
         # the output projection by the fastest product form per row count (CPU float32; model/kernels.py)
         self.fast_head = fast_head_for(model) if fast_head else None
@@ -62,9 +82,9 @@ class TargetModel:
         # with (``prefill(reuse=True)``)
         self._prefix: list[int] = []
         self._prefix_weights: tuple | None = None
-        # copies of earlier prompts' K/V (``EngineConfig.prefix_cache_mb``; none until the engine
-        # sizes it), shared with the batched step's rows (``BatchTarget.add``)
-        self.prefixes = PrefixStore(0, PREFIX_MIN)
+        # copies of earlier prompts' K/V (``prefill(reuse=True)``), shared with the batched step's
+        # rows (``BatchTarget.add``)
+        self.prefixes = PrefixStore(prefix_bytes, PREFIX_MIN)
         self._inputs = InputBuffers()  # the CPU tree forward's ids, positions and mask, reused per step
         self.last_prepare_s = 0.0
         if verify == "auto":
@@ -93,17 +113,15 @@ class TargetModel:
         the tokens reused (0: a fresh cache)."""
         token_ids = list(token_ids)
         weights = self._weights_state() if reuse else None
-        common = reusable_prefix(self._prefix, self._prefix_weights, token_ids, weights) if self.cache is not None else 0
-        entry, stored = self.prefixes.find(token_ids, weights) if reuse else (-1, 0)
-        if stored > common:
+        cache, common = None, 0
+        if reuse:
+            in_place = (self.cache, self._prefix, self._prefix_weights) if self.cache is not None else None
+            cache, common = start_from_prefix(token_ids, weights, in_place, self.prefixes,
+                                              lambda: new_cache(self._num_layers))
+        if cache is None:
             self.reset()
-            self.prefixes.restore(entry, stored, self.cache)
-            common = stored
-        elif not common:
-            self.reset()
-        else:
-            crop_cache(self.cache, common)
-        self._prefix = []  # (until the fill below ends: a failed one leaves nothing to reuse)
+        else:  # the last prefill's tokens: none until the fill below ends (a failed one leaves nothing to reuse)
+            self.cache, self._prefix = cache, []
         self.n_cached = common
         self.fill(self.cache, token_ids[common:])
         self.n_cached = len(token_ids)

@@ -101,12 +101,9 @@ class EngineWorker:
 
     def health(self) -> dict:
         ended = sum(self.ended.values())
-        prefixes = self.engine.target.prefixes  # (read from another thread: a snapshot of its list)
-        entries = list(prefixes.entries)
-        held = sum(kv.numel() * kv.element_size() for _, _, kv in entries)
         return {"queued": self.submitted - self.started, "running": self.started - ended, **self.ended,
                 "batch": {"running": int(self._current is not None), "max": 1},
-                "prefix_cache": {"prompts": len(entries), "mib": round(held / 2**20, 1), "hits": prefixes.hits}}
+                "prefix_cache": self.engine.target.prefixes.report()}
 
     def shutdown(self) -> None:
         job = self._current
