@@ -282,6 +282,7 @@ class BatchDecoder:
             last.row = row
         self.done.append(seq)
         finished.append(seq)
+        self.engine._store_forms()  # kernel forms chosen meanwhile, for the next process
 
     def _accept(self, seq: _Sequence, tree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         engine = self.engine

@@ -42,6 +42,7 @@ SEED_SIZES = (1, 4, 16, 64)  # an engine's first context bucket: one forward eac
 COST_CACHE_VERSION = 5  # 3: the key names the kernels (model/kernels.py); 4: the body packs only where faster;
 # 5: kernel forms re-checked while running (curves cached before measured choices since corrected)
 MAX_CACHED_CURVES = 32  # the cost cache keeps the curves updated last
+MAX_CACHED_FORMS = 8  # ... and the kernel forms (model/kernels.py) of this many setups updated last
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
 COST_LEARNING_RATE = 0.1  # an observed forward moves its size's estimate this far (after the first few)
 COST_SPIKE = 2.0  # an observation above this many times the estimate counts as this many times
@@ -255,13 +256,26 @@ def tail_slope(sizes: Sequence[float], seconds: Sequence[float]) -> float:
 
 
 def cost_cache_path() -> str | None:
-    """Where measured cost curves are kept: ``$LOOKUPDEC_COST_CACHE`` (a file; ``off`` disables
-    the cache), else ``$XDG_CACHE_HOME/lookupdec/cost_curves.json`` (``~/.cache`` by default)."""
+    """Where measured cost curves and the kernel forms chosen (``model/kernels.py``) are kept:
+    ``$LOOKUPDEC_COST_CACHE`` (a file; ``off`` disables the cache), else ``$XDG_CACHE_HOME/lookupdec/cost_curves.json`` (``~/.cache`` by default)."""
     env = os.environ.get("LOOKUPDEC_COST_CACHE")
     if env:
         return None if env.lower() in ("0", "off", "none") else env
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "lookupdec", "cost_curves.json")
+
+
+def _setup(model_config: dict, device) -> tuple[str, str]:
+    """The architecture (not the weights' values: ``model_type-digest``) and the device (on CPU:
+    the machine and its core count; not the thread count)."""
+    import torch
+
+    arch = {k: v for k, v in model_config.items() if k not in ("_name_or_path", "transformers_version")}
+    digest = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    device = torch.device(device)
+    where = (f"cuda:{torch.cuda.get_device_name(device)}" if device.type == "cuda"
+             else f"{device.type}:{platform.machine()}:{os.cpu_count()}cpus")
+    return f"{model_config.get('model_type', '?')}-{digest}", where
 
 
 def cost_key(model_config: dict, device, dtype, context_tokens: int, kernels: str = "plain") -> str:
@@ -270,56 +284,92 @@ def cost_key(model_config: dict, device, dtype, context_tokens: int, kernels: st
     kernels the forwards use (``TargetModel.kernels``)."""
     import torch
 
-    arch = {k: v for k, v in model_config.items() if k not in ("_name_or_path", "transformers_version")}
-    digest = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    device = torch.device(device)
-    if device.type == "cuda":
-        where = f"cuda:{torch.cuda.get_device_name(device)}"
-    else:
-        where = f"{device.type}:{platform.machine()}:{os.cpu_count()}cpus:{torch.get_num_threads()}threads"
-    return f"{model_config.get('model_type', '?')}-{digest}|{where}|{dtype}|ctx{context_tokens}|torch{torch.__version__}|{kernels}"
+    model, where = _setup(model_config, device)
+    if torch.device(device).type != "cuda":
+        where += f":{torch.get_num_threads()}threads"
+    return f"{model}|{where}|{dtype}|ctx{context_tokens}|torch{torch.__version__}|{kernels}"
 
 
-def load_cached_cost(key: str) -> CostModel | None:
+def forms_key(model_config: dict, device, dtype) -> str:
+    """What the kernel forms chosen on CPU (``model/kernels.py``) depend on besides the row and
+    thread counts their own keys hold: the architecture, the machine, the dtype and torch's
+    version (``cost_key`` less the context bucket and the thread count)."""
+    import torch
+
+    model, where = _setup(model_config, device)
+    return f"{model}|{where}|{dtype}|torch{torch.__version__}"
+
+
+def _read_cache() -> dict | None:
+    """The cost cache's document, or None (no cache, unreadable, another version)."""
     path = cost_cache_path()
     if not path or not os.path.exists(path):
         return None
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-        entry = doc["curves"][key] if doc.get("version") == COST_CACHE_VERSION else None
-        if not entry:
-            return None
-        # another process's curve: re-checked here
-        return CostModel(entry["sizes"], entry["seconds"], entry.get("counts")).copy(max_count=CACHED_COUNT_CAP)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.debug("cost cache %s unreadable (%r): measuring", path, exc)
+    except (OSError, ValueError) as exc:
+        log.debug("cost cache %s unreadable (%r)", path, exc)
         return None
+    return doc if isinstance(doc, dict) and doc.get("version") == COST_CACHE_VERSION else None
 
 
-def store_cached_cost(key: str, cost: CostModel) -> None:
-    """Add one curve to the cache file (atomically; an unwritable cache is only logged)."""
+def _update_cache(section: str, key: str, entry: dict, bound: int) -> None:
+    """Put ``entry`` under ``doc[section][key]`` in the cache file, the ``bound`` entries of the
+    section updated last kept (atomically: written aside, then renamed; the other sections as
+    they were; an unwritable cache is only logged)."""
     path = cost_cache_path()
     if not path:
         return
     try:
-        doc = {"version": COST_CACHE_VERSION, "curves": {}}
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                old = json.load(f)
-            if old.get("version") == COST_CACHE_VERSION:
-                doc = old
-        doc["curves"][key] = {**cost.to_dict(), "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        if len(doc["curves"]) > MAX_CACHED_CURVES:  # bounded: drop the curves updated longest ago
-            kept = sorted(doc["curves"].items(), key=lambda kv: (kv[0] == key, kv[1].get("updated", "")))
-            doc["curves"] = dict(kept[-MAX_CACHED_CURVES:])
+        doc = _read_cache() or {"version": COST_CACHE_VERSION}
+        part = doc.setdefault(section, {})
+        if not isinstance(part, dict):
+            part = doc[section] = {}
+        part[key] = {**entry, "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if len(part) > bound:  # bounded: drop the entries updated longest ago
+            kept = sorted(part.items(), key=lambda kv: (kv[0] == key, str(kv[1].get("updated", ""))))
+            doc[section] = dict(kept[-bound:])
+        doc.setdefault("curves", {})
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
         os.replace(tmp, path)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, AttributeError) as exc:
         log.warning("could not write the cost cache %s: %s", path, exc)
+
+
+def load_cached_cost(key: str) -> CostModel | None:
+    doc = _read_cache()
+    try:
+        entry = doc["curves"][key] if doc else None
+        if not entry:
+            return None
+        # another process's curve: re-checked here
+        return CostModel(entry["sizes"], entry["seconds"], entry.get("counts")).copy(max_count=CACHED_COUNT_CAP)
+    except (ValueError, KeyError, TypeError) as exc:
+        log.debug("cost cache entry %s unusable (%r): measuring", key, exc)
+        return None
+
+
+def store_cached_cost(key: str, cost: CostModel) -> None:
+    """Add one curve to the cache file (atomically; an unwritable cache is only logged)."""
+    _update_cache("curves", key, cost.to_dict(), MAX_CACHED_CURVES)
+
+
+def load_cached_forms(key: str) -> dict:
+    """The kernel forms kept for ``key`` (``forms_key``; ``model/kernels.kernel_forms``' shape),
+    or {} (none kept, or unreadable)."""
+    doc = _read_cache()
+    forms = doc.get("forms") if doc else None
+    entry = forms.get(key) if isinstance(forms, dict) else None
+    return {part: v for part, v in entry.items() if part != "updated"} if isinstance(entry, dict) else {}
+
+
+def store_cached_forms(key: str, forms: dict) -> None:
+    """Keep the kernel forms chosen in this process for the next ones (``_update_cache``)."""
+    _update_cache("forms", key, forms, MAX_CACHED_FORMS)
 
 
 SOURCE_PRIOR_WEIGHT = 1.0  # a source starts at factor 1, worth this many predicted tokens

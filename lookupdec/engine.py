@@ -156,6 +156,14 @@ class Engine:
         self._costs: dict[int, CostModel] = {}  # context bucket -> t(n) (budget="auto"), learnt online
         self.cost_origin: dict[int, str] = {}  # context bucket -> "measured" | "cached" | "bucket N" (seeded from)
         self._cost_stored: dict[int, float] = {}  # context bucket -> when its curve was last written to the cache
+        # the kernel forms another process chose on this machine (model/kernels.py): no trials for them
+        self._forms_key = self._forms_stored = None
+        if self.target.fast_head is not None or self.target.body is not None:
+            from lookupdec.budget import forms_key, load_cached_forms
+
+            self._forms_key = forms_key(self.target.config.to_dict(), self.target.device, self.target.dtype)
+            self.target.seed_kernel_forms(load_cached_forms(self._forms_key))
+            self._forms_stored = self.target.kernel_forms()
         self._request_ids = itertools.count()
 
     @classmethod
@@ -369,6 +377,7 @@ class Engine:
             self.step_core.stop(rid)
             if bucket is not None:
                 self._store_cost(bucket)
+            self._store_forms()
 
     def _verdict(self, tree: TokenTree, params, generator, seen: set, limit: int, timer,
                  cost: CostModel | None = None, prev: int = -1) -> Verdict:
@@ -475,6 +484,18 @@ class Engine:
         key = cost_key(self.target.config.to_dict(), self.target.device, self.target.dtype, bucket,
                            self.target.kernels)
         store_cached_cost(key, self._costs[bucket])
+
+    def _store_forms(self) -> None:
+        """Write the kernel forms chosen since the last write to the cost cache, for the next
+        process (``budget.store_cached_forms``): nothing while no choice changed."""
+        if self._forms_key is None:
+            return
+        forms = self.target.kernel_forms()
+        if forms != self._forms_stored:
+            from lookupdec.budget import store_cached_forms
+
+            store_cached_forms(self._forms_key, forms)
+            self._forms_stored = forms
 
     def _room(self, context) -> int:
         """How many more positions fit in the model's context (a large number if unbounded)."""

@@ -92,3 +92,54 @@ def test_cache_can_be_switched_off_or_unwritable(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("LOOKUPDEC_COST_CACHE", str(blocker / "sub" / "costs.json"))  # parent is a file
     Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig()).generate([5, 6, 7], max_new_tokens=4)
     assert "could not write the cost cache" in caplog.text
+
+
+def test_kernel_forms_are_kept_for_the_next_process(cache_file):
+    """The kernel forms an engine chose (``model/kernels.py``) go to the cost cache at the end
+    of a request; an engine on another copy of the model (a new process's) starts from them
+    before its first forward (``FormChooser.seed``: no trials in those buckets), and its output
+    is the same."""
+    from lookupdec.budget import forms_key, load_cached_forms
+    from tiny_models import tiny_model
+
+    first = Engine(tiny_model("llama", tie_word_embeddings=False), FakeTokenizer(), EngineConfig())
+    if first.target.fast_head is None:
+        pytest.skip("no fast kernels on this build")
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    for _ in range(3):  # enough forwards for the head's trials of some bucket to end
+        gen = first.generate(prompt, max_new_tokens=40)
+    key = forms_key(first.target.config.to_dict(), first.target.device, first.target.dtype)
+    kept = load_cached_forms(key)
+    assert kept == first.target.kernel_forms() and kept["head"]
+    doc = json.loads(cache_file.read_text())
+    assert set(doc) == {"version", "curves", "forms"} and doc["curves"]  # the curves kept beside them
+    fresh = tiny_model("llama", tie_word_embeddings=False)  # another model object: its own choosers
+    second = Engine(fresh, FakeTokenizer(), EngineConfig())
+    assert second.target.kernel_forms() == kept  # seeded before any forward
+    again = second.generate(prompt, max_new_tokens=40)
+    assert again.token_ids == gen.token_ids
+
+
+def test_kernel_forms_share_the_file_with_the_curves(cache_file, monkeypatch):
+    """Curves and forms written in any order keep each other; the forms kept are bounded;
+    another version's file, a broken section or ``LOOKUPDEC_COST_CACHE=off`` give no forms."""
+    from lookupdec.budget import MAX_CACHED_FORMS, load_cached_forms, store_cached_forms
+
+    store_cached_forms("setup", {"head": {"1,1": "linear"}})
+    store_cached_cost("curve", CostModel([1, 4], [1.0, 1.5]))
+    store_cached_forms("setup", {"head": {"1,1": "packed"}})
+    assert load_cached_forms("setup")["head"] == {"1,1": "packed"} and load_cached_cost("curve").seconds == [1.0, 1.5]
+    for i in range(MAX_CACHED_FORMS + 3):
+        store_cached_forms(f"setup{i}", {"body": {"4,1": "linear"}})
+    forms = json.loads(cache_file.read_text())["forms"]
+    assert len(forms) == MAX_CACHED_FORMS and f"setup{MAX_CACHED_FORMS + 2}" in forms and "setup" not in forms
+    assert load_cached_cost("curve") is not None
+    cache_file.write_text(json.dumps({"version": COST_CACHE_VERSION, "curves": {}, "forms": ["not", "a", "dict"]}))
+    assert load_cached_forms("setup0") == {}
+    store_cached_forms("setup0", {"head": {"2,1": "linear"}})  # a broken section is replaced
+    assert load_cached_forms("setup0") == {"head": {"2,1": "linear"}}
+    cache_file.write_text(json.dumps({"version": COST_CACHE_VERSION - 1, "forms": {"setup0": {"head": {}}}}))
+    assert load_cached_forms("setup0") == {}
+    monkeypatch.setenv("LOOKUPDEC_COST_CACHE", "off")
+    store_cached_forms("setup0", {"head": {"2,1": "linear"}})
+    assert load_cached_forms("setup0") == {}

@@ -248,3 +248,57 @@ def test_packed_body_is_shared_per_model_and_skips_the_head():
             assert all("forward" in m.__dict__ for m in body.modules)
             raise RuntimeError("a failing forward")
     assert all("forward" not in m.__dict__ for m in body.modules) and os.environ.get(GQA_SWITCH) == before
+
+
+def test_seeded_choices_skip_the_trials_and_keep_the_checks():
+    """Choices an earlier process made (``FormChooser.seed``) compute their buckets at once: no
+    trial of another form, no excess; the first check comes after ``RECHECK_FIRST`` calls, as
+    after trials. A bucket already chosen here keeps its choice, one being tried takes the seed
+    (its trials end); a form the chooser does not know is skipped."""
+    from lookupdec.model.kernels import RECHECK_FIRST, FormChooser
+
+    chooser = FormChooser(("packed", "linear"))
+    chooser.record((1, 1), "linear", 1.0)  # (1, 1): trials under way
+    chooser.choice[(2, 1)] = "linear"
+    taken = chooser.seed({(4, 1): "packed", (1, 1): "packed", (2, 1): "packed", (8, 1): "fused"})
+    assert taken == 2 and chooser.choice == {(1, 1): "packed", (2, 1): "linear", (4, 1): "packed"}
+    assert not chooser.trials and (8, 1) not in chooser.choice
+    forms = []
+    for _ in range(RECHECK_FIRST + 1):
+        form = chooser.pick((4, 1))
+        forms.append(form)
+        assert chooser.record((4, 1), form, 1.0 if form == "packed" else 2.0) == (1.0 if form == "linear" else 0.0)
+    assert forms == ["packed"] * RECHECK_FIRST + ["linear"] and chooser.choice[(4, 1)] == "packed"
+
+
+def test_kernel_forms_round_trip_into_a_fresh_head_and_body():
+    """``kernel_forms`` writes what the choosers chose, ``seed_kernel_forms`` gives it to another
+    model's head and body (entries that do not parse skipped), and that head computes its
+    chosen bucket with no trial."""
+    from lookupdec.model.kernels import kernel_forms, seed_kernel_forms
+
+    torch.manual_seed(0)
+    head = FastHead(torch.nn.Linear(16, 40, bias=False))
+    x = torch.randn(3, 16)
+    while (3, torch.get_num_threads()) not in head.choice:
+        head(x)
+    body = PackedLinears([torch.nn.Linear(8, 8)]) if packed_available() else None
+    if body is not None:
+        body.choice[(5, 2)] = "linear"
+    forms = kernel_forms(head, body)
+    threads = torch.get_num_threads()
+    assert forms["head"] == {f"3,{threads}": head.choice[(3, threads)]}
+    assert body is None or forms["body"] == {"5,2": "linear"}
+    other = FastHead(torch.nn.Linear(16, 40, bias=False))
+    other_body = PackedLinears([torch.nn.Linear(8, 8)]) if body is not None else None
+    noisy = {"head": {**forms["head"], "x,1": "linear", "0,1": "linear", "7,1": 3}, "body": forms.get("body", {})}
+    assert seed_kernel_forms(other, other_body, noisy) == (2 if body is not None else 1)
+    assert other.choice == head.choice and (other_body is None or other_body.choice == {(5, 2): "linear"})
+    assert seed_kernel_forms(other, None, {"head": "not a dict"}) == 0 and kernel_forms(None, None) == {}
+    out = other(x)
+    assert not other._trials and other.take_excess() == 0.0
+    torch.testing.assert_close(out, F_linear(x, other.weight))
+
+
+def F_linear(x, w):
+    return x @ w.t()

@@ -162,6 +162,21 @@ class FormChooser:
         others = [f for f in self.forms if f != form]
         return others[watch.turn % len(others)] if others else form
 
+    def seed(self, choices: dict) -> int:
+        """Take ``choices`` (``(rows, threads)`` -> form: an earlier process's, from the cost cache,
+        ``kernel_forms``) for buckets with no choice yet, as if their trials had just chosen them
+        (trials under way, e.g. of the model probes' first forwards, end there): checked against
+        the other forms on the usual schedule (``RECHECK_FIRST``). Forms this chooser does not
+        know are skipped. Returns how many it took."""
+        taken = 0
+        for key, form in choices.items():
+            if form in self.forms and key not in self.choice:
+                self.trials.pop(key, None)
+                self.choice[key] = form
+                self._watch.setdefault(check_group(key), _Watch(RECHECK_FIRST))
+                taken += 1
+        return taken
+
     def _inherit(self, key) -> str | None:
         """A new bucket ``(rows, threads)`` takes the choice of the nearest bucket (by ratio) at
         the same thread count, checked against the other forms after ``INHERITED_CHECK`` calls:
@@ -259,8 +274,7 @@ class FastHead(torch.nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         key = (_bucket(flat.shape[0]), torch.get_num_threads())
         form = self._chooser.pick(key)  # the chosen form, or one being tried (FormChooser)
-        if key not in self.choice:
-            self.prepare(flat.shape[0])  # the copies are made before the clock
+        self.prepare(flat.shape[0])  # the copies are made before the clock (once; a seeded choice too)
         start = time.perf_counter()
         out = self._form(form, flat)
         excess = self._chooser.record(key, form, time.perf_counter() - start)
@@ -374,6 +388,40 @@ def packed_linears_for(model) -> PackedLinears | None:
     body = PackedLinears(modules) if modules and packed_available() and size <= PACKED_MAX_BYTES else None
     _SHARED_BODIES[model] = body
     return body
+
+
+def _choosers(head: FastHead | None, body: PackedLinears | None) -> tuple:
+    return (("head", head._chooser if head is not None else None),
+            ("body", body._chooser if body is not None else None))
+
+
+def kernel_forms(head: FastHead | None, body: PackedLinears | None) -> dict:
+    """The forms chosen so far, for the cost cache (``budget.store_cached_forms``):
+    ``{"head": {"rows,threads": form}, "body": {...}}`` (a part without a chooser left out)."""
+    return {part: {f"{rows},{threads}": form for (rows, threads), form in sorted(chooser.choice.items())}
+            for part, chooser in _choosers(head, body) if chooser is not None}
+
+
+def seed_kernel_forms(head: FastHead | None, body: PackedLinears | None, forms: dict) -> int:
+    """Give ``head`` and ``body`` the choices ``kernel_forms`` wrote (another process's on the
+    same machine, model architecture, dtype and torch: ``budget.forms_key``), so their buckets
+    skip the trials (``FormChooser.seed``); entries that do not parse are skipped. Returns how
+    many choices were taken."""
+    taken = 0
+    for part, chooser in _choosers(head, body):
+        entries = forms.get(part) if chooser is not None else None
+        if not isinstance(entries, dict):
+            continue
+        choices = {}
+        for key, form in entries.items():
+            try:
+                rows, threads = (int(x) for x in str(key).split(","))
+            except ValueError:
+                continue
+            if rows > 0 and threads > 0 and isinstance(form, str):
+                choices[(rows, threads)] = form
+        taken += chooser.seed(choices)
+    return taken
 
 
 GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: SDPA's enable_gqa even with a mask

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from lookupdec.model.cache import PrefixStore, commit_accepted, common_prefix, crop_cache, new_cache
-from lookupdec.model.kernels import fast_head_for, packed_linears_for, swapped
+from lookupdec.model.kernels import fast_head_for, kernel_forms, packed_linears_for, seed_kernel_forms, swapped
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
@@ -151,6 +151,14 @@ class TargetModel:
     def prepare(self, n: int) -> float:
         """Get ready for forwards of ``n`` tokens (``FastHead.prepare``); the seconds it took."""
         return self.fast_head.prepare(n) if self.fast_head is not None else 0.0
+
+    def kernel_forms(self) -> dict:
+        """The kernel forms chosen so far (``model/kernels.kernel_forms``; {} without fast kernels)."""
+        return kernel_forms(self.fast_head, self.body)
+
+    def seed_kernel_forms(self, forms: dict) -> int:
+        """Start from an earlier process's kernel forms (``model/kernels.seed_kernel_forms``)."""
+        return seed_kernel_forms(self.fast_head, self.body, forms)
 
     def take_excess(self) -> float:
         """Seconds the output projection's and the body's form trials took beyond their best
