@@ -109,11 +109,11 @@ def test_the_body_keeps_the_faster_form_per_token_bucket_and_thread_count(monkey
     with torch.inference_mode(), body.chosen(3):
         assert "forward" not in layers[0].__dict__  # plain nn.Linear from now on for 3 tokens
     seen = []
+    record = body._chooser.record
+    monkeypatch.setattr(body._chooser, "record", lambda key, form, seconds: (seen.append(form), record(key, form, seconds))[1])
     for _ in range(INHERITED_CHECK + 1):  # another bucket starts from the nearest one's choice ...
         with torch.inference_mode(), body.chosen(40):
-            form = "packed" if "forward" in layers[0].__dict__ else "linear"
-            seen.append(form)
-            now[0] += slow[form] * 2
+            assert "forward" not in layers[0].__dict__  # (a check runs the probe layer alone in the other form)
     assert body.choice[(64, torch.get_num_threads())] == "linear" and not body._trials
     assert seen == ["linear"] * INHERITED_CHECK + ["packed"]  # ... and checks the other form soon
 
@@ -302,3 +302,46 @@ def test_kernel_forms_round_trip_into_a_fresh_head_and_body():
 
 def F_linear(x, w):
     return x @ w.t()
+
+
+@needs_onednn
+def test_a_chosen_form_is_timed_and_checked_on_the_probe_layers_alone(monkeypatch):
+    """Once a bucket has a form, only the probe layers (one linear layer in ``PROBE_SHARE``, in
+    the middle of the body) are timed, and a check of the other form runs them alone in it,
+    every other layer in the chosen form; the output is the layers' own either way."""
+    import lookupdec.model.kernels as kernels
+    from lookupdec.model.kernels import PROBE_SHARE, RECHECK_FIRST
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(2 * PROBE_SHARE)]
+    body = PackedLinears(layers)
+    probe = [m for m in layers if m in body._probe]
+    assert probe == layers[PROBE_SHARE : PROBE_SHARE + 2]
+    key = (5, torch.get_num_threads())
+    body.choice[key] = "packed"
+    x = torch.randn(1, 5, 8)
+
+    def run(x):
+        for m in layers:
+            x = m(x)
+        return x
+
+    want = run(x)
+    ticks = [0.0]  # a fake clock: one second per reading
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: ticks.__setitem__(0, ticks[0] + 1.0) or ticks[0])
+    recorded = []
+    record = body._chooser.record
+    monkeypatch.setattr(body._chooser, "record", lambda k, form, seconds: (recorded.append((form, seconds)), record(k, form, seconds))[1])
+    forms_seen = []
+    for _ in range(RECHECK_FIRST + 1):
+        with torch.inference_mode(), body.chosen(5):
+            rest = {m.__dict__.get("forward") is body._forwards[m] for m in layers if m not in body._probe}
+            assert rest == {True}  # every other layer packed, checks included
+            forms_seen.append("linear" if all(m.__dict__["forward"] is body._timed[m, "linear"] for m in probe)
+                              else "packed")
+            got = run(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert forms_seen == ["packed"] * RECHECK_FIRST + ["linear"]
+    assert [f for f, _ in recorded] == forms_seen
+    assert {seconds for _, seconds in recorded} == {float(len(probe))}  # the probe layers' time alone
+    assert all("forward" not in m.__dict__ for m in layers)

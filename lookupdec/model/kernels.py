@@ -14,7 +14,8 @@ On CPU a verify forward of a few tokens is far from its fastest under the kernel
   tokens (47.1 against 35.6 ms for one). So, like the head, the body takes whichever of the two
   was faster for the forward's token count (bucket) and thread count: the first forwards of a
   bucket alternate, timed whole, ``FORM_TRIALS`` of each (what the head's own trials took in
-  them not counted), then the faster is kept. The packed copies take as much memory as the
+  them not counted), then the faster is kept; from then on the chosen form is timed, and
+  checked against the other, on one linear layer in ``PROBE_SHARE`` alone (``PackedLinears.chosen``). The packed copies take as much memory as the
   weights they copy, so models whose linear weights exceed ``PACKED_MAX_BYTES`` are left as
   they are.
 - **Head** (``FastHead``). The output projection (49,152 x 576, a sixth of SmolLM2) in
@@ -36,6 +37,7 @@ in a benchmark). Greedy identity with ``transformers`` is tested as everywhere
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 FORMS = ("linear", "transposed", "right", "packed")  # F.linear; x @ (W^T stored); (W @ x^T)^T; oneDNN
 BODY_FORMS = ("packed", "linear")  # the body's linears: oneDNN prepacked, or nn.Linear as it is
 FORM_TRIALS = 2  # timed calls of each form per row bucket before the fastest is kept
+PROBE_SHARE = 10  # the body's chosen form is timed, and checked, on one linear layer in this many
 PACK_ROWS = 16  # the row count oneDNN's weight layout is prepacked for (fastest at 1-64 rows here)
 PACKED_MAX_BYTES = 4 << 30  # linear weights beyond this are not copied (the copy doubles their memory)
 
@@ -311,6 +314,11 @@ class PackedLinears:
         self.modules = modules
         self._packed: dict[torch.nn.Linear, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._forwards = {m: self._forward_of(m) for m in modules}
+        # the layers whose time stands for the body's once a form is chosen (``chosen``)
+        middle = len(modules) // 2
+        self._probe = set(modules[middle : middle + max(1, len(modules) // PROBE_SHARE)])
+        self._spent = [0.0]  # seconds in the probe layers during this forward
+        self._timed = {(m, form): self._timed_forward(m, form) for m in self._probe for form in BODY_FORMS}
         self._chooser = FormChooser(BODY_FORMS)  # per (token bucket, torch threads), whole forwards timed
         self.choice: dict[tuple[int, int], str] = self._chooser.choice  # ... -> "packed" | "linear"
         self._trials: dict[tuple[int, int], dict[str, list[float]]] = self._chooser.trials  # while trying
@@ -325,18 +333,56 @@ class PackedLinears:
     @contextlib.contextmanager
     def chosen(self, tokens: int):
         """``active`` for a forward of ``tokens`` tokens where packed weights were the faster
-        form for its bucket at this thread count, plain ``nn.Linear`` where not; while both are
-        being tried (or checked again, ``FormChooser``), the form tried less so far. The whole
-        block is timed (the head's trial and check excess left out)."""
+        form for its bucket at this thread count, plain ``nn.Linear`` where not. While both are
+        being tried (``FormChooser``), the form tried less so far computes the whole forward,
+        timed whole (the head's trial and check excess left out). Once a form is chosen, only
+        the probe layers (``_probe``: one linear layer in ``PROBE_SHARE`` of the body's, in the
+        middle) are timed, and a check of the other form runs those alone in it: a check costs
+        a tenth of a forward's difference between the forms, not all of it (whole-forward
+        checks of ``nn.Linear`` cost SmolLM2 about 50 ms each at one thread, 0.4 s over 10 log
+        prompts; a scratch count)."""
         key = (_bucket(tokens), torch.get_num_threads())
         form = self._chooser.pick(key)  # the chosen form, or one being tried or checked (FormChooser)
-        if form == "packed" and len(self._packed) != len(self.modules):
+        chosen = self.choice.get(key)
+        if "packed" in (form, chosen) and len(self._packed) != len(self.modules):
             self.refresh()  # (the copies are made before the clock)
-        head_excess, start = _TRIAL_EXCESS[0], time.perf_counter()
-        with self.active() if form == "packed" else contextlib.nullcontext():
-            yield
-        seconds = time.perf_counter() - start - (_TRIAL_EXCESS[0] - head_excess)
+        if chosen is None:
+            head_excess, start = _TRIAL_EXCESS[0], time.perf_counter()
+            with self.active() if form == "packed" else contextlib.nullcontext():
+                yield
+            seconds = time.perf_counter() - start - (_TRIAL_EXCESS[0] - head_excess)
+        else:
+            self._spent[0] = 0.0
+            with self._probed(chosen, form):
+                yield
+            seconds = self._spent[0]
         self.excess_s += self._chooser.record(key, form, seconds)
+
+    @contextlib.contextmanager
+    def _probed(self, form: str, probe_form: str):
+        """Every layer in ``form`` but the probe layers, in ``probe_form`` and timed into ``_spent``."""
+        for m in self.modules:
+            if m in self._probe:
+                m.__dict__["forward"] = self._timed[m, probe_form]
+            elif form == "packed":
+                m.__dict__["forward"] = self._forwards[m]
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                m.__dict__.pop("forward", None)
+
+    def _timed_forward(self, m: torch.nn.Linear, form: str):
+        call = self._forwards[m] if form == "packed" else functools.partial(torch.nn.Linear.forward, m)
+        spent = self._spent
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            start = time.perf_counter()
+            out = call(x)
+            spent[0] += time.perf_counter() - start
+            return out
+
+        return forward
 
     def refresh(self) -> None:
         """Pack every weight not packed yet or changed since it was (a new tensor, or written in
