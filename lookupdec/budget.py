@@ -257,7 +257,8 @@ def tail_slope(sizes: Sequence[float], seconds: Sequence[float]) -> float:
 
 def cost_cache_path() -> str | None:
     """Where measured cost curves and the kernel forms chosen (``model/kernels.py``) are kept:
-    ``$LOOKUPDEC_COST_CACHE`` (a file; ``off`` disables the cache), else ``$XDG_CACHE_HOME/lookupdec/cost_curves.json`` (``~/.cache`` by default)."""
+    ``$LOOKUPDEC_COST_CACHE`` (a file; ``off`` disables the cache), else
+    ``$XDG_CACHE_HOME/lookupdec/cost_curves.json`` (``~/.cache`` by default)."""
     env = os.environ.get("LOOKUPDEC_COST_CACHE")
     if env:
         return None if env.lower() in ("0", "off", "none") else env
@@ -336,7 +337,7 @@ def _update_cache(section: str, key: str, entry: dict, bound: int) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
         os.replace(tmp, path)
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError) as exc:  # (AttributeError: an entry not a dict)
         log.warning("could not write the cost cache %s: %s", path, exc)
 
 

@@ -15,9 +15,9 @@ On CPU a verify forward of a few tokens is far from its fastest under the kernel
   was faster for the forward's token count (bucket) and thread count: the first forwards of a
   bucket alternate, timed whole, ``FORM_TRIALS`` of each (what the head's own trials took in
   them not counted), then the faster is kept; from then on the chosen form is timed, and
-  checked against the other, on one linear layer in ``PROBE_SHARE`` alone (``PackedLinears.chosen``). The packed copies take as much memory as the
-  weights they copy, so models whose linear weights exceed ``PACKED_MAX_BYTES`` are left as
-  they are.
+  checked against the other, on one linear layer in ``PROBE_SHARE`` alone
+  (``PackedLinears.chosen``). The packed copies take as much memory as the weights they copy,
+  so models whose linear weights exceed ``PACKED_MAX_BYTES`` are left as they are.
 - **Head** (``FastHead``). The output projection (49,152 x 576, a sixth of SmolLM2) in
   whichever of four forms was fastest for that number of rows: ``F.linear``; ``x @ W^T``
   with ``W^T`` stored; ``(W @ x^T)^T``; the prepacked oneDNN product. 1 row 10.1 ms under
@@ -319,7 +319,7 @@ class PackedLinears:
         self._probe = set(modules[middle : middle + max(1, len(modules) // PROBE_SHARE)])
         self._spent = [0.0]  # seconds in the probe layers during this forward
         self._timed = {(m, form): self._timed_forward(m, form) for m in self._probe for form in BODY_FORMS}
-        self._chooser = FormChooser(BODY_FORMS)  # per (token bucket, torch threads), whole forwards timed
+        self._chooser = FormChooser(BODY_FORMS)  # per (token bucket, torch threads); see ``chosen``
         self.choice: dict[tuple[int, int], str] = self._chooser.choice  # ... -> "packed" | "linear"
         self._trials: dict[tuple[int, int], dict[str, list[float]]] = self._chooser.trials  # while trying
         self.excess_s = 0.0  # seconds trial forwards took beyond the best form tried (``take_excess``)
