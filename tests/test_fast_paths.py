@@ -128,7 +128,8 @@ def random_trie(rng: random.Random, size: int, vocab: int) -> TokenTree:
 @pytest.mark.parametrize("seed", range(100))
 def test_greedy_accept_equals_the_reference(seed):
     rng = random.Random(seed)
-    vocab = rng.choice((2, 4, 50))
+    # 1031, 3072, 3100: the compiled argmax's blocks of 1024, whole and with a tail
+    vocab = rng.choice((2, 4, 50, 1031, 3072, 3100))
     tree = random_trie(rng, rng.randint(0, 30), vocab)
     if rng.random() < 0.5:  # integer logits: many tied maxima (the first one wins in both)
         logits = torch.randint(0, 3, (len(tree), vocab)).float()
@@ -136,6 +137,11 @@ def test_greedy_accept_equals_the_reference(seed):
         logits = torch.randn(len(tree), vocab, dtype=rng.choice((torch.float32, torch.float64)))
     if rng.random() < 0.2:
         logits[rng.randrange(len(tree)), rng.randrange(vocab)] = float("nan")
+    for _ in range(rng.randint(0, 3)):  # a maximum tied at two places, maybe blocks apart; inf, -inf rows
+        row, (a, b) = rng.randrange(len(tree)), sorted(rng.sample(range(vocab), 2)) if vocab > 1 else (0, 0)
+        logits[row, a] = logits[row, b] = rng.choice((10.0, float("inf")))
+    if rng.random() < 0.1:
+        logits[rng.randrange(len(tree))] = float("-inf")
     # walk along the tree: each visited row's argmax is a child's token most of the time
     node = 0
     while tree.children[node] and rng.random() < 0.8:

@@ -494,39 +494,54 @@ int64_t argmax_scalar(const float* x, int64_t n) {
 }
 
 #ifdef LOOKUPDEC_X86
-// Two passes: the maximum and whether a NaN occurs (4 x 8 lanes), then its first index.
+// One pass over the row in blocks of 1024: each block's maximum (4 x 8 lanes) and whether a
+// NaN occurs; the first block holding the largest maximum is read again for its first index.
 __attribute__((target("avx2"))) int64_t argmax_avx2(const float* x, int64_t n) {
-  __m256 m0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0, m2 = m0, m3 = m0;
+  constexpr int64_t kBlock = 1024;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float best = ninf;
+  int64_t best_block = 0;
   __m256 unordered = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
-    __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
-    m0 = _mm256_max_ps(a, m0);  // a NaN in a leaves m0: NaNs are found by `unordered`
-    m1 = _mm256_max_ps(b, m1);
-    m2 = _mm256_max_ps(c, m2);
-    m3 = _mm256_max_ps(d, m3);
-    unordered = _mm256_or_ps(unordered, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q),
-                                                     _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
+  for (; i + kBlock <= n; i += kBlock) {
+    __m256 m0 = _mm256_set1_ps(ninf), m1 = m0, m2 = m0, m3 = m0;
+    for (int64_t j = i; j < i + kBlock; j += 32) {
+      __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + 8);
+      __m256 c = _mm256_loadu_ps(x + j + 16), d = _mm256_loadu_ps(x + j + 24);
+      m0 = _mm256_max_ps(a, m0);  // a NaN in a leaves m0: NaNs are found by `unordered`
+      m1 = _mm256_max_ps(b, m1);
+      m2 = _mm256_max_ps(c, m2);
+      m3 = _mm256_max_ps(d, m3);
+      unordered = _mm256_or_ps(unordered, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q),
+                                                       _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
+    }
+    __m256 m = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float block_max = _mm_cvtss_f32(h);
+    if (block_max > best) {
+      best = block_max;
+      best_block = i;
+    }
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
-  float best = lanes[0];
-  for (int k = 1; k < 8; ++k) best = lanes[k] > best ? lanes[k] : best;
   bool nan = _mm256_movemask_ps(unordered) != 0;
+  int64_t tail = i, tail_best = -1;
   for (; i < n; ++i) {
-    best = x[i] > best ? x[i] : best;
     nan = nan || x[i] != x[i];
+    if (x[i] > best) {
+      best = x[i];
+      tail_best = i;
+    }
   }
   if (nan) return first_nan(x, n);
+  if (tail_best >= 0) return tail_best;
   __m256 target = _mm256_set1_ps(best);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
+  int64_t end = best_block + kBlock < tail ? best_block + kBlock : tail;
+  for (int64_t j = best_block; j + 8 <= end; j += 8) {
     int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ));
     if (mask) return j + __builtin_ctz(static_cast<unsigned>(mask));
   }
-  for (; j < n; ++j)
-    if (x[j] == best) return j;
   return 0;  // every entry -inf: the first
 }
 #endif
@@ -572,6 +587,9 @@ __attribute__((target("avx2"))) inline void topk_block8(const float* x, int64_t 
   __m256 v = _mm256_loadu_ps(x + j);
   __m256 floor = _mm256_set1_ps(top->floor);
   int mask = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, floor, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // TopK::add is plain (SSE) code: with the upper halves of the ymm registers dirty every SSE
+  // instruction waits on them (a row's top k took 4x its argmax until this line)
+  if (mask) _mm256_zeroupper();
   while (mask) {
     int lane = __builtin_ctz(static_cast<unsigned>(mask));
     top->add(x[j + lane], static_cast<int32_t>(j + lane));
@@ -595,6 +613,7 @@ __attribute__((target("avx2"))) void scan_topk_avx2(const float* x, int64_t n, T
     floor = _mm256_set1_ps(top->floor);
   }
   for (; j + 8 <= n; j += 8) topk_block8(x, j, top);
+  _mm256_zeroupper();
   for (; j < n; ++j) top->add(x[j], static_cast<int32_t>(j));
 }
 #endif
