@@ -52,6 +52,35 @@ def test_compiled_chooser_equals_the_reference(seed):
             == choose_num_nodes_reference(values, cost, overhead, max_nodes, scale))
 
 
+@pytest.mark.parametrize("seed", range(300))
+def test_compiled_cost_curve_equals_the_reference(seed):
+    """``CostModel.dense`` (one compiled call) against ``dense_reference`` (numpy): the same
+    float64 bits on random estimates (one size or many, gaps, curves that fall and rise, equal
+    neighbours, decayed counts under 1), every ``upto`` below, at and past the last size, all
+    four readings."""
+    import numpy as np
+
+    from lookupdec.tree import _core
+
+    if _core is None:
+        pytest.skip("compiled core not built")
+    rng = random.Random(seed)
+    sizes = sorted(rng.sample(range(1, 140), rng.choice((1, 2, 3, rng.randint(4, 40)))))
+    if rng.random() < 0.3:
+        seconds = [rng.choice((0.02, 0.03, 0.05)) for _ in sizes]  # equal neighbours, flat stretches
+    else:
+        seconds = [rng.uniform(0.001, 0.2) for _ in sizes]
+    counts = [rng.choice((1, rng.uniform(0.0, 1.0), rng.uniform(0, 50), rng.randint(0, 9))) for _ in sizes]
+    cost = CostModel(sizes, seconds, counts)
+    for upto in {0, 1, rng.randint(1, sizes[-1]), sizes[-1], sizes[-1] + rng.randint(1, 80)}:
+        for optimistic, padded in itertools.product((False, True), repeat=2):
+            cost._curves.clear()
+            fast = cost.dense(upto, optimistic=optimistic, padded=padded)
+            ref = cost.dense_reference(upto, optimistic=optimistic, padded=padded)
+            assert fast.dtype == ref.dtype == np.float64 and fast.shape == ref.shape
+            assert fast.tobytes() == ref.tobytes(), (upto, optimistic, padded)
+
+
 def test_size_record_steers_the_chooser_off_a_size_that_over_promises():
     """Steps that kept 5 nodes accepted what 4 would: with its record the chooser keeps 4."""
     from lookupdec.budget import SizeRecord

@@ -402,6 +402,20 @@ int64_t choose_num_nodes(const std::vector<double>& values, nb::ndarray<const do
   return lookupdec::choose_num_nodes(values.data(), count, curve.data(), overhead, scales.data());
 }
 
+// budget.CostModel.dense from its estimates (sizes as floats): the curve as float64 bytes.
+nb::bytes cost_curve(const std::vector<double>& sizes, const std::vector<double>& seconds,
+                     const std::vector<double>& counts, int64_t upto, double optimism, bool optimistic, bool padded) {
+  if (sizes.empty() || seconds.size() != sizes.size() || counts.size() != sizes.size())
+    throw std::invalid_argument("cost_curve: sizes, seconds and counts need one entry each per size");
+  for (size_t i = 1; i < sizes.size(); ++i)
+    if (!(sizes[i - 1] < sizes[i])) throw std::invalid_argument("cost_curve: sizes must increase");
+  if (!(sizes[0] >= 1.0)) throw std::invalid_argument("cost_curve: sizes start at 1 token or more");
+  std::vector<double> out;
+  lookupdec::cost_curve(sizes.data(), seconds.data(), counts.data(), static_cast<int64_t>(sizes.size()), upto,
+                        optimism, optimistic, padded, &out);
+  return to_bytes(out);
+}
+
 // (accepted nodes, next token, bonus, tops, missing): lookupdec.sampling.accept's greedy walk;
 // tops: with top_k > 0 the top_k token ids of every visited row (one list per row, best first),
 // else None; missing: with row_of (int32 bytes, a row of `logits` per node, -1: not computed),
@@ -497,6 +511,7 @@ NB_MODULE(_core, m) {
   m.def("calibration_table", &calibration_table);
   m.def("learn_drafts", &learn_drafts);
   m.def("choose_num_nodes", &choose_num_nodes);
+  m.def("cost_curve", &cost_curve);
   m.def("top_tokens", &top_tokens);
   nb::class_<CoreTree>(m, "Tree")
       .def("__len__", [](const CoreTree& t) { return t.tree.token_ids.size(); })

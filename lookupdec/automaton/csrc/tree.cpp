@@ -3,6 +3,7 @@
 #include "tree.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
@@ -428,6 +429,65 @@ int64_t choose_num_nodes(const double* values, int64_t count, const double* curv
     }
   }
   return best_n;
+}
+
+namespace {
+
+// np.interp(x, xs, ys) at one point, numpy's own steps (compiled_base.c, arr_interp): left of
+// the first size its estimate, right of the last the last's, at a size its estimate, between
+// two the slope (ys[j+1] - ys[j]) / (xs[j+1] - xs[j]) times (x - xs[j]) plus ys[j].
+double interp(double x, const double* xs, const double* ys, int64_t n) {
+  if (n == 1 || x < xs[0]) return ys[0];
+  if (x > xs[n - 1]) return ys[n - 1];
+  if (x == xs[n - 1]) return ys[n - 1];
+  int64_t j = static_cast<int64_t>(std::upper_bound(xs, xs + n, x) - xs) - 1;  // xs[j] <= x < xs[j + 1]
+  if (xs[j] == x) return ys[j];
+  double slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]);
+  double y = slope * (x - xs[j]) + ys[j];
+  if (std::isnan(y)) {
+    y = slope * (x - xs[j + 1]) + ys[j + 1];
+    if (std::isnan(y) && ys[j] == ys[j + 1]) y = ys[j];
+  }
+  return y;
+}
+
+// budget.tail_slope.
+double tail_slope(const double* xs, const double* ys, int64_t n) {
+  int64_t last = n - 1;
+  if (last < 1) return 0.0;
+  int64_t base = 0;
+  for (int64_t j = 0; j < last; ++j)
+    if (xs[j] <= xs[last] / 2) base = j;
+  double slope = (ys[last] - ys[base]) / (xs[last] - xs[base]);
+  double clipped = 0.0 > slope ? 0.0 : slope;  // Python's max(slope, 0.0): slope unless 0.0 is larger
+  double cap = ys[last] / xs[last];
+  return cap < clipped ? cap : clipped;  // min(clipped, cap): clipped unless cap is smaller
+}
+
+}  // namespace
+
+void cost_curve(const double* sizes, const double* seconds, const double* counts, int64_t n, int64_t upto,
+                double optimism, bool optimistic, bool padded, std::vector<double>* out) {
+  if (n < 1) throw std::invalid_argument("cost_curve: no sizes");
+  std::vector<double> ys(seconds, seconds + n);
+  if (optimistic)
+    for (int64_t i = 0; i < n; ++i) ys[i] = ys[i] * (1.0 - optimism / std::sqrt(std::max(counts[i], 1.0)));
+  int64_t top = std::max<int64_t>(upto, static_cast<int64_t>(sizes[n - 1]));
+  std::vector<double> curve(static_cast<size_t>(top));
+  for (int64_t k = 1; k <= top; ++k) curve[k - 1] = interp(static_cast<double>(k), sizes, ys.data(), n);
+  if (n > 1 && static_cast<double>(top) > sizes[n - 1]) {
+    double slope = tail_slope(sizes, ys.data(), n);
+    for (int64_t k = 1; k <= top; ++k)
+      if (static_cast<double>(k) > sizes[n - 1]) curve[k - 1] = ys[n - 1] + slope * (static_cast<double>(k) - sizes[n - 1]);
+  }
+  if (padded) {  // np.minimum.accumulate from the end, np.minimum(a, b) = a if a < b or a is NaN, else b
+    for (int64_t k = top - 2; k >= 0; --k) {
+      double a = curve[k + 1], b = curve[k];
+      curve[k] = (a < b || std::isnan(a)) ? a : b;
+    }
+  }
+  out->assign(1, top > 0 ? curve[0] : 0.0);
+  out->insert(out->end(), curve.begin(), curve.end());
 }
 
 void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask) {

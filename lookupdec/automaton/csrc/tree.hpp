@@ -96,6 +96,14 @@ void calibration_table(const double* reached, const double* predicted, const dou
 int64_t choose_num_nodes(const double* values, int64_t count, const double* curve, double overhead,
                          const double* scale);
 
+// budget.CostModel.dense: out[k] = the cost of k tokens, k = 0 .. max(upto, sizes[last]) (out[0] =
+// out[1]), from the estimates (sizes increasing, seconds, counts: n >= 1 of each): with
+// `optimistic` each estimate times (1 - optimism / sqrt(max(count, 1))); interpolated as np.interp
+// does it, linear past the last size with budget.tail_slope's slope; `padded`: the cheapest of any
+// size from k up (a suffix minimum). The reference's numpy operations, one by one.
+void cost_curve(const double* sizes, const double* seconds, const double* counts, int64_t n, int64_t upto,
+                double optimism, bool optimistic, bool padded, std::vector<double>* out);
+
 // The index of the largest of x[0:n], numpy's and torch's argmax: the first NaN if there is one,
 // else the first maximum (AVX2 where the CPU has it).
 int64_t row_argmax(const float* x, int64_t n);
