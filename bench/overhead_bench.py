@@ -7,7 +7,8 @@ the verify forward, in µs per step:
 
     propose  ``Mixture.propose`` over ``build_proposers(EngineConfig())`` (n-gram + suffix)
     merge    ``AcceptanceCalibrator.calibration()`` + ``TokenTree.from_drafts``
-    choose   ``SizeRecord.scales`` + ``choose_num_nodes`` (``CostModel``: a measured 150M-parameter curve) + ``prune``
+    choose   ``SizeRecord.scales`` + ``choose_num_nodes`` (``CostModel``: a measured 150M-parameter curve,
+             one per set of paths, observed every step) + ``prune``
              (timed; the verified tree stays the fixed budget's, as with ``budget="fixed"``)
     inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]; the
              fast paths write them into the ``InputBuffers`` kept across steps, as ``TargetModel``
@@ -24,7 +25,9 @@ the verify forward, in µs per step:
              ``top_tokens_reference`` of the visited rows, and ``Mixture.observe_successors``
     commit   ``model.commit_accepted`` on a KV cache of SmolLM2-135M's shape (30 layers of
              [1, 3, ctx+1+n, 64] float32 keys and values): the engine's ``SlotCache`` (fast) or
-             transformers' ``DynamicCache`` (reference)
+             transformers' ``DynamicCache`` (reference); and ``CostModel.observe`` of the
+             forward's time (the curve's own estimate for that size), as the engine records every
+             verify forward: the next step's choice reads the curve computed again
     observe  ``Mixture.observe`` (every proposer sees the new tokens)
     learn    ``AcceptanceCalibrator.learn``
 
@@ -62,7 +65,8 @@ from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_re
 
 import torch  # noqa: E402
 
-from lookupdec.budget import AcceptanceCalibrator, CostModel, SizeRecord, choose_num_nodes  # noqa: E402
+from lookupdec.budget import (AcceptanceCalibrator, CostModel, SizeRecord, choose_num_nodes,  # noqa: E402
+                              choose_num_nodes_reference)
 from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.engine import top_tokens, top_tokens_reference  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
@@ -108,19 +112,22 @@ class Paths:
     slot_cache: bool  # the engine's SlotCache, else a DynamicCache
     observe_draft: Callable  # the calibrator's per-draft count (tree.observe_draft or its reference)
     top_tokens: Callable  # engine.top_tokens(logits, rows, k)
+    choose: Callable  # budget.choose_num_nodes(gains, cost, overhead, max_nodes, scales) or its reference
     partial: bool = False  # accept on PartialLogits (the likely nodes' rows), as the engine's greedy verify
 
 
 def reference_paths() -> Paths:
     return Paths("reference", "reference", TokenTree.from_drafts_reference, TokenTree.prune_reference,
                  tree_inputs_reference, accept_reference, slot_cache=False,
-                 observe_draft=observe_draft_reference, top_tokens=top_tokens_reference)
+                 observe_draft=observe_draft_reference, top_tokens=top_tokens_reference,
+                 choose=choose_num_nodes_reference)
 
 
 def fast_paths() -> Paths:
     inputs = functools.partial(tree_inputs, buffers=InputBuffers())  # as TargetModel.verify
     return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, inputs, accept, slot_cache=True,
-                 observe_draft=observe_draft, top_tokens=top_tokens, partial=True)
+                 observe_draft=observe_draft, top_tokens=top_tokens, choose=choose_num_nodes,
+                 partial=True)
 
 
 @dataclass
@@ -131,6 +138,7 @@ class Mode:
     mixture: Mixture
     calibrator: AcceptanceCalibrator
     sizes: SizeRecord = field(default_factory=SizeRecord)  # StepCore.sizes: what each tree size accepted
+    cost: CostModel = field(default_factory=lambda: CostModel(COST_SIZES, COST_SECONDS))  # the engine's curve, observed
     times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # phase -> [ns per step], wall clock
     cpu_times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # ... this thread's CPU time
     nodes: list = field(default_factory=list)  # draft nodes verified per step
@@ -227,9 +235,10 @@ def _now() -> tuple[int, int]:
 
 
 def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv: KVBuffer, walk: WalkLogits,
-               cost: CostModel, timed: bool, max_steps: int) -> None:
+               timed: bool, max_steps: int) -> None:
     """One record through ``mode``'s paths, step by step as ``StepCore.run`` orders them."""
     mixture, calibrator, paths, greedy = mode.mixture, mode.calibrator, mode.paths, SamplingParams()
+    cost = mode.cost
     budget.observe_draft = paths.observe_draft  # AcceptanceCalibrator.learn's kernel (module-level name)
     context = list(prompt)
     mixture.start(rid, context)
@@ -246,12 +255,13 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
                                calibration=calibrator.calibration())
             marks.append(_now())
             gains = tree.expected_in_prune_order()
-            chosen = choose_num_nodes(gains, cost, 0.0, MAX_NODES, mode.sizes.scales(min(len(gains), MAX_NODES), 1.0))
+            chosen = paths.choose(gains, cost, 0.0, MAX_NODES, mode.sizes.scales(min(len(gains), MAX_NODES), 1.0))
             paths.prune(tree, chosen)
             marks.append(_now())
             paths.inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)
             marks.append(_now())
             logits = walk.set_walk(tree, rest)  # what the forward would return (untimed)
+            forward_s = float(cost.dense(len(tree), padded=False)[len(tree)])  # its time: the curve's own estimate
             cache = kv.after_forward(n_cached + len(tree))
             verified = logits
             if paths.partial:  # the engine's forward projects the likely nodes' rows, its last writes (untimed)
@@ -277,6 +287,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
                 mixture.observe_successors(list(zip([prev, *tokens[:-1]], tokens, tops)))
             marks.append(_now())
             commit_accepted(cache, n_cached, accepted)
+            cost.observe(len(tree), forward_s)  # as Engine._verdict does after every verify forward
             marks.append(_now())
             mixture.observe(rid, new_tokens)
             marks.append(_now())
@@ -383,7 +394,6 @@ def main(argv=None) -> int:
     kv = KVBuffer(max(len(p) + len(r) for _, _, p, r in records) + 2 + MAX_NODES)
     slot_kv = SlotKV()
     walk = WalkLogits()
-    cost = CostModel(COST_SIZES, COST_SECONDS)
     start = time.perf_counter()
     runs, digests = [], set()  # the modes of every repetition; every mode's trees and accepted nodes
     for _ in range(args.repeat):
@@ -395,7 +405,7 @@ def main(argv=None) -> int:
                 seen.add(workload)
                 for mode in modes:  # record by record in turn: load on this shared machine hits both alike
                     gc.collect()
-                    run_record(mode, rid, prompt, response, slot_kv if mode.paths.slot_cache else kv, walk, cost,
+                    run_record(mode, rid, prompt, response, slot_kv if mode.paths.slot_cache else kv, walk,
                                timed, args.max_steps)
         runs.append(modes)
         digests |= {mode.digest.hexdigest() for mode in modes}
