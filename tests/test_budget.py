@@ -79,6 +79,8 @@ def test_compiled_cost_curve_equals_the_reference(seed):
             ref = cost.dense_reference(upto, optimistic=optimistic, padded=padded)
             assert fast.dtype == ref.dtype == np.float64 and fast.shape == ref.shape
             assert fast.tobytes() == ref.tobytes(), (upto, optimistic, padded)
+    below_one = CostModel([0], [0.01])  # a degenerate curve (no such forward): both read it alike, empty
+    assert below_one.dense(0).tobytes() == below_one.dense_reference(0).tobytes() == b""
 
 
 def test_size_record_steers_the_chooser_off_a_size_that_over_promises():

@@ -409,7 +409,6 @@ nb::bytes cost_curve(const std::vector<double>& sizes, const std::vector<double>
     throw std::invalid_argument("cost_curve: sizes, seconds and counts need one entry each per size");
   for (size_t i = 1; i < sizes.size(); ++i)
     if (!(sizes[i - 1] < sizes[i])) throw std::invalid_argument("cost_curve: sizes must increase");
-  if (!(sizes[0] >= 1.0)) throw std::invalid_argument("cost_curve: sizes start at 1 token or more");
   std::vector<double> out;
   lookupdec::cost_curve(sizes.data(), seconds.data(), counts.data(), static_cast<int64_t>(sizes.size()), upto,
                         optimism, optimistic, padded, &out);

@@ -473,6 +473,8 @@ void cost_curve(const double* sizes, const double* seconds, const double* counts
   if (optimistic)
     for (int64_t i = 0; i < n; ++i) ys[i] = ys[i] * (1.0 - optimism / std::sqrt(std::max(counts[i], 1.0)));
   int64_t top = std::max<int64_t>(upto, static_cast<int64_t>(sizes[n - 1]));
+  out->clear();
+  if (top < 1) return;  // np.arange(1, top + 1) is empty: so is the reference's curve
   std::vector<double> curve(static_cast<size_t>(top));
   for (int64_t k = 1; k <= top; ++k) curve[k - 1] = interp(static_cast<double>(k), sizes, ys.data(), n);
   if (n > 1 && static_cast<double>(top) > sizes[n - 1]) {
@@ -486,7 +488,7 @@ void cost_curve(const double* sizes, const double* seconds, const double* counts
       curve[k] = (a < b || std::isnan(a)) ? a : b;
     }
   }
-  out->assign(1, top > 0 ? curve[0] : 0.0);
+  out->assign(1, curve[0]);
   out->insert(out->end(), curve.begin(), curve.end());
 }
 
