@@ -215,8 +215,7 @@ class CostModel:
         cached = self._curves.get(key)
         if cached is None or len(cached) <= upto:
             if _core is not None and hasattr(_core, "cost_curve"):
-                cached = np.frombuffer(_core.cost_curve([float(n) for n in self.sizes], self.seconds,
-                                                        [float(c) for c in self.counts], upto, COST_OPTIMISM,
+                cached = np.frombuffer(_core.cost_curve(self.sizes, self.seconds, self.counts, upto, COST_OPTIMISM,
                                                         optimistic, padded), np.float64)
             else:
                 cached = self.dense_reference(upto, optimistic=optimistic, padded=padded)

@@ -79,7 +79,10 @@ def test_compiled_cost_curve_equals_the_reference(seed):
             ref = cost.dense_reference(upto, optimistic=optimistic, padded=padded)
             assert fast.dtype == ref.dtype == np.float64 and fast.shape == ref.shape
             assert fast.tobytes() == ref.tobytes(), (upto, optimistic, padded)
-    below_one = CostModel([0], [0.01])  # a degenerate curve (no such forward): both read it alike, empty
+
+
+def test_compiled_cost_curve_reads_a_degenerate_curve_as_the_reference():
+    below_one = CostModel([0], [0.01])  # no size of 1 token or more: both read it alike, empty
     assert below_one.dense(0).tobytes() == below_one.dense_reference(0).tobytes() == b""
 
 

@@ -402,7 +402,7 @@ int64_t choose_num_nodes(const std::vector<double>& values, nb::ndarray<const do
   return lookupdec::choose_num_nodes(values.data(), count, curve.data(), overhead, scales.data());
 }
 
-// budget.CostModel.dense from its estimates (sizes as floats): the curve as float64 bytes.
+// budget.CostModel.dense from its estimates (ints taken as floats): the curve as float64 bytes.
 nb::bytes cost_curve(const std::vector<double>& sizes, const std::vector<double>& seconds,
                      const std::vector<double>& counts, int64_t upto, double optimism, bool optimistic, bool padded) {
   if (sizes.empty() || seconds.size() != sizes.size() || counts.size() != sizes.size())

@@ -438,8 +438,7 @@ namespace {
 // two the slope (ys[j+1] - ys[j]) / (xs[j+1] - xs[j]) times (x - xs[j]) plus ys[j].
 double interp(double x, const double* xs, const double* ys, int64_t n) {
   if (n == 1 || x < xs[0]) return ys[0];
-  if (x > xs[n - 1]) return ys[n - 1];
-  if (x == xs[n - 1]) return ys[n - 1];
+  if (x >= xs[n - 1]) return ys[n - 1];
   int64_t j = static_cast<int64_t>(std::upper_bound(xs, xs + n, x) - xs) - 1;  // xs[j] <= x < xs[j + 1]
   if (xs[j] == x) return ys[j];
   double slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]);
