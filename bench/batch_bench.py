@@ -74,7 +74,8 @@ def ld_batched(model, tokenizer, prompts, batch: int, max_new: int, config=None,
         gens = engine.generate_batch(prompts, max_new_tokens=max_new, max_batch=batch)
     seconds = time.perf_counter() - start
     steps = sum(g.stats.steps for g in gens)
-    info = {"mean_accepted": sum(len(g.token_ids) for g in gens) / steps if steps else 0.0,
+    stepped = sum(len(g.token_ids) - g.stats.prefill_tokens for g in gens)  # (each first: the prefill's)
+    info = {"mean_accepted": stepped / steps if steps else 0.0,
             "mean_tree_nodes": sum(g.stats.mean_tree_nodes * g.stats.steps for g in gens) / steps if steps else 0.0}
     return [list(g.token_ids) for g in gens], seconds, info
 

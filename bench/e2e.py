@@ -229,7 +229,7 @@ def run_method(method: str, model, engine, prompt: list[int], max_new: int) -> t
         extra = {"steps": s.steps, "mean_accepted": s.mean_accepted, "overhead_us": s.overhead_us,
                  "draft_us": s.draft_us, "forward_ms": s.forward_ms, "prefill_ms": s.prefill_ms,
                  "mean_tree_nodes": s.mean_tree_nodes, "accepted_by_source": dict(s.accepted_by_source),
-                 "prefix_reused": s.prefix_reused,
+                 "prefix_reused": s.prefix_reused, "prefill_tokens": s.prefill_tokens,
                  # wall time outside prefill and the steps' forward + overhead (text assembly, set-up)
                  "other_ms_per_step": (seconds * 1e3 - s.prefill_ms - s.steps * (s.forward_ms + s.overhead_us / 1e3))
                  / s.steps if s.steps else None}
@@ -344,7 +344,7 @@ def summarize(all_runs: list[dict]) -> list[dict]:
             row[f"{m}_decode_forward_ms"] = weighted(g, "decode_forward_ms", "decode_forwards")
         ld = [r for r in group if r["method"] == "lookupdec"]
         steps = sum(r["steps"] for r in ld)
-        row.update(lookupdec_mean_accepted=sum(r["new_tokens"] for r in ld) / steps,
+        row.update(lookupdec_mean_accepted=sum(r["new_tokens"] - r.get("prefill_tokens", 0) for r in ld) / steps,
                    lookupdec_tree_nodes=weighted(ld, "mean_tree_nodes", "steps"),
                    lookupdec_overhead_us=weighted(ld, "overhead_us", "steps"),
                    lookupdec_draft_us=weighted(ld, "draft_us", "steps"),

@@ -150,7 +150,8 @@ def ld_run(engine, prompt, max_new) -> tuple[list[int], dict]:
         "draft_us": s.draft_us, "forward_ms": s.forward_ms, "prefill_ms": s.prefill_ms,
         "mean_tree_nodes": s.mean_tree_nodes, "predicted_accepted": s.predicted_accepted,
         "realised_accepted": s.realised_accepted, "accepted_by_source": dict(s.accepted_by_source),
-        "logit_rows": s.logit_rows, "logit_misses": s.logit_misses, "prefix_reused": s.prefix_reused}
+        "logit_rows": s.logit_rows, "logit_misses": s.logit_misses, "prefix_reused": s.prefix_reused,
+        "prefill_tokens": s.prefill_tokens}
 
 
 def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed: list[int],
@@ -231,7 +232,8 @@ def summarize_runs(runs: list[dict]) -> list[dict]:
                "lookupdec/pld": total["lookupdec"] / total["pld"], "pld/greedy": total["pld"] / total["greedy"],
                "worst ld/greedy": min(ratios), "worst_prompt": ratios.index(min(ratios)),
                "prompts_below_0.97": sum(x < 0.97 for x in ratios),
-               "lookupdec_mean_accepted": sum(r["new_tokens"] for r in ld) / steps,
+               # tokens per step: the first of each answer is the prefill's, in no step
+               "lookupdec_mean_accepted": sum(r["new_tokens"] - r.get("prefill_tokens", 0) for r in ld) / steps,
                "lookupdec_tree_nodes": sum(r["mean_tree_nodes"] * r["steps"] for r in ld) / steps,
                "lookupdec_predicted": sum(r["predicted_accepted"] * r["steps"] for r in ld) / steps,
                "lookupdec_realised": sum(r["realised_accepted"] * r["steps"] for r in ld) / steps,

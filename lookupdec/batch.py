@@ -2,8 +2,9 @@
 
 ``BatchDecoder`` runs up to ``max_batch`` sequences of one ``Engine`` together. Each step:
 
-    admit    waiting sequences join while rows are free (a prefill forward each, or one for all of
-             them on a GPU: ``BatchTarget.add_many``)
+    admit    waiting sequences join while rows are free (a prefill forward of the prompt each, or
+             one for all of them on a GPU: ``BatchTarget.add_many``); each one's first token
+             comes from its prefill's last logits (``Engine._first``, as alone)
     plan     every sequence's drafts and merged tree (``StepCore.plan``, no pruning yet)
     choose   one joint budget: the width ``W`` (nodes per row, root included) maximising the
              batch's expected tokens per second, sum over rows of ``1 + scale(W) x`` the gains of
@@ -164,7 +165,7 @@ class BatchDecoder:
         """One batched step (admitting waiting requests first). Returns the sequences that
         finished during it."""
         finished: list[_Sequence] = []
-        self._admit()
+        self._admit(finished)
         for seq in list(self.active):  # (length, EOS and stops end a sequence in the step that reaches them)
             if seq.cancelled is not None and seq.cancelled():
                 self._end(seq, "cancelled", finished)
@@ -213,21 +214,10 @@ class BatchDecoder:
         for seq, tree, (acc, new) in zip(list(self.active), trees, verdicts):
             seq.plan.tree = tree
             step = core.finish(seq.rid, seq.plan, Verdict(acc, new))
-            seq.context.extend(step.new_tokens)
-            seq.seen.update(step.new_tokens)
-            seq.produced += len(step.new_tokens)
             seq.timer.forward += forward
             seq.timer.prepare += engine.target.last_prepare_s
             engine._count(seq.stats, seq.timer, step, t0)
-            piece = seq.text.add(step.new_tokens)
-            if piece and seq.request.on_text is not None:
-                seq.request.on_text(piece)
-            if seq.text.stopped:
-                self._end(seq, "stop", finished)
-            elif step.new_tokens and step.new_tokens[-1] in engine.eos_token_ids:
-                self._end(seq, "eos", finished)
-            elif seq.produced >= seq.request.max_new_tokens or engine._room(seq.context) <= 0:
-                self._end(seq, "length", finished)
+            self._emit(seq, step.new_tokens, finished)
         outside = (t1 - t0) + (time.perf_counter() - t2)  # the step outside its forward
         self.overhead_s = outside if len(self.widths) == 1 else 0.8 * self.overhead_s + 0.2 * outside
         return finished
@@ -245,28 +235,58 @@ class BatchDecoder:
         k = engine.config.recycle.successors if engine.mixture.successor_sinks else 0
         return GreedyChoices.of_batch(logits, [len(tree) for tree in trees], k)
 
-    def _admit(self) -> None:
-        core = self.engine.step_core
+    def _admit(self, finished: list) -> None:
+        """Waiting sequences join while rows are free: each prompt prefilled into a row, and its
+        first token taken from the prefill's last logits (``Engine._first``, as alone)."""
+        engine = self.engine
         joining = self.waiting[: self.max_batch - len(self.active)]
         if not joining:
             return
         del self.waiting[: len(joining)]
-        rows, prefill_ms = [], []
+        rows, logits, prefill_ms = [], [], []
         if self.target.joint_prefill and len(joining) > 1:  # one forward for all (each gets its share)
             t = time.perf_counter()
-            rows = self.target.add_many([seq.context[:-1] for seq in joining])
+            rows = self.target.add_many([seq.context for seq in joining])
+            logits = self.target.last_logits
             prefill_ms = [(time.perf_counter() - t) * 1e3 / len(joining)] * len(joining)
         else:
             for seq in joining:
                 t = time.perf_counter()
-                rows.append(self.target.add(seq.context[:-1]))
+                rows.append(self.target.add(seq.context))
+                logits.append(self.target.last_logits[0])
                 prefill_ms.append((time.perf_counter() - t) * 1e3)
                 seq.stats.prefix_reused = self.target.last_reused
         for seq, row, ms in zip(joining, rows, prefill_ms):
             seq.row = row
             seq.stats.prefill_ms = ms
-            core.start(seq.rid, seq.context, seq.params, seq.request.seed)
+            engine.step_core.start(seq.rid, seq.context, seq.params, seq.request.seed)
             self.active.append(seq)
+        for seq, first in zip(joining, logits):
+            if seq.cancelled is not None and seq.cancelled():  # checked before every forward's tokens
+                self._end(seq, "cancelled", finished)
+            elif seq.request.max_new_tokens > 0 and engine._room(seq.context) > 0:
+                new = engine._first(seq.rid, seq.context, first, seq.params, seq.generator, seq.seen, 1)
+                seq.stats.prefill_tokens = len(new)
+                self._emit(seq, new, finished)
+            else:
+                self._end(seq, "length", finished)
+
+    def _emit(self, seq: _Sequence, new: list[int], finished: list) -> None:
+        """``new`` tokens join ``seq``'s output (text streamed); it ends at a stop string, EOS,
+        ``max_new_tokens`` or the context's end."""
+        engine = self.engine
+        seq.context.extend(new)
+        seq.seen.update(new)
+        seq.produced += len(new)
+        piece = seq.text.add(new)
+        if piece and seq.request.on_text is not None:
+            seq.request.on_text(piece)
+        if seq.text.stopped:
+            self._end(seq, "stop", finished)
+        elif new and new[-1] in engine.eos_token_ids:
+            self._end(seq, "eos", finished)
+        elif seq.produced >= seq.request.max_new_tokens or engine._room(seq.context) <= 0:
+            self._end(seq, "length", finished)
 
     def _end(self, seq: _Sequence, finish: str, finished: list) -> None:
         seq.finish = finish

@@ -31,8 +31,9 @@ from lookupdec.validate import ParamError, bad, check_device, check_generation, 
 @dataclass
 class GenerationStats:
     steps: int = 0  # target verify forwards
-    new_tokens: int = 0  # tokens emitted (accepted + one bonus/recovered per step)
-    mean_accepted: float = 0.0  # new tokens per target forward
+    new_tokens: int = 0  # tokens emitted (the prefill's first, then accepted + one bonus/recovered per step)
+    prefill_tokens: int = 0  # tokens taken from the prefill's logits, in no step (1: the first)
+    mean_accepted: float = 0.0  # new tokens per target verify forward (the prefill's first not counted)
     accepted_by_source: dict = field(default_factory=dict)  # proposer -> accepted draft tokens
     nodes_by_source: dict = field(default_factory=dict)  # proposer -> draft nodes verified (its share of the budget)
     draft_model_steps: int = 0  # steps on which the draft model ran
@@ -345,14 +346,28 @@ class Engine:
         self.mixture.draft_steps = 0
         bucket = None
         try:
+            # the whole prompt: the logits of its last token give the first new token (``_first``),
+            # as transformers takes it, not a first step verifying that token as its root
             t = time.perf_counter()
-            stats.prefix_reused = target.prefill(context[:-1], reuse=self.config.prefix_cache)
+            stats.prefix_reused = target.prefill(context, reuse=self.config.prefix_cache, last_logits=True)
             stats.prefill_ms = (time.perf_counter() - t) * 1e3
             cost = None
             if self.config.budget == "auto":  # cached, seeded from another bucket, or a few forwards here
                 bucket = self._cost_bucket(len(context) + max_new_tokens // 2)
                 cost = self.cost_model(bucket, in_place=True)
             produced, seen = 0, set(context)  # seen: distinct ids so far (repetition penalty)
+            if max_new_tokens > 0 and self._room(context) > 0:
+                if cancelled is not None and cancelled():  # checked before every forward's tokens
+                    yield [], "cancelled"
+                    return
+                new = self._first(rid, context, target.last_logits, params, generator, seen, 1)
+                context.extend(new)
+                seen.update(new)
+                produced = stats.prefill_tokens = len(new)
+                eos = new[-1] in self.eos_token_ids
+                yield new, "eos" if eos else "length"
+                if eos:
+                    return
             while produced < max_new_tokens and self._room(context) > 0:
                 if cancelled is not None and cancelled():
                     yield [], "cancelled"
@@ -402,6 +417,20 @@ class Engine:
             cost.observe(len(tree), seconds)
         self.target.commit(tree, accepted)
         return Verdict(accepted, new)
+
+    def _first(self, rid: str, context: list[int], logits: torch.Tensor, params, generator, seen: set,
+               limit: int) -> list[int]:
+        """A request's first new token from its prefill's last ``logits`` [vocab]: exactly what a
+        step verifying a tree of the root alone (the prompt's last token) accepts, the same
+        draws from ``generator``, without that step's forward (at one CPU thread about 70 ms on
+        SmolLM2, a tenth of a 13-token answer); the proposers observe it, as after a step. One
+        sequence (``_steps``) and a batch's joining rows (``batch.py``) both take it here, so a
+        seeded request draws the same alone or in a batch."""
+        root = TokenTree([context[-1]], [-1])
+        prev = context[-2] if len(context) > 1 else -1
+        _, new = self._accept(root, logits[None], params, generator, seen, limit, prev)
+        self.step_core.first(rid, new)
+        return new
 
     def _head_rows(self, tree: TokenTree, params) -> list[int] | None:
         """The nodes whose logits the verify forward computes up front (``sampling.head_rows``),
@@ -528,7 +557,7 @@ class Engine:
     def _finish_stats(stats, timer, elapsed, n_tokens) -> None:
         stats.new_tokens = n_tokens
         if stats.steps:
-            stats.mean_accepted = n_tokens / stats.steps
+            stats.mean_accepted = max(0, n_tokens - stats.prefill_tokens) / stats.steps
             stats.mean_tree_nodes = timer.nodes / stats.steps
             stats.predicted_accepted = timer.predicted / stats.steps
             stats.realised_accepted = timer.accepted / stats.steps

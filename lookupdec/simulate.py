@@ -3,8 +3,9 @@
 Each step is the engine's own (``step.StepCore.run``: the same propose, merge, choose, observe
 and learn); only the verdict differs: the step accepts the longest tree path that matches the
 recorded response, plus one bonus token. For greedy decoding this is exactly what the real model
-would accept, since its output is the recorded response. Requests are replayed in order with
-the proposers kept across them, so caches learn as in serving.
+would accept, since its output is the recorded response. As served, a response's first token
+is the prefill's (``StepCore.first``), in no step; MAT is the other tokens per step. Requests
+are replayed in order with the proposers kept across them, so caches learn as in serving.
 """
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ class RecordResult:
     modeled_seconds: float = 0.0  # sum over steps of t(1 + nodes) when a cost model is given
     predicted: float = 0.0  # summed over steps: accepted draft tokens the calibrated trees promised
     accepted: int = 0  # summed over steps: draft tokens accepted
+    prefill_tokens: int = 0  # the response's first token: the prefill's, in no step (``StepCore.first``)
 
     @property
     def mat(self) -> float:
-        return self.response_tokens / self.steps if self.steps else 0.0
+        return (self.response_tokens - self.prefill_tokens) / self.steps if self.steps else 0.0
 
 
 def _where(record, index: int) -> str:
@@ -104,6 +106,10 @@ def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequ
     context = list(prompt)
     core.start(rid, context)
     try:
+        if response:  # the first token: the prefill's, in no step (``Engine._first``)
+            core.first(rid, response[:1])
+            context.append(response[0])
+            result.prefill_tokens = 1
         while len(context) - len(prompt) < len(response):
             rest = response[len(context) - len(prompt):]
             step = core.run(rid, context, lambda tree: recorded_verdict(tree, rest), max_depth=max_depth,
@@ -165,6 +171,7 @@ def replay(records: Iterable[dict], tokenizer, proposers: Sequence[Proposer], *,
 
 def summarize(results: list[RecordResult], draft_seconds: list, **settings) -> dict:
     tokens = sum(r.response_tokens for r in results)
+    stepped = tokens - sum(r.prefill_tokens for r in results)  # the steps' tokens (each first one the prefill's)
     steps = sum(r.steps for r in results)
     by_source: dict[str, int] = {}
     for r in results:
@@ -184,7 +191,7 @@ def summarize(results: list[RecordResult], draft_seconds: list, **settings) -> d
         "records": len(results),
         "response_tokens": tokens,
         "steps": steps,
-        "mat": tokens / steps if steps else 0.0,
+        "mat": stepped / steps if steps else 0.0,  # tokens per step
         "mean_tree_nodes": sum(r.tree_nodes for r in results) / steps if steps else 0.0,
         # calibration: accepted draft tokens per step the trees promised, and those accepted
         "predicted_accepted": sum(r.predicted for r in results) / steps if steps else 0.0,

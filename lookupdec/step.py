@@ -16,6 +16,9 @@
     learn    the calibrator checks each source's best chain against them (``DraftBudget`` has
              already seen the node count chosen)
 
+A request's first new token is no step's: it comes from the logits of the prompt's last token,
+computed by the prefill (``first``; ``Engine._first``), as ``transformers`` takes it.
+
 ``max_nodes`` is the one name of the node budget: ``EngineConfig.max_nodes`` caps it; with a cost
 model, ``DraftBudget.nodes`` asks for fewer where fewer were kept lately. Only history enters the
 tree (committed tokens, earlier timings), never the verdict's random draws, so sampling stays
@@ -104,6 +107,11 @@ class StepCore:
 
     def stop(self, request_id: str) -> None:
         self.mixture.stop(request_id)
+
+    def first(self, request_id: str, new_tokens: Sequence[int]) -> None:
+        """A request's first token, taken from its prefill's logits (no tree, no step): every
+        proposer observes it; nothing was verified, so nothing is learnt."""
+        self.mixture.observe(request_id, new_tokens)
 
     def run(self, request_id: str, context: Sequence[int], verdict: Callable[[TokenTree], Verdict], *,
             max_depth: int, cost: CostModel | None = None, overhead_s: float = 0.0) -> StepResult:

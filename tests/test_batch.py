@@ -205,16 +205,18 @@ def test_batch_asks_proposers_for_about_the_width_it_keeps():
     cost = Fixed([1, 2, 4, 8, 16, 32, 64, 128, 256], [1.0, 1.0, 1.02, 1.05, 1.1, 1.3, 1.7, 2.5, 4.0], [100] * 9)
     decoder = BatchDecoder(engine, 3)
     decoder._cost = lambda rows: cost
+    first, nodes = [], decoder.draft_budget.nodes  # what each step asks every row's proposers for
+    decoder.draft_budget.nodes = lambda cap: first.append(nodes(cap)) or first[-1]
     for p, n, _ in refs:
         decoder.submit(BatchRequest(list(p), n))
     outs = decoder.run()
     assert [g.token_ids for g in outs] == [want for _, _, want in refs]
     asked = spies[0].asked  # one call per row and step, and one per row drafted again
-    assert asked[0] == 64  # nothing kept yet: the cap
+    assert asked[0] == 64 and first[0] == 64  # nothing kept yet: the cap
+    assert all(not b & (b - 1) for b in first), first  # powers of 2
     widths = set(decoder.widths)
-    again = [b for b in asked if b & (b - 1)]  # not a power of 2: drafted again for a step's width
-    assert decoder.redrafted > 0 and all(b + 1 in widths for b in again)
-    first = [b for b in asked if not b & (b - 1)]
+    # every ask is a step's (``first``) or a row's drafted again for its step's width W (W - 1)
+    assert decoder.redrafted > 0 and all(b in first or b + 1 in widths for b in asked), (asked, widths)
     later, kept = first[len(first) // 2 :], max(decoder.widths[len(decoder.widths) // 2 :]) - 1
     assert all(BATCH_DRAFT_MIN <= b <= max(BATCH_DRAFT_MIN, 4 * kept) for b in later), (later, kept)
     assert min(later) < 64
@@ -245,7 +247,9 @@ def test_generate_batch_api_and_seeds():
     outs = engine.generate_batch(prompts, max_new_tokens=12, seed=[1, 2], **SAMPLING)
     assert [g.token_ids for g in outs] == [engine.generate(p, max_new_tokens=12, seed=s, **SAMPLING).token_ids
                                            for p, s in zip(prompts, [1, 2])]
-    assert all(g.finish_reason in ("length", "eos") and g.stats.steps > 0 for g in outs)
+    # (the first token is the prefill's: a sequence ending there, at EOS, takes no step)
+    assert all(g.finish_reason in ("length", "eos") and g.stats.prefill_tokens == 1 for g in outs)
+    assert all(g.stats.steps > 0 or len(g.token_ids) == 1 for g in outs)
     with pytest.raises(ValueError, match="seed"):
         engine.generate_batch(prompts, max_new_tokens=4, seed=[1])
     with pytest.raises(ValueError, match="max_new_tokens"):

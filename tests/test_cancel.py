@@ -45,7 +45,8 @@ def test_event_set_mid_stream_stops_before_next_step(engine):
         cancel.set()  # the client left after the first piece
     gen = stream.generation
     assert gen.finish_reason == "cancelled"
-    assert gen.stats.steps == 1, "no step after the one that produced the first piece"
+    # the first piece is the prefill's token (``Engine._first``): no step after it
+    assert gen.stats.steps == 0 and gen.stats.prefill_tokens == 1, "no step after the first piece"
     assert full.token_ids[: len(gen.token_ids)] == gen.token_ids and len(gen.token_ids) < MAX_NEW
     assert "".join(pieces) == gen.text and full.text.startswith(gen.text)
     assert released(engine)
@@ -59,7 +60,9 @@ def test_callable_checked_once_per_step(engine):
         return len(calls) > 2  # two steps run, the third check cancels
 
     gen = engine.generate(PROMPT, max_new_tokens=MAX_NEW, cancel=cancelled)
-    assert gen.finish_reason == "cancelled" and gen.stats.steps == 2 and len(calls) == 3
+    # checked before the prefill's token and before each step
+    assert gen.finish_reason == "cancelled" and gen.stats.prefill_tokens == 1 and gen.stats.steps == 1
+    assert len(calls) == 3
     assert released(engine)
 
 

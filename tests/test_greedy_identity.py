@@ -69,18 +69,43 @@ def test_greedy_identity(family, setting):
         accepted = sum(stats.accepted_by_source.values())
         accepted_total += accepted
         assert stats.new_tokens == len(ref), what
+        # the first token is the prefill's (its last logits, as transformers takes it), in no step
+        assert stats.prefill_tokens == 1, what
+        stepped = len(ref) - 1
         # every step emits its accepted tokens + one bonus/recovered token (the last one may be cut)
-        assert len(ref) - stats.steps <= accepted <= len(ref) - stats.steps + 1, what
-        assert stats.mean_accepted == pytest.approx(len(ref) / stats.steps), what
+        assert stepped - stats.steps <= accepted <= stepped - stats.steps + 1, what
+        assert stats.mean_accepted == (pytest.approx(stepped / stats.steps) if stats.steps else 0.0), what
         if setting in ("none", "adversarial"):
-            assert stats.steps == len(ref) and stats.mean_accepted == 1.0 and accepted == 0, what
+            assert stats.steps == stepped and stats.mean_accepted in (0.0, 1.0) and accepted == 0, what
         if setting.startswith("oracle"):
-            steps, oracle_accepted = oracle_expectation(len(ref), ORACLE_K)
-            assert (stats.steps, stats.accepted_by_source) == (steps, {"oracle": oracle_accepted}), what
+            steps, oracle_accepted = oracle_expectation(stepped, ORACLE_K)
+            counted = {"oracle": oracle_accepted} if oracle_accepted else {}
+            assert (stats.steps, stats.accepted_by_source) == (steps, counted), what
     if setting in ("ngram", "random_tree"):  # the drafts did get used somewhere
         assert accepted_total > 0, f"{family}/{setting}: no draft token accepted on any prompt"
     if setting not in ("none", "ngram"):
         assert engine.proposers[0].calls > 0, "the injected proposer was never asked"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_first_token_comes_from_the_prefill(family):
+    """The first new token is the prefill's (the logits of the prompt's last token), as
+    ``transformers`` takes it: a one-token answer runs no verify forward, a prompt of one token
+    included, and the same prompt again (its prefix reused but for the last token) gives the
+    same token; an unseen prompt's prefill is not reused."""
+    model = cached_tiny(family)
+    engine = Engine(model, FakeTokenizer(), EngineConfig(budget="fixed"))  # (no cost curve measured)
+    calls = []
+    verify = engine.target.verify
+    engine.target.verify = lambda *a, **k: calls.append(1) or verify(*a, **k)
+    for prompt in ([5], [9, 4, 4, 7, 3] * 5, [9, 4, 4, 7, 3] * 5, [9, 4, 4, 7, 3] * 5 + [8]):
+        gen = engine.generate(prompt, max_new_tokens=1)
+        assert gen.token_ids == hf_greedy(model, prompt, 1), (family, prompt)
+        assert gen.stats.steps == 0 and gen.stats.prefill_tokens == 1 and not calls
+        assert gen.stats.prefix_reused <= len(prompt) - 1
+    assert gen.stats.prefix_reused == 25  # the prompt before it shares 25 of its 26 tokens
+    gen = engine.generate([9, 4, 4, 7, 3] * 5, max_new_tokens=8)
+    assert gen.token_ids == hf_greedy(model, [9, 4, 4, 7, 3] * 5, 8) and gen.stats.prefix_reused == 24
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gpt2", "gpt_neox"])

@@ -51,10 +51,11 @@ def test_reused_prefix_keeps_every_output(family):
         reused.append(gen.stats.prefix_reused)
     assert reused[0] == 0  # nothing before it
     # the most any earlier prompt shares (the last one's K/V in place, earlier ones' kept copies)
-    assert reused[1:-1] == [max(common_prefix(a[:-1], b[:-1]) for a in prompts[:i])
+    # (never the prompt's last token: its logits give the first new token, ``Engine._first``)
+    assert reused[1:-1] == [min(max(common_prefix(a, b) for a in prompts[:i]), len(b) - 1)
                             for i, b in enumerate(prompts[1:-1], start=1)]
     assert all(r >= 24 for r in reused[1:-1]), reused  # the instruction (and any record start it shares)
-    assert reused[-1] == len(prompts[-1]) - 1  # the same prompt again: all but its root
+    assert reused[-1] == len(prompts[-1]) - 1  # the same prompt again: all but its last token
 
 
 def test_prefix_reuse_matches_a_fresh_prefill_exactly_in_sampling():

@@ -31,7 +31,8 @@ def test_copy_task_accepts_many_tokens_per_step():
 def test_no_drafts_means_one_token_per_step():
     records = [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}]
     result = replay(records, None, build_proposers(EngineConfig(proposers=())), max_nodes=16, max_depth=16)
-    assert result["mat"] == 1.0 and result["steps"] == 4
+    # the first token is the prefill's (as served): three steps for the other three
+    assert result["mat"] == 1.0 and result["steps"] == 3
 
 
 def test_cli_simulate_json(tmp_path, capsys):

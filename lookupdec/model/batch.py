@@ -62,6 +62,7 @@ class BatchTarget:
         self.prefix_cache = prefix_cache
         self._prefix: tuple | None = None  # (one-row cache, its tokens, the weights' state)
         self.last_reused = 0
+        self.last_logits: list = []  # per row the last add/add_many added: its prompt's last logits [vocab]
 
     @property
     def rows(self) -> int:
@@ -69,8 +70,8 @@ class BatchTarget:
 
     @torch.inference_mode()
     def add(self, token_ids: Sequence[int]) -> int:
-        """Prefill ``token_ids`` (a sequence's context less its last token, the first root) into a
-        new row; its index."""
+        """Prefill ``token_ids`` (a sequence's prompt) into a new row; its index. The logits of its
+        last token (the first new token's distribution) are ``last_logits[0]``."""
         if self.rows >= self.max_rows:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
         token_ids = list(token_ids)
@@ -82,7 +83,7 @@ class BatchTarget:
         self._prefix = None  # (until the fill below ends)
         if one is None:
             one = fresh()
-        self.target.fill(one, token_ids[common:])
+        self.last_logits = [self.target.fill(one, token_ids[common:])]
         if token_ids:
             self.store.put_row(self.rows, one.slot_store, len(token_ids))
             if self.prefix_cache:
@@ -95,9 +96,10 @@ class BatchTarget:
 
     @torch.inference_mode()
     def add_many(self, contexts: Sequence[Sequence[int]]) -> list[int]:
-        """Prefill several new rows (each a sequence's context less its last token), in one
-        forward per group of at most ``PREFILL_TOKENS`` padded tokens and ``PREFILL_MASK`` mask
-        cells where ``joint_prefill``, else one forward each (``add``); their row indices, in order.
+        """Prefill several new rows (each a sequence's prompt), in one forward per group of at
+        most ``PREFILL_TOKENS`` padded tokens and ``PREFILL_MASK`` mask cells where
+        ``joint_prefill``, else one forward each (``add``); their row indices, in order, and in
+        ``last_logits`` the logits of each one's last token.
 
         A group's rows are right-padded to its longest: row ``b``'s token ``i`` sits at slot and
         position ``i`` and sees its own slots ``[0, i]`` only, so its K/V are what its own
@@ -105,25 +107,35 @@ class BatchTarget:
         land in the row's holes, which every later mask hides."""
         if self.rows + len(contexts) > self.max_rows:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
+        out, logits, group = [], [], []
+
+        def add(rows: list[int]) -> None:  # rows just added, their logits in ``last_logits``
+            out.extend(rows)
+            logits.extend(self.last_logits if rows else [])
+
         if not self.joint_prefill:
-            return [self.add(ids) for ids in contexts]
-        out, group = [], []
-        for ids in contexts:
-            if not len(ids):  # a one-token context: nothing to prefill
-                out.extend(self._add_group(group))
-                group = []
-                out.append(self.add(ids))
-                continue
-            longest = max([len(ids)] + [len(g) for g in group])
-            count = len(group) + 1
-            if group and (count * longest > PREFILL_TOKENS or count * longest ** 2 > PREFILL_MASK):
-                out.extend(self._add_group(group))
-                group = []
-            group.append(ids)
-        out.extend(self._add_group(group))
+            for ids in contexts:
+                add([self.add(ids)])
+        else:
+            for ids in contexts:
+                if not len(ids):  # a one-token context: nothing to prefill (its logits: None)
+                    add(self._add_group(group))
+                    group = []
+                    add([self.add(ids)])
+                    continue
+                longest = max([len(ids)] + [len(g) for g in group])
+                count = len(group) + 1
+                if group and (count * longest > PREFILL_TOKENS or count * longest ** 2 > PREFILL_MASK):
+                    add(self._add_group(group))
+                    group = []
+                group.append(ids)
+            add(self._add_group(group))
+        self.last_logits = logits
         return out
 
     def _add_group(self, contexts: Sequence[Sequence[int]]) -> list[int]:
+        """Rows for ``contexts`` (not empty), one right-padded forward where there are several
+        (``add`` for one); ``last_logits`` per row."""
         if len(contexts) <= 1:
             return [self.add(ids) for ids in contexts]
         target = self.target
@@ -143,10 +155,14 @@ class BatchTarget:
         group = new_batch_cache(target._num_layers, k)
         group.slot_store.rows = k
         device = target.device
+        # the logits of each row's last token only: the distinct last slots, each row's picked below
+        last = sorted(set((lengths - 1).tolist()))
         with swapped(target.model, target.fast_head, body=target.body, tokens=k * width):
-            target.model(input_ids=torch.from_numpy(ids).to(device), position_ids=positions.to(device),
-                         attention_mask=mask.to(device), past_key_values=group, use_cache=True, logits_to_keep=1)
+            logits = target.model(input_ids=torch.from_numpy(ids).to(device), position_ids=positions.to(device),
+                                  attention_mask=mask.to(device), past_key_values=group, use_cache=True,
+                                  logits_to_keep=torch.tensor(last, device=device)).logits
         target.take_excess()  # a prefill is no verify forward (as ``TargetModel.fill``)
+        self.last_logits = [logits[b, last.index(n - 1)].float() for b, n in enumerate(lengths.tolist())]
         out = []
         for b, n in enumerate(lengths.tolist()):
             self.store.put_row(self.rows, group.slot_store, n, source_row=b)

@@ -40,9 +40,13 @@ def start_from_prefix(token_ids: Sequence[int], weights, in_place, prefixes: Pre
     ``TargetModel.prefill`` and ``BatchTarget.add``): ``in_place`` (``(cache, its tokens, their
     weights' state)`` or None) cut to what it shares (``reusable_prefix``), or, where a prompt
     kept in ``prefixes`` shares more, a fresh cache (``fresh()``) holding that one's copy;
-    ``(None, 0)`` where neither shares enough."""
+    ``(None, 0)`` where neither shares enough. The last token is never kept: its forward gives
+    the logits of the request's first new token (``TargetModel.prefill(last_logits=True)``)."""
+    last = len(token_ids) - 1
     common = reusable_prefix(in_place[1], in_place[2], token_ids, weights) if in_place is not None else 0
+    common = min(common, last)
     entry, stored = prefixes.find(token_ids, weights)
+    stored = min(stored, last)
     if stored > common:
         cache = fresh()
         prefixes.restore(entry, stored, cache)
@@ -87,6 +91,7 @@ class TargetModel:
         self.prefixes = PrefixStore(prefix_bytes, PREFIX_MIN)
         self._inputs = InputBuffers()  # the CPU tree forward's ids, positions and mask, reused per step
         self.last_prepare_s = 0.0
+        self.last_logits: torch.Tensor | None = None  # the last prefill's (``prefill(last_logits=True)``)
         if verify == "auto":
             verify = "tree" if self._probe_tree_mask() else "chain"
             if verify == "chain":
@@ -103,14 +108,16 @@ class TargetModel:
         self._prefix, self._prefix_weights = [], None
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[int], reuse: bool = False) -> int:
-        """Put ``token_ids`` in the cache (a request's context less its root). With ``reuse``
+    def prefill(self, token_ids: Sequence[int], reuse: bool = False, *, last_logits: bool = False) -> int:
+        """Put ``token_ids`` in the cache (a request's prompt). With ``reuse``
         (``EngineConfig.prefix_cache``), the longest common prefix with the last prefill's tokens
         keeps the K/V computed then, in place, or, where an earlier prompt kept in ``prefixes``
         shares more, starts from a copy of that one's (at least ``PREFIX_MIN`` tokens, the weights
         unchanged); only the rest is computed: requests that share an instruction, a chat template
-        or a file skip its forward. The prompt's K/V are then kept in ``prefixes`` too. Returns
-        the tokens reused (0: a fresh cache)."""
+        or a file skip its forward. The prompt's K/V are then kept in ``prefixes`` too.
+        ``last_logits``: the last token is computed whatever is reused, and its logits [vocab]
+        (float32) are left in ``self.last_logits``: the next token's distribution, the request's
+        first token (``Engine._first``). Returns the tokens reused (0: a fresh cache)."""
         token_ids = list(token_ids)
         weights = self._weights_state() if reuse else None
         cache, common = None, 0
@@ -123,7 +130,10 @@ class TargetModel:
         else:  # the last prefill's tokens: none until the fill below ends (a failed one leaves nothing to reuse)
             self.cache, self._prefix = cache, []
         self.n_cached = common
-        self.fill(self.cache, token_ids[common:])
+        self.last_logits = None
+        logits = self.fill(self.cache, token_ids[common:])
+        if last_logits:
+            self.last_logits = logits
         self.n_cached = len(token_ids)
         self._prefix, self._prefix_weights = token_ids, weights
         if reuse:
@@ -136,17 +146,19 @@ class TargetModel:
         return tuple((id(w), w.data_ptr(), w._version) for w in self.model.parameters())
 
     @torch.inference_mode()
-    def fill(self, cache, token_ids: Sequence[int]) -> None:
+    def fill(self, cache, token_ids: Sequence[int]) -> torch.Tensor | None:
         """One forward appending ``token_ids`` to ``cache`` (this model's own, or a batch row's
         one-sequence cache, ``model/batch.py``); weights changed since the last request are
-        packed again first."""
+        packed again first. Returns the last token's logits [vocab] (float32; None: no tokens)."""
         if self.body is not None:
             self.body.refresh()
-        if len(token_ids):
-            ids = torch.tensor([list(token_ids)], device=self.device)
-            with swapped(self.model, self.fast_head, body=self.body, tokens=len(token_ids)):
-                self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            self.take_excess()  # a prefill is no verify forward: its trials' excess is not one's either
+        if not len(token_ids):
+            return None
+        ids = torch.tensor([list(token_ids)], device=self.device)
+        with swapped(self.model, self.fast_head, body=self.body, tokens=len(token_ids)):
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.take_excess()  # a prefill is no verify forward: its trials' excess is not one's either
+        return out.logits[0, -1].float()
 
     def prepare(self, n: int) -> float:
         """Get ready for forwards of ``n`` tokens (``FastHead.prepare``); the seconds it took."""
