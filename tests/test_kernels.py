@@ -13,7 +13,8 @@ from conftest import cached_tiny
 from helpers import FakeTokenizer
 from lookupdec import Engine, EngineConfig
 from lookupdec.model.kernels import (BODY_FORMS, FORM_TRIALS, FORMS, GQA_SWITCH, INHERITED_CHECK, FastHead,
-                                     PackedLinears, fast_head_for, packed_available, packed_linears_for, swapped)
+                                     PackedLinears, fast_head_for, packed_available, packed_linears_for, skinny_available,
+                                     swapped)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 40])
@@ -65,15 +66,98 @@ def test_packed_head_form_is_offered_where_onednn_is():
     assert "packed" in FastHead(torch.nn.Linear(8, 16, bias=False)).forms
 
 
+def form_of(body, layer) -> str:
+    """The form ``layer`` computes in now (``PackedLinears``): its instance forward's."""
+    forward = layer.__dict__.get("forward")
+    if forward is None:
+        return "linear"
+    timed = [f for (m, f), call in body._timed.items() if m is layer and call is forward]  # a probe layer
+    return timed[0] if timed else next(f for f, forwards in body._forwards.items() if forwards[layer] is forward)
+
+
+needs_skinny = pytest.mark.skipif(not skinny_available(), reason="the compiled core is not built")
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 13, 16, 17, 24, 33, 64])
+@pytest.mark.parametrize("out_features, in_features", [(40, 24), (48, 576), (1, 5), (100, 33), (16, 16)])
+def test_skinny_product_equals_linear_on_every_instruction_set(rows, out_features, in_features):
+    """``_core.skinny_linear`` on each kernel this CPU runs (AVX-512, AVX2, the compiler's
+    default) against ``F.linear``: the same sums up to float32 rounding, panels of 16 outputs
+    with a partial last one, rows split into register blocks of 8 (or 6, 3)."""
+    from lookupdec.automaton import _core
+    from lookupdec.model.kernels import skinny_linear, skinny_pack
+
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    want = torch.nn.functional.linear(x, w, bias)
+    panels = skinny_pack(w)
+    for isa in _core.skinny_isas():
+        got = skinny_linear(x, panels, out_features, bias, isa=isa)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * in_features ** 0.5), isa
+
+
+@needs_skinny
+def test_skinny_rows_do_not_depend_on_the_other_rows():
+    """Each output is one sum over the inputs in order, whatever the row count: a row's values
+    are bit for bit the same alone or among others (a tree's node computes what it would in any
+    tree, on every kernel)."""
+    from lookupdec.automaton import _core
+    from lookupdec.model.kernels import skinny_linear, skinny_pack
+
+    generator = torch.Generator().manual_seed(7)
+    w = torch.randn(70, 96, generator=generator)
+    x = torch.randn(20, 96, generator=generator)
+    panels = skinny_pack(w)
+    for isa in _core.skinny_isas():
+        alone = torch.cat([skinny_linear(x[i : i + 1], panels, 70, None, isa=isa) for i in range(20)])
+        for m in (2, 9, 13, 20):
+            assert torch.equal(skinny_linear(x[:m], panels, 70, None, isa=isa), alone[:m]), (isa, m)
+
+
+@needs_skinny
+def test_skinny_rejects_what_it_cannot_compute():
+    from lookupdec.automaton import _core
+
+    panels = torch.empty(16 * 8)
+    with pytest.raises(ValueError, match="panels"):
+        _core.skinny_linear(torch.randn(2, 8), panels, torch.empty(2, 17))  # 17 outputs need 2 panels
+    with pytest.raises(ValueError, match="rows"):
+        _core.skinny_linear(torch.randn(2, 8), panels, torch.empty(3, 16))
+    with pytest.raises(ValueError, match="instruction set"):
+        _core.skinny_linear(torch.randn(2, 8), panels, torch.empty(2, 16), "sse9")
+
+
+@needs_skinny
+def test_the_skinny_product_is_tried_on_short_forwards_only():
+    """A prefill of hundreds of tokens is compute-bound, where the skinny product (one thread,
+    weights re-read per 8 rows) has nothing to win: it is offered up to SKINNY_MAX_ROWS tokens."""
+    from lookupdec.model.kernels import SKINNY_MAX_ROWS
+
+    body = PackedLinears([torch.nn.Linear(8, 8)])
+    assert "skinny" in body.forms and "skinny" in body._chooser.forms_of((SKINNY_MAX_ROWS, 1))
+    assert "skinny" not in body._chooser.forms_of((2 * SKINNY_MAX_ROWS, 1))
+    seen = set()
+    for _ in range(FORM_TRIALS * (len(body.forms) - 1)):
+        with torch.inference_mode(), body.chosen(300):
+            seen.add(form_of(body, body.modules[0]))
+    assert "skinny" not in seen and (512, torch.get_num_threads()) in body.choice
+
+
 @needs_onednn
 @pytest.mark.parametrize("rows", [1, 3, 16, 70])
-def test_packed_linears_compute_what_the_layers_do(rows):
+@pytest.mark.parametrize("form", ["packed", "skinny"])
+def test_packed_linears_compute_what_the_layers_do(rows, form):
     layers = [torch.nn.Linear(24, 40), torch.nn.Linear(40, 24, bias=False)]
     body = PackedLinears(layers)
+    if form not in body.forms:
+        pytest.skip(f"{form}: not in this build")
     x = torch.randn(2, rows, 24)
     want = layers[1](layers[0](x))
-    with torch.inference_mode(), body.active():
-        assert all("forward" in m.__dict__ for m in layers)
+    with torch.inference_mode(), body.active(form):
+        assert all(form_of(body, m) == form for m in layers)
         got = layers[1](layers[0](x))
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert all("forward" not in m.__dict__ for m in layers)  # plain nn.Linear again
@@ -92,18 +176,18 @@ def test_the_body_keeps_the_faster_form_per_token_bucket_and_thread_count(monkey
     x = torch.randn(1, 3, 24)
     want = layers[1](layers[0](x))
     now = [0.0]
-    slow = {"packed": 5.0, "linear": 1.0}  # seconds a forward takes in each form (a fake clock)
+    slow = {"packed": 5.0, "skinny": 3.0, "linear": 1.0}  # seconds a forward takes in each form (a fake clock)
     monkeypatch.setattr(kernels.time, "perf_counter", lambda: now[0])
     seen = []
-    for _ in range(FORM_TRIALS * len(BODY_FORMS)):
+    for _ in range(FORM_TRIALS * len(body.forms)):
         assert not body.choice
         with torch.inference_mode(), body.chosen(3):
-            form = "packed" if "forward" in layers[0].__dict__ else "linear"
+            form = form_of(body, layers[0])
             seen.append(form)
             got = layers[1](layers[0](x))
             now[0] += slow[form]
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert sorted(seen) == sorted(BODY_FORMS * FORM_TRIALS)
+    assert sorted(seen) == sorted(body.forms * FORM_TRIALS)
     assert body.choice == {(3, torch.get_num_threads()): "linear"}
     assert body.take_excess() > 0 and body.take_excess() == 0.0
     with torch.inference_mode(), body.chosen(3):
@@ -335,13 +419,14 @@ def test_a_chosen_form_is_timed_and_checked_on_the_probe_layers_alone(monkeypatc
     forms_seen = []
     for _ in range(RECHECK_FIRST + 1):
         with torch.inference_mode(), body.chosen(5):
-            rest = {m.__dict__.get("forward") is body._forwards[m] for m in layers if m not in body._probe}
+            rest = {m.__dict__.get("forward") is body._forwards["packed"][m] for m in layers if m not in body._probe}
             assert rest == {True}  # every other layer packed, checks included
-            forms_seen.append("linear" if all(m.__dict__["forward"] is body._timed[m, "linear"] for m in probe)
-                              else "packed")
+            forms_seen.append(next(f for f in body.forms if all(m.__dict__["forward"] is body._timed[m, f]
+                                                                 for m in probe)))
             got = run(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert forms_seen == ["packed"] * RECHECK_FIRST + ["linear"]
+    first_other = [f for f in body.forms if f != "packed"][0]  # the skinny product where it is built
+    assert forms_seen == ["packed"] * RECHECK_FIRST + [first_other]
     assert [f for f, _ in recorded] == forms_seen
     assert {seconds for _, seconds in recorded} == {float(len(probe))}  # the probe layers' time alone
     assert all("forward" not in m.__dict__ for m in layers)

@@ -12,7 +12,8 @@ On CPU a verify forward of a few tokens is far from its fastest under the kernel
   on another of the same kind a whole forward took 69.7 ms packed against 59.9 ms plain for one
   token at one thread (78.9 against 98.5 for 4 tokens), and at two threads packed lost up to 8
   tokens (47.1 against 35.6 ms for one). So, like the head, the body takes whichever of the two
-  was faster for the forward's token count (bucket) and thread count: the first forwards of a
+  was faster for the forward's token count (bucket) and thread count (a third form since, the
+  compiled core's skinny product: ``PackedLinears``): the first forwards of a
   bucket alternate, timed whole, ``FORM_TRIALS`` of each (what the head's own trials took in
   them not counted), then the faster is kept; from then on the chosen form is timed, and
   checked against the other, on one linear layer in ``PROBE_SHARE`` alone
@@ -47,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 FORMS = ("linear", "transposed", "right", "packed")  # F.linear; x @ (W^T stored); (W @ x^T)^T; oneDNN
-BODY_FORMS = ("packed", "linear")  # the body's linears: oneDNN prepacked, or nn.Linear as it is
+BODY_FORMS = ("packed", "skinny", "linear")  # the body's linears: oneDNN prepacked, the core's skinny product, nn.Linear
 FORM_TRIALS = 2  # timed calls of each form per row bucket before the fastest is kept
 PROBE_SHARE = 10  # the body's chosen form is timed, and checked, on one linear layer in this many
 PACK_ROWS = 16  # the row count oneDNN's weight layout is prepacked for (fastest at 1-64 rows here)
@@ -141,16 +142,22 @@ class FormChooser:
     ``nn.Linear`` for 8-token forwards, 108 ms, where packed weights take 67); a check costs one
     call in another form, ever more rarely, and puts that right within a few dozen calls."""
 
-    def __init__(self, forms) -> None:
+    def __init__(self, forms, forms_of=None) -> None:
+        """``forms_of(key)``: the forms that may compute ``key``'s bucket (None: all of ``forms``)."""
         self.forms = tuple(forms)
+        self._forms_of = forms_of
         self.choice: dict = {}  # key -> the form that computes it
         self.trials: dict = {}  # key -> form -> seconds of its trials, while every form is being tried
         self._watch: dict[object, _Watch] = {}  # check_group(key) -> the schedule of its checks
         self._best: dict = {}  # key -> its chosen form's fastest call since the bucket's last check
 
+    def forms_of(self, key) -> tuple:
+        return self.forms if self._forms_of is None else self._forms_of(key)
+
     def pick(self, key) -> str:
         """The form for the next call in ``key``'s bucket (time it, then ``record``)."""
         form = self.choice.get(key)
+        forms = self.forms_of(key)
         if form is None:
             tried = self.trials.get(key)
             if tried is None:
@@ -158,11 +165,11 @@ class FormChooser:
                 if form is not None:
                     return form
             tried = tried or {}
-            return min(self.forms, key=lambda f: len(tried.get(f, ())))
+            return min(forms, key=lambda f: len(tried.get(f, ())))
         watch = self._watch.get(check_group(key))
         if watch is None or watch.left > 0 or self._best.get(key, math.inf) == math.inf:
             return form
-        others = [f for f in self.forms if f != form]
+        others = [f for f in forms if f != form]
         return others[watch.turn % len(others)] if others else form
 
     def seed(self, choices: dict) -> int:
@@ -173,7 +180,7 @@ class FormChooser:
         know are skipped. Returns how many it took."""
         taken = 0
         for key, form in choices.items():
-            if form in self.forms and key not in self.choice:
+            if form in self.forms_of(key) and key not in self.choice:
                 self.trials.pop(key, None)
                 self.choice[key] = form
                 self._watch.setdefault(check_group(key), _Watch(RECHECK_FIRST))
@@ -187,6 +194,7 @@ class FormChooser:
         all of it in the first requests' latency. None where no bucket has a choice yet."""
         rows, threads = key
         near = [(abs(math.log2(b / rows)), b) for b, t in self.choice if t == threads and b > 0] if rows > 0 else []
+        near = [(d, b) for d, b in near if self.choice[(b, threads)] in self.forms_of(key)]
         if not near:
             return None
         form = self.choice[key] = self.choice[(min(near)[1], threads)]
@@ -198,8 +206,9 @@ class FormChooser:
         form known for the bucket (a trial's or a check's excess, kept out of cost timings)."""
         chosen = self.choice.get(key)
         group = check_group(key)
+        forms = self.forms_of(key)
         if chosen is None:
-            excess = _record_trial(self.trials, self.choice, key, form, seconds, self.forms)
+            excess = _record_trial(self.trials, self.choice, key, form, seconds, forms)
             if key in self.choice:
                 self._watch[group] = _Watch(RECHECK_FIRST)
             return excess
@@ -217,7 +226,7 @@ class FormChooser:
             self._best[key] = seconds
             return 0.0
         watch.turn += 1
-        if watch.turn % (len(self.forms) - 1) == 0:  # every other form has failed at this interval
+        if watch.turn % max(1, len(forms) - 1) == 0:  # every other form has failed at this interval
             watch.interval *= 2
         watch.left, self._best[key] = watch.interval, math.inf
         return max(0.0, seconds - best)
@@ -306,21 +315,71 @@ def fast_head_for(model) -> FastHead | None:
     return _SHARED[head]
 
 
-class PackedLinears:
-    """The body's linear layers computing with oneDNN-prepacked copies of their weights while
-    ``active`` (``swapped``); plain ``nn.Linear`` everywhere else. One per model (``packed_linears_for``)."""
+def skinny_available() -> bool:
+    """The compiled core has the skinny product (``csrc/skinny.hpp``) in a vector instruction set
+    of this CPU (AVX-512 or AVX2; the compiler's default kernel, 2-5x slower, is a reference
+    for tests, not a form)."""
+    from lookupdec.tree import _core
 
-    def __init__(self, modules: list[torch.nn.Linear]) -> None:
+    return _core is not None and hasattr(_core, "skinny_linear") and _core.skinny_isa() != "generic"
+
+
+def skinny_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] in the skinny product's panels (16 outputs each, zero-padded)."""
+    from lookupdec.tree import _core
+
+    out, inp = weight.shape
+    panels = torch.empty(-(-out // 16) * 16 * inp, dtype=torch.float32)
+    _core.skinny_pack(weight.detach().contiguous(), panels)
+    return panels
+
+
+def skinny_linear(flat: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                  isa: str | None = None) -> torch.Tensor:
+    """``F.linear(flat, W, bias)`` for 2D contiguous ``flat`` with ``panels = skinny_pack(W)``."""
+    from lookupdec.tree import _core
+
+    out = torch.empty((flat.shape[0], out_features), dtype=torch.float32)
+    _core.skinny_linear(flat, panels, out, isa)
+    if bias is not None:
+        out += bias
+    return out
+
+
+SKINNY_MAX_ROWS = 64  # the skinny product is offered for forwards of at most this many tokens
+
+
+class PackedLinears:
+    """The body's linear layers computing in another form while ``active`` (``swapped``): on
+    oneDNN-prepacked copies of their weights (``packed``), or the compiled core's skinny product
+    on panels of them (``skinny``, forwards of at most ``SKINNY_MAX_ROWS`` tokens); plain
+    ``nn.Linear`` everywhere else. One per model (``packed_linears_for``).
+
+    The skinny product (``csrc/skinny.hpp``) reads each weight once per call and multiplies it
+    into up to 8 rows held in registers: a verify forward of a few tokens on a CPU costs about
+    the weights' read. Measured at one thread (this project's Intel Xeon, SmolLM2's 210 body
+    layers alone, random inputs): 1 row 31.1 ms (packed 39.4), 8 rows 34.5 (46.1), 16 rows
+    48.0 (56.1), 32 rows 65.2 (77.0). It runs one thread; at two threads and on CPUs without
+    AVX-512 the timed choice decides as between the other two."""
+
+    def __init__(self, modules: list[torch.nn.Linear], forms=None) -> None:
         self.modules = modules
-        self._packed: dict[torch.nn.Linear, tuple[torch.Tensor, int, torch.Tensor]] = {}
-        self._forwards = {m: self._forward_of(m) for m in modules}
+        if forms is None:
+            forms = tuple(f for f in BODY_FORMS if f == "linear" or (f == "packed" and packed_available())
+                          or (f == "skinny" and skinny_available()))
+        self.forms = tuple(forms)
+        self.default = next((f for f in self.forms if f != "linear"), "linear")  # ``active()``'s form
+        # per form: module -> (weight, its version, the copy in that form's layout)
+        self._copies: dict[str, dict[torch.nn.Linear, tuple]] = {f: {} for f in self.forms if f != "linear"}
+        self._forwards = {f: {m: self._forward_of(m, f) for m in modules} for f in self._copies}
         # the layers whose time stands for the body's once a form is chosen (``chosen``)
         middle = len(modules) // 2
         self._probe = set(modules[middle : middle + max(1, len(modules) // PROBE_SHARE)])
         self._spent = [0.0]  # seconds in the probe layers during this forward
-        self._timed = {(m, form): self._timed_forward(m, form) for m in self._probe for form in BODY_FORMS}
-        self._chooser = FormChooser(BODY_FORMS)  # per (token bucket, torch threads); see ``chosen``
-        self.choice: dict[tuple[int, int], str] = self._chooser.choice  # ... -> "packed" | "linear"
+        self._timed = {(m, form): self._timed_forward(m, form) for m in self._probe for form in self.forms}
+        wide = tuple(f for f in self.forms if f != "skinny")
+        self._chooser = FormChooser(self.forms, lambda key: self.forms if key[0] <= SKINNY_MAX_ROWS else wide)
+        self.choice: dict[tuple[int, int], str] = self._chooser.choice  # (token bucket, threads) -> form
         self._trials: dict[tuple[int, int], dict[str, list[float]]] = self._chooser.trials  # while trying
         self.excess_s = 0.0  # seconds trial forwards took beyond the best form tried (``take_excess``)
 
@@ -332,23 +391,23 @@ class PackedLinears:
 
     @contextlib.contextmanager
     def chosen(self, tokens: int):
-        """``active`` for a forward of ``tokens`` tokens where packed weights were the faster
-        form for its bucket at this thread count, plain ``nn.Linear`` where not. While both are
-        being tried (``FormChooser``), the form tried less so far computes the whole forward,
-        timed whole (the head's trial and check excess left out). Once a form is chosen, only
-        the probe layers (``_probe``: one linear layer in ``PROBE_SHARE`` of the body's, in the
-        middle) are timed, and a check of the other form runs those alone in it: a check costs
-        a tenth of a forward's difference between the forms, not all of it (whole-forward
-        checks of ``nn.Linear`` cost SmolLM2 about 50 ms each at one thread, 0.4 s over 10 log
-        prompts; a scratch count)."""
+        """``active`` in the form that was fastest for a forward of ``tokens`` tokens (its
+        bucket) at this thread count. While the forms are being tried (``FormChooser``), the
+        form tried least so far computes the whole forward, timed whole (the head's trial and
+        check excess left out). Once a form is chosen, only the probe layers (``_probe``: one
+        linear layer in ``PROBE_SHARE`` of the body's, in the middle) are timed, and a check of
+        another form runs those alone in it: a check costs a tenth of a forward's difference
+        between the forms, not all of it (whole-forward checks of ``nn.Linear`` cost SmolLM2
+        about 50 ms each at one thread, 0.4 s over 10 log prompts; a scratch count)."""
         key = (_bucket(tokens), torch.get_num_threads())
         form = self._chooser.pick(key)  # the chosen form, or one being tried or checked (FormChooser)
         chosen = self.choice.get(key)
-        if "packed" in (form, chosen) and len(self._packed) != len(self.modules):
-            self.refresh()  # (the copies are made before the clock)
+        for f in {form, chosen}:  # (the copies are made before the clock)
+            if f in self._copies and len(self._copies[f]) != len(self.modules):
+                self.refresh(f)
         if chosen is None:
             head_excess, start = _TRIAL_EXCESS[0], time.perf_counter()
-            with self.active() if form == "packed" else contextlib.nullcontext():
+            with self.active(form):
                 yield
             seconds = time.perf_counter() - start - (_TRIAL_EXCESS[0] - head_excess)
         else:
@@ -361,11 +420,12 @@ class PackedLinears:
     @contextlib.contextmanager
     def _probed(self, form: str, probe_form: str):
         """Every layer in ``form`` but the probe layers, in ``probe_form`` and timed into ``_spent``."""
+        forwards = self._forwards.get(form)
         for m in self.modules:
             if m in self._probe:
                 m.__dict__["forward"] = self._timed[m, probe_form]
-            elif form == "packed":
-                m.__dict__["forward"] = self._forwards[m]
+            elif forwards is not None:
+                m.__dict__["forward"] = forwards[m]
         try:
             yield
         finally:
@@ -373,7 +433,7 @@ class PackedLinears:
                 m.__dict__.pop("forward", None)
 
     def _timed_forward(self, m: torch.nn.Linear, form: str):
-        call = self._forwards[m] if form == "packed" else functools.partial(torch.nn.Linear.forward, m)
+        call = self._forwards[form][m] if form in self._forwards else functools.partial(torch.nn.Linear.forward, m)
         spent = self._spent
 
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -384,31 +444,46 @@ class PackedLinears:
 
         return forward
 
-    def refresh(self) -> None:
-        """Pack every weight not packed yet or changed since it was (a new tensor, or written in
-        place: its version moved). Called once per request (``TargetModel.prefill``)."""
+    def refresh(self, form: str | None = None) -> None:
+        """Copy every weight not copied yet, or changed since it was (a new tensor, or written in
+        place: its version moved), into ``form``'s layout (None: every form's that has copies
+        already). Called once per request (``TargetModel.prefill``)."""
+        forms = [form] if form is not None else [f for f, c in self._copies.items() if c]
         with torch.inference_mode(False), torch.no_grad():
-            for m in self.modules:
-                w = m.weight
-                known = self._packed.get(m)
-                if known is None or known[0] is not w or known[1] != w._version:
-                    self._packed[m] = (w, w._version, pack(w))
+            for f in forms:
+                copies = self._copies[f]
+                for m in self.modules:
+                    w = m.weight
+                    known = copies.get(m)
+                    if known is None or known[0] is not w or known[1] != w._version:
+                        copies[m] = (w, w._version, pack(w) if f == "packed" else skinny_pack(w))
 
-    def _forward_of(self, m: torch.nn.Linear):
-        packed = self._packed
+    def _forward_of(self, m: torch.nn.Linear, form: str):
+        copies = self._copies[form]
+        out_features = m.out_features
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            flat = x.reshape(-1, x.shape[-1])
-            out = packed_linear(flat if flat.is_contiguous() else flat.contiguous(), packed[m][2], m.bias)
-            return out.view(*x.shape[:-1], out.shape[-1])
+        if form == "packed":
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                flat = x.reshape(-1, x.shape[-1])
+                out = packed_linear(flat if flat.is_contiguous() else flat.contiguous(), copies[m][2], m.bias)
+                return out.view(*x.shape[:-1], out.shape[-1])
+        else:
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                flat = x.reshape(-1, x.shape[-1])
+                out = skinny_linear(flat if flat.is_contiguous() else flat.contiguous(), copies[m][2], out_features,
+                                    m.bias)
+                return out.view(*x.shape[:-1], out_features)
 
         return forward
 
     @contextlib.contextmanager
-    def active(self):
-        if len(self._packed) != len(self.modules):
-            self.refresh()
-        for m, forward in self._forwards.items():
+    def active(self, form: str | None = None):
+        """Every layer in ``form`` (None: ``default``; "linear": as it is) inside the block."""
+        form = self.default if form is None else form
+        forwards = self._forwards.get(form)
+        if forwards is not None and len(self._copies[form]) != len(self.modules):
+            self.refresh(form)
+        for m, forward in (forwards or {}).items():
             m.__dict__["forward"] = forward  # an instance attribute: nn.Module.__call__ takes it
         try:
             yield
@@ -431,7 +506,8 @@ def packed_linears_for(model) -> PackedLinears | None:
                if type(m) is torch.nn.Linear and m is not head
                and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
     size = sum(m.weight.numel() * m.weight.element_size() for m in modules)
-    body = PackedLinears(modules) if modules and packed_available() and size <= PACKED_MAX_BYTES else None
+    body = PackedLinears(modules) if modules and (packed_available() or skinny_available()) \
+        and size <= PACKED_MAX_BYTES else None
     _SHARED_BODIES[model] = body
     return body
 

@@ -69,7 +69,8 @@ class TargetModel:
         # the output projection by the fastest product form per row count (CPU float32; model/kernels.py)
         self.fast_head = fast_head_for(model) if fast_head else None
         self.body = packed_linears_for(model) if fast_head else None  # its linears on prepacked weights (idem)
-        self.kernels = "+".join(name for name, on in (("head", self.fast_head), ("packed", self.body)) if on) or "plain"
+        body_forms = [f for f in self.body.forms if f != "linear"] if self.body is not None else []
+        self.kernels = "+".join(["head"] * (self.fast_head is not None) + body_forms) or "plain"
         self.config = model.config
         self.device = next(model.parameters()).device
         self._gqa = fast_head and self.device.type == "cpu"  # K/V heads not copied per query group (model/kernels.py)

@@ -24,6 +24,7 @@
 #include "ngram.hpp"
 #include "recycle.hpp"
 #include "suffix_drafts.hpp"
+#include "skinny.hpp"
 #include "tree.hpp"
 
 namespace nb = nanobind;
@@ -319,6 +320,32 @@ nb::list top_tokens(LogitsIn logits, const std::vector<int64_t>& rows, int32_t k
   return out;
 }
 
+// model/kernels.SkinnyLinears: a weight [n, k] packed into panels, and the product with them.
+using MatrixIn = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>;
+using MatrixOut = nb::ndarray<float, nb::ndim<2>, nb::device::cpu>;
+using PanelsIn = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using PanelsOut = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+void skinny_pack(MatrixIn w, PanelsOut panels) {
+  const int64_t n = static_cast<int64_t>(w.shape(0)), k = static_cast<int64_t>(w.shape(1));
+  if (w.stride(1) != 1 || w.stride(0) != k) throw std::invalid_argument("skinny_pack: a contiguous weight");
+  if (static_cast<int64_t>(panels.shape(0)) != (n + lookupdec::kPanel - 1) / lookupdec::kPanel * lookupdec::kPanel * k)
+    throw std::invalid_argument("skinny_pack: panels of ceil(n / 16) * 16 * k floats");
+  lookupdec::skinny_pack(w.data(), n, k, panels.data());
+}
+
+void skinny_linear(MatrixIn x, PanelsIn panels, MatrixOut y, std::optional<std::string> isa) {
+  const int64_t m = static_cast<int64_t>(x.shape(0)), k = static_cast<int64_t>(x.shape(1));
+  const int64_t n = static_cast<int64_t>(y.shape(1));
+  if (x.stride(1) != 1 || y.stride(1) != 1) throw std::invalid_argument("skinny_linear: rows contiguous");
+  if (static_cast<int64_t>(y.shape(0)) != m) throw std::invalid_argument("skinny_linear: y has x's rows");
+  if (static_cast<int64_t>(panels.shape(0)) != (n + lookupdec::kPanel - 1) / lookupdec::kPanel * lookupdec::kPanel * k)
+    throw std::invalid_argument("skinny_linear: panels of ceil(n / 16) * 16 * k floats (y's columns, x's)");
+  nb::gil_scoped_release release;
+  lookupdec::skinny_linear(x.data(), x.stride(0), m, k, panels.data(), n, y.data(), y.stride(0),
+                           isa ? isa->c_str() : nullptr);
+}
+
 // tree.observe_draft: one draft's reached nodes counted into a calibration row's three arrays.
 void observe_draft(nb::bytes tokens, nb::bytes parents, nb::bytes scores, const std::vector<int64_t>& committed,
                    CellsOut reached, CellsOut predicted, CellsOut matched) {
@@ -512,6 +539,10 @@ NB_MODULE(_core, m) {
   m.def("choose_num_nodes", &choose_num_nodes);
   m.def("cost_curve", &cost_curve);
   m.def("top_tokens", &top_tokens);
+  m.def("skinny_pack", &skinny_pack);
+  m.def("skinny_linear", &skinny_linear, nb::arg("x"), nb::arg("panels"), nb::arg("y"), nb::arg("isa") = nb::none());
+  m.def("skinny_isa", &lookupdec::skinny_isa);
+  m.def("skinny_isas", &lookupdec::skinny_isas);
   nb::class_<CoreTree>(m, "Tree")
       .def("__len__", [](const CoreTree& t) { return t.tree.token_ids.size(); })
       .def("token_ids", [](const CoreTree& t) { return int_list(t.tree.token_ids); })

@@ -1,0 +1,47 @@
+// A float32 product for the few rows of a verify forward: Y [M, N] = X [M, K] . W^T, with W
+// [N, K] packed once into panels of 16 outputs (`skinny_pack`: K x 16 floats each, zero-padded).
+// Each panel is read from memory once per call and multiplied into several rows held in
+// registers (AVX-512: 8 rows x 3 panels), so a tree of a few tokens costs about the weights'
+// read, which is what a CPU's verify forward of a small model is bound by (SmolLM2's 210 body
+// layers at one thread on an AVX-512 Xeon: 1 row 31-36 ms, 8 rows 35-42, 16 rows 48-57, against
+// 39-47, 46-59, 56-71 under oneDNN's prepacked product). Every output is one sum over k in
+// order, with fused multiply-adds where the ISA has them: a row's values do not depend on the
+// other rows (nor on M).
+//
+// Three kernels: AVX-512 and AVX2 in intrinsics (skinny_avx512.cpp, skinny_avx2.cpp, each
+// compiled with its own -m flags and run only where the CPU has them), and the compiler's
+// default (skinny_kernel.inc in skinny_generic.cpp, vector extensions: the reference the tests
+// compare the others with). `skinny_linear` runs the widest this CPU supports (`skinny_isa`).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace lookupdec {
+
+constexpr int kPanel = 16;  // outputs per panel
+
+// Panels of `w` [n, k] into `panels` (ceil(n / 16) * k * 16 floats).
+void skinny_pack(const float* w, int64_t n, int64_t k, float* panels);
+
+// `y` [m, n] (row stride ldy) = `x` [m, k] (row stride ldx) . W^T, W packed by skinny_pack;
+// `isa` (null: the widest) names one of skinny_isas().
+void skinny_linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y,
+                   int64_t ldy, const char* isa = nullptr);
+
+// The instruction set skinny_linear runs: "avx512", "avx2" or "generic"; and every one this CPU runs.
+const char* skinny_isa();
+std::vector<std::string> skinny_isas();
+
+namespace skinny_avx512 {
+void linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy);
+}
+namespace skinny_avx2 {
+void linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy);
+}
+namespace skinny_generic {
+void linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy);
+}
+
+}  // namespace lookupdec

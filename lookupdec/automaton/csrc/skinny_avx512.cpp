@@ -1,0 +1,72 @@
+// skinny.hpp's kernel for AVX-512 (compiled with -mavx512f -mfma; run only where the CPU has
+// them), in intrinsics: 8 rows x 3 panels = 24 zmm accumulators, each panel row one load.
+#include <cstring>
+
+#include "skinny.hpp"
+
+#if defined(LOOKUPDEC_SKINNY_X86)
+#include <immintrin.h>
+#endif
+
+namespace lookupdec::skinny_avx512 {
+#if defined(LOOKUPDEC_SKINNY_X86)
+namespace {
+
+template <int R, int G>
+inline void block(const float* x, int64_t ldx, const float* panels, int64_t k, float* y, int64_t ldy, int64_t col,
+                  int64_t n) {
+  __m512 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  const float* p[G];
+  for (int g = 0; g < G; ++g) p[g] = panels + g * k * 16;
+  for (int64_t i = 0; i < k; ++i) {
+    __m512 w[G];
+    for (int g = 0; g < G; ++g) w[g] = _mm512_loadu_ps(p[g] + i * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(x[r * ldx + i]);
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_fmadd_ps(s, w[g], acc[r][g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const int64_t c = col + g * 16;
+    const int64_t valid = n - c < 16 ? n - c : 16;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + c, mask, acc[r][g]);
+  }
+}
+
+template <int G, int R>
+void rows(int r, const float* x, int64_t ldx, const float* panels, int64_t k, float* y, int64_t ldy, int64_t col,
+          int64_t n) {
+  if constexpr (R > 1) {
+    if (r < R) return rows<G, R - 1>(r, x, ldx, panels, k, y, ldy, col, n);
+  }
+  block<R, G>(x, ldx, panels, k, y, ldy, col, n);
+}
+
+}  // namespace
+
+void linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y,
+            int64_t ldy) {
+  constexpr int G = 3, R = 8;
+  const int64_t count = (n + 15) / 16;
+  const int64_t blocks = (m + R - 1) / R;
+  int64_t p = 0;
+  for (; p + G <= count; p += G)
+    for (int64_t b = 0, r = 0; b < blocks; ++b) {  // rows split evenly: 12 = 6 + 6, not 8 + 4
+      const int64_t end = m * (b + 1) / blocks;
+      rows<G, R>(static_cast<int>(end - r), x + r * ldx, ldx, panels + p * k * 16, k, y + r * ldy, ldy, p * 16, n);
+      r = end;
+    }
+  for (; p < count; ++p)
+    for (int64_t b = 0, r = 0; b < blocks; ++b) {
+      const int64_t end = m * (b + 1) / blocks;
+      rows<1, R>(static_cast<int>(end - r), x + r * ldx, ldx, panels + p * k * 16, k, y + r * ldy, ldy, p * 16, n);
+      r = end;
+    }
+}
+#else
+void linear(const float*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t) {}
+#endif
+}  // namespace lookupdec::skinny_avx512
