@@ -305,14 +305,15 @@ def cost_key(model_config: dict, device, dtype, context_tokens: int, kernels: st
     return f"{model}|{where}|{dtype}|ctx{context_tokens}|torch{torch.__version__}|{kernels}"
 
 
-def forms_key(model_config: dict, device, dtype) -> str:
+def forms_key(model_config: dict, device, dtype, kernels: str = "") -> str:
     """What the kernel forms chosen on CPU (``model/kernels.py``) depend on besides the row and
-    thread counts their own keys hold: the architecture, the machine, the dtype and torch's
-    version (``cost_key`` less the context bucket and the thread count)."""
+    thread counts their own keys hold: the architecture, the machine, the dtype, torch's version
+    (``cost_key`` less the context bucket and the thread count) and the forms on offer
+    (``TargetModel.kernels``: choices made without a form are made again once it is there)."""
     import torch
 
     model, where = _setup(model_config, device)
-    return f"{model}|{where}|{dtype}|torch{torch.__version__}"
+    return f"{model}|{where}|{dtype}|torch{torch.__version__}|{kernels}"
 
 
 def _read_cache() -> dict | None:

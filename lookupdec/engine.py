@@ -162,7 +162,8 @@ class Engine:
         if self.target.fast_head is not None or self.target.body is not None:
             from lookupdec.budget import forms_key, load_cached_forms
 
-            self._forms_key = forms_key(self.target.config.to_dict(), self.target.device, self.target.dtype)
+            self._forms_key = forms_key(self.target.config.to_dict(), self.target.device, self.target.dtype,
+                                        self.target.kernels)
             self.target.seed_kernel_forms(load_cached_forms(self._forms_key))
             self._forms_stored = self.target.kernel_forms()
         self._request_ids = itertools.count()

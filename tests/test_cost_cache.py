@@ -108,7 +108,7 @@ def test_kernel_forms_are_kept_for_the_next_process(cache_file):
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     for _ in range(3):  # enough forwards for the head's trials of some bucket to end
         gen = first.generate(prompt, max_new_tokens=40)
-    key = forms_key(first.target.config.to_dict(), first.target.device, first.target.dtype)
+    key = forms_key(first.target.config.to_dict(), first.target.device, first.target.dtype, first.target.kernels)
     kept = load_cached_forms(key)
     assert kept == first.target.kernel_forms() and kept["head"]
     doc = json.loads(cache_file.read_text())
@@ -118,6 +118,17 @@ def test_kernel_forms_are_kept_for_the_next_process(cache_file):
     assert second.target.kernel_forms() == kept  # seeded before any forward
     again = second.generate(prompt, max_new_tokens=40)
     assert again.token_ids == gen.token_ids
+
+
+def test_kernel_forms_are_chosen_again_when_the_forms_on_offer_change():
+    """Forms chosen without one on offer (a build before the skinny product, a CPU without its
+    instruction set) are not seeded where it is: the key names the forms."""
+    from lookupdec.budget import forms_key
+
+    config = {"model_type": "llama", "hidden_size": 8}
+    old = forms_key(config, "cpu", "torch.float32", "head+packed")
+    assert old != forms_key(config, "cpu", "torch.float32", "head+packed+skinny")
+    assert old == forms_key(config, "cpu", "torch.float32", "head+packed")
 
 
 def test_kernel_forms_share_the_file_with_the_curves(cache_file, monkeypatch):
