@@ -6,8 +6,8 @@
              ``max_nodes`` nodes kept (ancestors first), at most ``max_depth`` deep
     choose   with a cost model (``EngineConfig.budget == "auto"``): keep the node count that
              maximises expected tokens per second (``budget.choose_num_nodes``), each count's
-             gains corrected by what trees of that size accepted (``budget.SizeRecord``) and
-             by what this request's trees accepted (``request_factor``), and prune to it
+             gains corrected by what trees of that size accepted (``budget.SizeRecord``), and
+             prune to it
     verdict  the caller's: the engine verifies the tree with the target and accepts exactly
              (``sampling.accept``); the simulator walks the recorded response. Either returns
              the accepted nodes and the step's new tokens (accepted + one bonus or recovered
@@ -38,10 +38,6 @@ from lookupdec.tree import Draft, TokenTree
 SCALE_PRIOR = 2.0  # accepted draft tokens behind the initial correction of 1
 SCALE_DECAY = 0.95  # per verified tree
 SCALE_MIN, SCALE_MAX = 0.2, 1.5
-# a request's own correction (``StepCore.request_factor``): its accepted draft tokens against
-# what the overall correction promised it, leaning on REQUEST_PRIOR promised tokens' worth of 1
-REQUEST_PRIOR = 2.0
-REQUEST_MIN, REQUEST_MAX = 0.1, 1.5
 
 
 @dataclass
@@ -61,7 +57,6 @@ class Plan:
     scale: float  # ``StepCore.scale`` when the tree was built
     propose_s: float
     tree_s: float
-    factor: float = 1.0  # the request's own correction then (``StepCore.request_factor``)
 
 
 @dataclass
@@ -73,7 +68,7 @@ class StepResult:
     propose_s: float  # proposers' time
     tree_s: float  # merge + choose + prune
     promised: float = 0.0  # sum of the tree's nodes' calibrated probabilities of being reached
-    scale: float = 1.0  # the step's correction of them (``StepCore.scale`` x ``request_factor``)
+    scale: float = 1.0  # the step's correction of them (``StepCore.scale``)
 
     @property
     def predicted(self) -> float:
@@ -106,27 +101,12 @@ class StepCore:
         # the same per tree size (the batch's re-drafted trees count too): the chooser corrects
         # each candidate size by its own
         self.sizes = SizeRecord()
-        # per running request: [draft tokens its trees promised at the overall correction, accepted]
-        self._requests: dict[str, list[float]] = {}
 
     def start(self, request_id: str, prompt_ids: Sequence[int], params=None, seed=None) -> None:
         self.mixture.start(request_id, prompt_ids, params, seed)
-        self._requests[request_id] = [0.0, 0.0]
 
     def stop(self, request_id: str) -> None:
         self.mixture.stop(request_id)
-        self._requests.pop(request_id, None)
-
-    def request_factor(self, request_id: str) -> float:
-        """This request's own correction on top of the overall one: its accepted draft tokens
-        over what its trees promised at the overall correction, each side with
-        ``REQUEST_PRIOR`` tokens added (1 before any tree), in ``[REQUEST_MIN, REQUEST_MAX]``.
-        The cells and the overall correction learn from every request, so a request unlike the
-        ones before it (a translation after log rewriting: short drafts of copied text that the
-        target never takes) is promised what those got; its own record corrects that within a
-        few steps, which is all a short answer has."""
-        promised, accepted = self._requests.get(request_id, (0.0, 0.0))
-        return min(REQUEST_MAX, max(REQUEST_MIN, (accepted + REQUEST_PRIOR) / (promised + REQUEST_PRIOR)))
 
     def first(self, request_id: str, new_tokens: Sequence[int]) -> None:
         """A request's first token, taken from its prefill's logits (no tree, no step): every
@@ -147,14 +127,13 @@ class StepCore:
         itself (the batched step's joint budget, ``batch.py``)."""
         t0 = time.perf_counter()
         scale = self.scale
-        factor = self.request_factor(request_id)
         if max_nodes is None:
             max_nodes = self.draft_budget.nodes(self.max_nodes) if cost is not None else self.max_nodes
         drafts = self.mixture.propose(request_id, context, max_nodes)
         t1 = time.perf_counter()
         tree = self.build_tree(context[-1], drafts, max_nodes=max_nodes, max_depth=max_depth, cost=cost,
-                               overhead_s=overhead_s, scale=scale, factor=factor)
-        return Plan(tree, drafts, scale, propose_s=t1 - t0, tree_s=time.perf_counter() - t1, factor=factor)
+                               overhead_s=overhead_s, scale=scale)
+        return Plan(tree, drafts, scale, propose_s=t1 - t0, tree_s=time.perf_counter() - t1)
 
     def finish(self, request_id: str, plan: "Plan", judged: Verdict) -> StepResult:
         """After the verdict on ``plan.tree``: every proposer observes the new tokens, the
@@ -168,16 +147,11 @@ class StepCore:
             self._promised = SCALE_DECAY * self._promised + promised
             self._accepted = SCALE_DECAY * self._accepted + len(judged.accepted)
             self.sizes.observe(len(tree), promised=promised, accepted=len(judged.accepted))
-            record = self._requests.get(request_id)
-            if record is not None:
-                record[0] += promised * plan.scale
-                record[1] += len(judged.accepted)
         else:  # nothing verified, nothing learnt: drift back towards 1, or a low scale would stick
             self._promised = SCALE_DECAY * self._promised + (1 - SCALE_DECAY) * SCALE_PRIOR
             self._accepted = SCALE_DECAY * self._accepted + (1 - SCALE_DECAY) * SCALE_PRIOR
         return StepResult(tree, plan.drafts, judged.accepted[: len(judged.new_tokens)], judged.new_tokens,
-                          propose_s=plan.propose_s, tree_s=plan.tree_s, promised=promised,
-                          scale=plan.scale * plan.factor)
+                          propose_s=plan.propose_s, tree_s=plan.tree_s, promised=promised, scale=plan.scale)
 
     @property
     def scale(self) -> float:
@@ -188,9 +162,8 @@ class StepCore:
         return min(SCALE_MAX, max(SCALE_MIN, self._accepted / self._promised))
 
     def build_tree(self, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
-                   cost: CostModel | None, overhead_s: float, scale: float = 1.0, factor: float = 1.0) -> TokenTree:
-        """Merge the drafts into one trie and keep the nodes worth verifying (``scale``: the
-        overall correction, ``factor``: the request's own, ``request_factor``)."""
+                   cost: CostModel | None, overhead_s: float, scale: float = 1.0) -> TokenTree:
+        """Merge the drafts into one trie and keep the nodes worth verifying."""
         calibration = self.calibrator.calibration() if self.calibrator is not None else None
         tree = TokenTree.from_drafts(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
                                      calibration=calibration)
@@ -199,10 +172,7 @@ class StepCore:
         if cost is not None and tree.num_draft_nodes:
             gains = tree.expected_in_prune_order()
             available = min(len(gains), max_nodes)
-            scales = self.sizes.scales(available, scale)
-            if factor != 1.0:
-                scales = [x * factor for x in scales]
-            chosen = choose_num_nodes(gains, cost, overhead_s, max_nodes, scales)
+            chosen = choose_num_nodes(gains, cost, overhead_s, max_nodes, self.sizes.scales(available, scale))
             tree = tree.prune(cost.explore(chosen, available))
             self.draft_budget.observe(tree.num_draft_nodes)
         return tree

@@ -200,61 +200,6 @@ def test_chooser_picks_the_root_alone_when_drafts_never_match():
     assert nodes[-20:] == [0] * 20  # then the root alone, step after step
 
 
-def _steps_until_root_alone(request_prior: float, monkeypatch) -> tuple[int, int]:
-    """A request whose confident drafts are never right, after requests where the same
-    proposer's drafts were always right (the cells and the overall correction believe it): its
-    steps before the chooser keeps the root alone, and the trees it verified in vain."""
-    from lookupdec import step as step_lib
-    from lookupdec.budget import AcceptanceCalibrator
-    from lookupdec.mixture import Mixture
-    from lookupdec.proposers.base import Draft
-    from lookupdec.step import StepCore, Verdict
-
-    monkeypatch.setattr(step_lib, "REQUEST_PRIOR", request_prior)
-
-    class Copier:  # the same confident chain for every request: the next 8 tokens of 0, 1, 2, ...
-        name = "copier"
-
-        def start(self, *a): pass
-        def observe(self, *a): pass
-        def stop(self, *a): pass
-
-        def propose(self, rid, context, max_nodes):
-            n = min(8, max_nodes)
-            return [Draft.chain([(context[-1] + 1 + d) % 50 for d in range(n)], [0.9 ** (d + 1) for d in range(n)],
-                                self.name, match_length=4)]
-
-    calibrator = AcceptanceCalibrator()
-    core = StepCore(Mixture([Copier()], calibrator=calibrator), max_nodes=64, calibrator=calibrator)
-    cost = CostModel([1, 2, 4, 8, 16, 64], [1.0, 1.6, 1.4, 1.8, 2.3, 5.3])  # SmolLM2, one thread
-    for r in range(3):  # requests whose text counts up: every draft token right
-        rid, context = f"good{r}", [0]
-        core.start(rid, context)
-        for _ in range(10):
-            result = core.run(rid, context, lambda tree: Verdict(list(range(1, len(tree))),
-                              [(context[-1] + 1 + d) % 50 for d in range(len(tree))]), max_depth=48, cost=cost)
-            context.extend(result.new_tokens)
-        core.stop(rid)
-    core.start("bad", [0])
-    nodes, context = [], [0]
-    for _ in range(12):  # its text never counts up: nothing accepted
-        result = core.run("bad", context, lambda tree: Verdict([], [0]), max_depth=48, cost=cost)
-        nodes.append(result.tree.num_draft_nodes)
-        context.append(0)
-    first_root_alone = nodes.index(0) if 0 in nodes else len(nodes)
-    return first_root_alone, sum(n > 0 for n in nodes)
-
-
-def test_a_request_unlike_the_ones_before_stops_verifying_drafts_within_a_few_steps(monkeypatch):
-    """``StepCore.request_factor``: the overall correction and the cells learnt that this
-    proposer is always right; a request where it is never right drops its trees after two
-    (a short answer cannot wait for the overall correction: eight trees without it)."""
-    with_factor = _steps_until_root_alone(2.0, monkeypatch)
-    without = _steps_until_root_alone(1e12, monkeypatch)  # a prior that large: the factor stays 1
-    assert with_factor[0] <= 2 and with_factor[1] <= 3, with_factor
-    assert without[1] > with_factor[1] + 2, (with_factor, without)
-
-
 def _replay_calibration(workload: str, limit: int, calibrated: bool):
     from lookupdec.budget import AcceptanceCalibrator
     from lookupdec.model import load_tokenizer
