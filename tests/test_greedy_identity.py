@@ -207,10 +207,9 @@ def test_stories_greedy_identity(stories, config):
 
 # stories260K seldom copies its prompt; on this one it gives 1.44 tokens per step with a fixed
 # budget (deterministic; the first token is the prefill's, in no step) and 1.18-1.31 with
-# budget="auto" (12 runs: the chosen trees depend on the cost curve measured on the machine, and
-# a request whose drafts fall short of their promise keeps smaller trees): the floors leave room
-# for that and still fail an engine whose drafts are accepted only now and then (1.0 would pass
-# with a single accepted token).
+# budget="auto" (12 runs: the chosen trees depend on the cost curve measured on the machine): the
+# floors leave room for that and still fail an engine whose drafts are accepted only now and then
+# (1.0 would pass with a single accepted token).
 @pytest.mark.parametrize("budget,floor", [("fixed", 1.25), ("auto", 1.1)])
 def test_stories_ngram_accepts_more_than_one_token_per_step(stories, budget, floor):
     model, tokenizer = stories

@@ -118,7 +118,7 @@ class BatchTarget:
                 add([self.add(ids)])
         else:
             for ids in contexts:
-                if not len(ids):  # a one-token context: nothing to prefill (its logits: None)
+                if not len(ids):  # an empty context: nothing to prefill, no logits (None; never a prompt)
                     add(self._add_group(group))
                     group = []
                     add([self.add(ids)])

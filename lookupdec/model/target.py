@@ -68,7 +68,7 @@ class TargetModel:
         self.model = model
         # the output projection by the fastest product form per row count (CPU float32; model/kernels.py)
         self.fast_head = fast_head_for(model) if fast_head else None
-        self.body = packed_linears_for(model) if fast_head else None  # its linears on prepacked weights (idem)
+        self.body = packed_linears_for(model) if fast_head else None  # its linears in the fastest form (idem)
         body_forms = [f for f in self.body.forms if f != "linear"] if self.body is not None else []
         self.kernels = "+".join(["head"] * (self.fast_head is not None) + body_forms) or "plain"
         self.config = model.config
