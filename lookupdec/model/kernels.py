@@ -47,6 +47,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from lookupdec.tree import _core  # the compiled core (None where it is not built): the skinny product
+
 FORMS = ("linear", "transposed", "right", "packed")  # F.linear; x @ (W^T stored); (W @ x^T)^T; oneDNN
 BODY_FORMS = ("packed", "skinny", "linear")  # the body's linears: oneDNN prepacked, the core's skinny product, nn.Linear
 FORM_TRIALS = 2  # timed calls of each form per row bucket before the fastest is kept
@@ -319,15 +321,11 @@ def skinny_available() -> bool:
     """The compiled core has the skinny product (``csrc/skinny.hpp``) in a vector instruction set
     of this CPU (AVX-512 or AVX2; the compiler's default kernel, 2-5x slower, is a reference
     for tests, not a form)."""
-    from lookupdec.tree import _core
-
     return _core is not None and hasattr(_core, "skinny_linear") and _core.skinny_isa() != "generic"
 
 
 def skinny_pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] in the skinny product's panels (16 outputs each, zero-padded)."""
-    from lookupdec.tree import _core
-
     out, inp = weight.shape
     panels = torch.empty(-(-out // 16) * 16 * inp, dtype=torch.float32)
     _core.skinny_pack(weight.detach().contiguous(), panels)
@@ -336,9 +334,8 @@ def skinny_pack(weight: torch.Tensor) -> torch.Tensor:
 
 def skinny_linear(flat: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
                   isa: str | None = None) -> torch.Tensor:
-    """``F.linear(flat, W, bias)`` for 2D contiguous ``flat`` with ``panels = skinny_pack(W)``."""
-    from lookupdec.tree import _core
-
+    """``F.linear(flat, W, bias)`` for 2D contiguous ``flat`` with ``panels = skinny_pack(W)``
+    (called per layer in every forward: ``_core`` bound at import, not looked up per call)."""
     out = torch.empty((flat.shape[0], out_features), dtype=torch.float32)
     _core.skinny_linear(flat, panels, out, isa)
     if bias is not None:
