@@ -146,6 +146,23 @@ def test_the_skinny_product_is_tried_on_short_forwards_only():
     assert "skinny" not in seen and (512, torch.get_num_threads()) in body.choice
 
 
+@needs_skinny
+def test_the_head_offers_the_skinny_product_on_short_forwards_only():
+    """The output projection takes the skinny product as a fifth form, up to SKINNY_MAX_ROWS
+    rows (``head_rows`` asks 1-16 of a verify forward); a prefill's rows try the other four."""
+    from lookupdec.model.kernels import SKINNY_MAX_ROWS
+
+    head = torch.nn.Linear(24, 300, bias=False)
+    fast = FastHead(head)
+    assert "skinny" in fast.forms and "skinny" in fast._chooser.forms_of((SKINNY_MAX_ROWS, 1))
+    assert "skinny" not in fast._chooser.forms_of((2 * SKINNY_MAX_ROWS, 1))
+    x = torch.randn(2 * SKINNY_MAX_ROWS, 24)
+    for _ in range(FORM_TRIALS * (len(fast.forms) - 1)):
+        assert torch.allclose(fast(x), head(x), rtol=1e-5, atol=1e-5)
+    assert set(fast.choice) == {(2 * SKINNY_MAX_ROWS, torch.get_num_threads())}  # chosen without trying skinny
+    assert fast.choice[(2 * SKINNY_MAX_ROWS, torch.get_num_threads())] != "skinny"
+
+
 @needs_onednn
 @pytest.mark.parametrize("rows", [1, 3, 16, 70])
 @pytest.mark.parametrize("form", ["packed", "skinny"])

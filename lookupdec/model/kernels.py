@@ -20,8 +20,9 @@ On CPU a verify forward of a few tokens is far from its fastest under the kernel
   (``PackedLinears.chosen``). The packed copies take as much memory as the weights they copy,
   so models whose linear weights exceed ``PACKED_MAX_BYTES`` are left as they are.
 - **Head** (``FastHead``). The output projection (49,152 x 576, a sixth of SmolLM2) in
-  whichever of four forms was fastest for that number of rows: ``F.linear``; ``x @ W^T``
-  with ``W^T`` stored; ``(W @ x^T)^T``; the prepacked oneDNN product. 1 row 10.1 ms under
+  whichever of five forms was fastest for that number of rows: ``F.linear``; ``x @ W^T``
+  with ``W^T`` stored; ``(W @ x^T)^T``; the prepacked oneDNN product; the compiled core's
+  skinny product (as the body's, at most ``SKINNY_MAX_ROWS`` rows). 1 row 10.1 ms under
   ``F.linear``, 4.7 ms transposed; 16 rows 23.8 ms, 12.5 ms packed. The first calls with a
   row count (bucket) try each form in turn on the real input, ``FORM_TRIALS`` times each, timing
   them; from then on the fastest computes that bucket. (Timing every form on a random input
@@ -49,7 +50,8 @@ import torch.nn.functional as F
 
 from lookupdec.tree import _core  # the compiled core (None where it is not built): the skinny product
 
-FORMS = ("linear", "transposed", "right", "packed")  # F.linear; x @ (W^T stored); (W @ x^T)^T; oneDNN
+# the head's: F.linear; x @ (W^T stored); (W @ x^T)^T; oneDNN prepacked; the core's skinny product
+FORMS = ("linear", "transposed", "right", "packed", "skinny")
 BODY_FORMS = ("packed", "skinny", "linear")  # the body's linears: oneDNN prepacked, the core's skinny product, nn.Linear
 FORM_TRIALS = 2  # timed calls of each form per row bucket before the fastest is kept
 PROBE_SHARE = 10  # the body's chosen form is timed, and checked, on one linear layer in this many
@@ -242,8 +244,11 @@ class FastHead(torch.nn.Module):
         self.head = head
         self._transposed: torch.Tensor | None = None  # W^T, contiguous: made on first need
         self._packed: torch.Tensor | None = None  # oneDNN's layout: made on first need
-        self.forms = FORMS if packed_available() else FORMS[:3]
-        self._chooser = FormChooser(self.forms)  # per (row bucket, torch threads)
+        self._panels: torch.Tensor | None = None  # the skinny product's panels: made on first need
+        self.forms = tuple(f for f in FORMS if (f != "packed" or packed_available())
+                           and (f != "skinny" or skinny_available()))
+        wide = tuple(f for f in self.forms if f != "skinny")
+        self._chooser = FormChooser(self.forms, lambda key: self.forms if key[0] <= SKINNY_MAX_ROWS else wide)
         self.choice: dict[tuple[int, int], str] = self._chooser.choice  # ... -> the fastest form
         self._trials: dict[tuple[int, int], dict[str, list[float]]] = self._chooser.trials  # while trying
         self.excess_s = 0.0  # seconds trial calls took beyond the best form tried (``take_excess``)
@@ -264,13 +269,18 @@ class FastHead(torch.nn.Module):
             if self._packed is None or self._packed.shape != w.shape:
                 self._packed = pack(w)
             return packed_linear(flat, self._packed, None)
+        if form == "skinny":
+            if self._panels is None or self._panels.numel() != -(-w.shape[0] // 16) * 16 * w.shape[1]:
+                self._panels = skinny_pack(w)
+            return skinny_linear(flat if flat.is_contiguous() else flat.contiguous(), self._panels, w.shape[0], None)
         return (w @ flat.t()).t()
 
     @torch.inference_mode()
     def prepare(self, rows: int) -> float:
         """Make the weight's copies the forms need (once); the seconds it took (0 once made),
         which the caller keeps out of its timings of the model."""
-        if self._transposed is not None and (self._packed is not None or "packed" not in self.forms):
+        if (self._transposed is not None and (self._packed is not None or "packed" not in self.forms)
+                and (self._panels is not None or "skinny" not in self.forms)):
             return 0.0
         start = time.perf_counter()
         w = self.head.weight

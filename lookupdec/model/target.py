@@ -70,7 +70,8 @@ class TargetModel:
         self.fast_head = fast_head_for(model) if fast_head else None
         self.body = packed_linears_for(model) if fast_head else None  # its linears in the fastest form (idem)
         body_forms = [f for f in self.body.forms if f != "linear"] if self.body is not None else []
-        self.kernels = "+".join(["head"] * (self.fast_head is not None) + body_forms) or "plain"
+        head = ["head-skinny" if "skinny" in self.fast_head.forms else "head"] if self.fast_head is not None else []
+        self.kernels = "+".join(head + body_forms) or "plain"  # the forms on offer: the cost and form caches' keys
         self.config = model.config
         self.device = next(model.parameters()).device
         self._gqa = fast_head and self.device.type == "cpu"  # K/V heads not copied per query group (model/kernels.py)
