@@ -149,7 +149,8 @@ def test_the_skinny_product_is_tried_on_short_forwards_only():
 @needs_skinny
 def test_the_head_offers_the_skinny_product_on_short_forwards_only():
     """The output projection takes the skinny product as a fifth form, up to SKINNY_MAX_ROWS
-    rows (``head_rows`` asks 1-16 of a verify forward); a prefill's rows try the other four."""
+    rows (a verify forward projects the rows ``head_rows`` picks, 8 or more of a large tree);
+    a prefill's rows try the other four."""
     from lookupdec.model.kernels import SKINNY_MAX_ROWS
 
     head = torch.nn.Linear(24, 300, bias=False)
