@@ -242,13 +242,11 @@ class FastHead(torch.nn.Module):
     def __init__(self, head: torch.nn.Linear) -> None:
         super().__init__()
         self.head = head
-        self._transposed: torch.Tensor | None = None  # W^T, contiguous: made on first need
-        self._packed: torch.Tensor | None = None  # oneDNN's layout: made on first need
-        self._panels: torch.Tensor | None = None  # the skinny product's panels: made on first need
+        # per form with a copy of the weight (``_HEAD_COPIES``): (the weight's shape, the copy), made on first need
+        self._copies: dict[str, tuple[torch.Size, torch.Tensor]] = {}
         self.forms = tuple(f for f in FORMS if (f != "packed" or packed_available())
                            and (f != "skinny" or skinny_available()))
-        wide = tuple(f for f in self.forms if f != "skinny")
-        self._chooser = FormChooser(self.forms, lambda key: self.forms if key[0] <= SKINNY_MAX_ROWS else wide)
+        self._chooser = FormChooser(self.forms, skinny_rows_only(self.forms))  # per (row bucket, torch threads)
         self.choice: dict[tuple[int, int], str] = self._chooser.choice  # ... -> the fastest form
         self._trials: dict[tuple[int, int], dict[str, list[float]]] = self._chooser.trials  # while trying
         self.excess_s = 0.0  # seconds trial calls took beyond the best form tried (``take_excess``)
@@ -257,35 +255,36 @@ class FastHead(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         return self.head.weight
 
+    def _copy(self, form: str) -> torch.Tensor:
+        """The weight in ``form``'s layout (made again where the weight's shape changed)."""
+        w = self.head.weight
+        made = self._copies.get(form)
+        if made is None or made[0] != w.shape:
+            made = self._copies[form] = (w.shape, _HEAD_COPIES[form](w.detach()))
+        return made[1]
+
     def _form(self, form: str, flat: torch.Tensor) -> torch.Tensor:
         w = self.head.weight
         if form == "linear":
             return F.linear(flat, w)
         if form == "transposed":
-            if self._transposed is None or self._transposed.shape != (w.shape[1], w.shape[0]):
-                self._transposed = w.detach().t().contiguous()
-            return flat @ self._transposed
+            return flat @ self._copy(form)
         if form == "packed":
-            if self._packed is None or self._packed.shape != w.shape:
-                self._packed = pack(w)
-            return packed_linear(flat, self._packed, None)
+            return packed_linear(flat, self._copy(form), None)
         if form == "skinny":
-            if self._panels is None or self._panels.numel() != -(-w.shape[0] // 16) * 16 * w.shape[1]:
-                self._panels = skinny_pack(w)
-            return skinny_linear(flat if flat.is_contiguous() else flat.contiguous(), self._panels, w.shape[0], None)
+            return skinny_linear(flat if flat.is_contiguous() else flat.contiguous(), self._copy(form), w.shape[0], None)
         return (w @ flat.t()).t()
 
     @torch.inference_mode()
     def prepare(self, rows: int) -> float:
         """Make the weight's copies the forms need (once); the seconds it took (0 once made),
         which the caller keeps out of its timings of the model."""
-        if (self._transposed is not None and (self._packed is not None or "packed" not in self.forms)
-                and (self._panels is not None or "skinny" not in self.forms)):
+        wanted = [f for f in self.forms if f in _HEAD_COPIES]
+        if all(f in self._copies for f in wanted):
             return 0.0
         start = time.perf_counter()
-        w = self.head.weight
-        for form in self.forms:
-            self._form(form, w[:1, :])
+        for form in wanted:
+            self._copy(form)
         return time.perf_counter() - start
 
     def take_excess(self) -> float:
@@ -356,6 +355,19 @@ def skinny_linear(flat: torch.Tensor, panels: torch.Tensor, out_features: int, b
 SKINNY_MAX_ROWS = 64  # the skinny product is offered for forwards of at most this many tokens
 
 
+def skinny_rows_only(forms: tuple):
+    """A ``FormChooser``'s ``forms_of``: every one of ``forms`` for buckets of at most
+    ``SKINNY_MAX_ROWS`` rows, all but the skinny product beyond (compute-bound there: it re-reads
+    the weights per 8 rows on one thread)."""
+    wide = tuple(f for f in forms if f != "skinny")
+    return lambda key: forms if key[0] <= SKINNY_MAX_ROWS else wide
+
+
+# the head's forms that compute on a copy of the weight, and how each copy is made
+_HEAD_COPIES = {"transposed": lambda w: w.t().contiguous(), "packed": lambda w: pack(w),
+                "skinny": lambda w: skinny_pack(w)}
+
+
 class PackedLinears:
     """The body's linear layers computing in another form while ``active`` (``swapped``): on
     oneDNN-prepacked copies of their weights (``packed``), or the compiled core's skinny product
@@ -384,8 +396,7 @@ class PackedLinears:
         self._probe = set(modules[middle : middle + max(1, len(modules) // PROBE_SHARE)])
         self._spent = [0.0]  # seconds in the probe layers during this forward
         self._timed = {(m, form): self._timed_forward(m, form) for m in self._probe for form in self.forms}
-        wide = tuple(f for f in self.forms if f != "skinny")
-        self._chooser = FormChooser(self.forms, lambda key: self.forms if key[0] <= SKINNY_MAX_ROWS else wide)
+        self._chooser = FormChooser(self.forms, skinny_rows_only(self.forms))
         self.choice: dict[tuple[int, int], str] = self._chooser.choice  # (token bucket, threads) -> form
         self._trials: dict[tuple[int, int], dict[str, list[float]]] = self._chooser.trials  # while trying
         self.excess_s = 0.0  # seconds trial forwards took beyond the best form tried (``take_excess``)
