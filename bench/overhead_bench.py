@@ -17,10 +17,13 @@ the verify forward, in µs per step:
              the fast paths as the engine calls it: with ``top_k``, so each visited row is read
              once for its argmax and the recycling table's top tokens, and on ``PartialLogits``
              (``EngineConfig.partial_logits``): the rows of the nodes ``head_rows`` picks are
-             copied out after the KV writes (untimed: the forward's output projection writes
-             them last), a row the walk asks for besides is copied then (its time is the
-             forward's, as in the engine, and not counted here); the reference reads every row
-             where the KV writes left it
+             copied out after the KV writes, with each row's argmax and top tokens (untimed:
+             the forward's output projection writes them last, and the skinny product, its form
+             at up to 64 rows on this machine, picks them as it writes each row:
+             ``FastHead.project``), so the walk reads the picks, not the rows; a row the walk
+             asks for besides is copied then and read for its picks (its time is the forward's,
+             as in the engine, and not counted here); the reference reads every row where the
+             KV writes left it
     recycle  the engine's hand-off to the token-recycling proposer: the reference's
              ``top_tokens_reference`` of the visited rows, and ``Mixture.observe_successors``
     commit   ``model.commit_accepted`` on a KV cache of SmolLM2-135M's shape (30 layers of
@@ -114,6 +117,7 @@ class Paths:
     top_tokens: Callable  # engine.top_tokens(logits, rows, k)
     choose: Callable  # budget.choose_num_nodes(gains, cost, overhead, max_nodes, scales) or its reference
     partial: bool = False  # accept on PartialLogits (the likely nodes' rows), as the engine's greedy verify
+    picked: bool = False  # ... with each row's best ids made by the output projection (FastHead.project)
 
 
 def reference_paths() -> Paths:
@@ -127,7 +131,7 @@ def fast_paths() -> Paths:
     inputs = functools.partial(tree_inputs, buffers=InputBuffers())  # as TargetModel.verify
     return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, inputs, accept, slot_cache=True,
                  observe_draft=observe_draft, top_tokens=top_tokens, choose=choose_num_nodes,
-                 partial=True)
+                 partial=True, picked=True)
 
 
 @dataclass
@@ -266,8 +270,12 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             verified = logits
             if paths.partial:  # the engine's forward projects the likely nodes' rows, its last writes (untimed)
                 rows = head_rows(range(len(tree)), tree.expected)
-                verified = PartialLogits(tree, rows, logits[rows].clone(), torch.arange(len(tree)),
-                                         lambda nodes: (logits[nodes].clone(), 0.0))
+                projected = logits[rows].clone()
+                picks = max(RECYCLE_SUCCESSORS if mixture.successor_sinks else 0, 1)
+                tops = (np.asarray(paths.top_tokens(projected, range(len(rows)), picks), dtype=np.int32)
+                        if paths.picked else None)  # the skinny product picks them as it writes the rows
+                verified = PartialLogits(tree, rows, projected, torch.arange(len(tree)),
+                                         lambda nodes: (logits[nodes].clone(), 0.0), tops=tops)
             marks.append(_now())
             # the engine's accept(top_k=...) reads each visited row once for the argmax and the
             # recycling table's top tokens; the reference takes them apart (top_tokens_reference)

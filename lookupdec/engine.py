@@ -401,7 +401,10 @@ class Engine:
         acceptance, KV commit; the new tokens cut to ``limit`` and after the first EOS."""
         t = time.perf_counter()
         rows = self._head_rows(tree, params)
-        logits = self.target.verify(tree, rows)  # [1 + n, vocab], or PartialLogits for those rows
+        # with rows, the output projection picks each row's best tokens as it writes it: the
+        # argmax the walk needs, and the top tokens recycling keeps
+        picks = max(self._recycle_successors(), 1) if rows is not None else 0
+        logits = self.target.verify(tree, rows, picks)  # [1 + n, vocab], or PartialLogits for those rows
         if cost is not None:  # a timed forward ends on the device, not at its launch (TargetModel.sync)
             self.target.sync()
         seconds = time.perf_counter() - t - self.target.last_prepare_s
@@ -441,13 +444,17 @@ class Engine:
             return None
         return head_rows(range(len(tree)), tree.expected)
 
+    def _recycle_successors(self) -> int:
+        """How many top tokens of each visited row token recycling keeps (0: none)."""
+        return self.config.recycle.successors if self.mixture.successor_sinks else 0
+
     def _accept(self, tree: TokenTree, logits: torch.Tensor, params, generator, seen: set, limit: int,
                 prev: int) -> tuple[list[int], list[int]]:
         """Exact acceptance of ``tree`` against its ``logits`` (the KV commit is the caller's, one
         sequence or a batch), the target's top tokens at the visited nodes handed to token
         recycling (``prev``: the token before the root); returns the accepted nodes and the new
         tokens cut to ``limit`` and after the first EOS."""
-        recycle = self.config.recycle.successors if self.mixture.successor_sinks else 0
+        recycle = self._recycle_successors()
         result = accept(tree, logits, params, generator=generator,
                         context_ids=self._seen_ids(seen) if params.uses_prefix else None, top_k=recycle)
         if recycle:

@@ -283,11 +283,15 @@ class PartialLogits:
     state. ``accept`` walks these directly (greedy, compiled); any other path takes ``dense()``.
     """
 
-    def __init__(self, tree: TokenTree, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor, head) -> None:
+    def __init__(self, tree: TokenTree, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor, head,
+                 tops: np.ndarray | None = None) -> None:
         self.tree = tree
         self.hidden = hidden  # [1 + n, d] final hidden states (after the model's last norm)
         self.head = head  # hidden rows [m, d] -> (float32 logits [m, vocab], seconds of it spent preparing)
         self.logits = logits.contiguous()  # [len(rows), vocab] (the walk reads rows as arrays)
+        # [len(rows), k] int32: each row's k best token ids (top_tokens' order), made by the output
+        # projection as it wrote the rows (TargetModel.verify(picks=k)); the walk reads these
+        self.tops = tops
         self.row_of = np.full(len(tree), -1, dtype=np.int32)
         self.row_of[rows] = np.arange(len(rows), dtype=np.int32)
         self.misses = 0  # walks that reached a node without a row
@@ -306,6 +310,9 @@ class PartialLogits:
         extra, prepared = self.head(self.hidden[nodes])
         self.row_of[nodes] = np.arange(len(self.logits), len(self.logits) + len(nodes), dtype=np.int32)
         self.logits = torch.cat([self.logits, extra])
+        if self.tops is not None:  # the new rows' picks, read while they are in cache
+            picked = top_tokens_compiled(extra, range(len(nodes)), self.tops.shape[1])
+            self.tops = None if picked is None else np.concatenate([self.tops, np.asarray(picked, dtype=np.int32)])
         self.extra_s += time.perf_counter() - t - prepared
 
     def fill_from(self, node: int) -> None:
@@ -371,7 +378,8 @@ def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, gen
         if not all_rows and params.greedy and not params.uses_prefix and logits.logits.dtype == torch.float32:
             accepted, tops, start = [], [] if top_k else None, 0
             while True:  # walk the rows computed; a node reached without one gets its rows, and the walk goes on
-                walked = tree.greedy_walk(logits.logits.numpy(), top_k, logits.row_of.tobytes(), start)
+                choices = logits.tops if logits.tops is not None and logits.tops.shape[1] >= max(top_k, 1) else None
+                walked = tree.greedy_walk(logits.logits.numpy(), top_k, logits.row_of.tobytes(), start, choices)
                 if walked is None:
                     break
                 more, token, bonus, more_tops, missing = walked

@@ -629,7 +629,8 @@ class TokenTree:
         return _core.tree_inputs_at(self.token_ids, self.parents, n_cached, fill, ids, positions, mask, rows, cols,
                                     last_rows, last_column)
 
-    def greedy_walk(self, logits: np.ndarray, top_k: int = 0, row_of: bytes | None = None, start: int = 0):
+    def greedy_walk(self, logits: np.ndarray, top_k: int = 0, row_of: bytes | None = None, start: int = 0,
+                    choices: np.ndarray | None = None):
         """The compiled core's greedy acceptance walk over float32 ``logits`` (rows contiguous;
         node u's row is u, or ``row_of[u]`` given ``row_of``, int32 bytes with -1 for a row not
         computed): ``(accepted nodes, next token, bonus, tops, missing)`` as ``sampling.accept``
@@ -638,13 +639,15 @@ class TokenTree:
         the same single pass over the row (``engine.top_tokens``' order), else None. ``missing``:
         the first node reached whose row is -1 (the walk stops there), else -1. ``start``: the node
         the walk begins at (a missing one, once its row is there): accepted nodes are those below
-        it, ``tops`` begin with its row."""
+        it, ``tops`` begin with its row. ``choices``: int32 [rows, >= max(top_k, 1)], each row's
+        best token ids made as the row was written (``kernels.skinny_linear(tops=...)``): the walk
+        reads those, not the rows."""
         core = self.__dict__.get("_core")
         if core is not None:
-            return core.greedy_walk(logits, top_k, row_of, start)
+            return core.greedy_walk(logits, top_k, row_of, start, choices)
         if _core is None:
             return None
-        return _core.greedy_walk(logits, self.token_ids, self.parents, top_k, row_of, start)
+        return _core.greedy_walk(logits, self.token_ids, self.parents, top_k, row_of, start, choices)
 
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""

@@ -4,8 +4,10 @@ linears on prepacked weights compute what ``nn.Linear`` does, follow weight chan
 confined to the block like the head; the engine's output is unchanged with the kernels on or off."""
 from __future__ import annotations
 
+import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +117,60 @@ def test_skinny_rows_do_not_depend_on_the_other_rows():
         alone = torch.cat([skinny_linear(x[i : i + 1], panels, 70, None, isa=isa) for i in range(20)])
         for m in (2, 9, 13, 20):
             assert torch.equal(skinny_linear(x[:m], panels, 70, None, isa=isa), alone[:m]), (isa, m)
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 5, 27, 64])
+@pytest.mark.parametrize("top_k", [1, 4])
+def test_skinny_tops_are_the_top_tokens_of_the_rows_it_writes(rows, top_k):
+    """``skinny_linear(tops=...)`` offers each block of outputs to its row's picks as the kernel
+    stores it, and gives each row's ``top_k`` best column ids as ``engine.top_tokens_reference``
+    reads them from the finished row: ties to the earlier id (duplicate weight rows, in
+    different panels and panel groups), a NaN row's first ids (a row not known finite by
+    ``weight_bound`` is scanned once written; without a bound every row is); the rows
+    themselves are bit for bit those without ``tops``, on every kernel."""
+    from lookupdec.automaton import _core
+    from lookupdec.engine import top_tokens_reference
+    from lookupdec.model.kernels import skinny_linear, skinny_pack
+
+    generator = torch.Generator().manual_seed(rows * 10 + top_k)
+    n, d = 5003, 40
+    w = torch.randn(n, d, generator=generator)
+    w[4000], w[17], w[2500] = w[3], w[3], w[3] * 1.5  # equal outputs across pieces; one beating them
+    x = torch.randn(rows, d, generator=generator)
+    x[0] = 3.0 * w[3] + 0.1 * x[0]  # row 0's best: tokens 2500, then 3, 17, 4000 tied (in id order)
+    if rows > 2:
+        x[2, 7] = float("nan")  # a whole row of NaN: its first ids
+    panels = skinny_pack(w)
+    for isa, bound in [(isa, bound) for isa in _core.skinny_isas() for bound in (float(w.abs().max()), math.inf)]:
+        plain = skinny_linear(x, panels, n, None, isa=isa)
+        tops = np.full((rows, top_k), -1, dtype=np.int32)
+        got = skinny_linear(x, panels, n, None, isa=isa, tops=tops, weight_bound=bound)
+        assert torch.equal(got.isnan(), plain.isnan()) and torch.equal(got.nan_to_num(), plain.nan_to_num()), isa
+        assert tops.tolist() == top_tokens_reference(got, range(rows), top_k), (isa, bound)
+        assert tops[0].tolist() == [2500, 3, 17, 4000][:top_k]
+    with pytest.raises(ValueError, match="tops"):
+        _core.skinny_linear(x, panels, torch.empty(rows, n), None, np.empty((rows + 1, 2), dtype=np.int32))
+
+
+@needs_skinny
+def test_the_head_picks_top_tokens_only_in_the_skinny_form():
+    """``FastHead.project(picks=k)``: the logits of every form, and the rows' k best ids where
+    the form is the skinny product (else None: the walk reads the rows)."""
+    from lookupdec.engine import top_tokens_reference
+
+    head = torch.nn.Linear(24, 300, bias=False)
+    fast = FastHead(head)
+    x = torch.randn(5, 24)
+    key = (5, torch.get_num_threads())
+    for form in fast.forms:
+        fast.choice[key] = form
+        logits, tops = fast.project(x, 3)
+        assert torch.allclose(logits, head(x), rtol=1e-5, atol=1e-5)
+        if form == "skinny":
+            assert tops.tolist() == top_tokens_reference(logits, range(5), 3)
+        else:
+            assert tops is None, form
 
 
 @needs_skinny

@@ -34,7 +34,10 @@ def _random_tree(rng, n: int) -> TokenTree:
 @needs_core
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("top_k", [0, 4])
-def test_walk_over_partial_rows_equals_the_walk_over_every_row(seed, top_k):
+@pytest.mark.parametrize("picked", [False, True])
+def test_walk_over_partial_rows_equals_the_walk_over_every_row(seed, top_k, picked):
+    """``picked``: the rows' best ids come with them (``PartialLogits.tops``, as the skinny
+    product makes them) and rows computed on demand get theirs."""
     rng = np.random.default_rng(seed)
     n, d, vocab = 40, 16, 64
     tree = _random_tree(rng, n)
@@ -44,7 +47,8 @@ def test_walk_over_partial_rows_equals_the_walk_over_every_row(seed, top_k):
     dense = hidden @ weight.T
     project = lambda h: (h @ weight.T, 0.0)  # noqa: E731
     rows = [0] if seed % 2 else head_rows(range(n), tree.expected, min_rows=2)
-    partial = PartialLogits(tree, rows, dense[rows], hidden, project)
+    tops = np.asarray(top_tokens_reference(dense, rows, max(top_k, 1)), dtype=np.int32) if picked else None
+    partial = PartialLogits(tree, rows, dense[rows], hidden, project, tops=tops)
     got = accept(tree, partial, SamplingParams(), top_k=top_k)
     want = accept_reference(tree, dense, SamplingParams())
     assert (got.accepted, got.next_token, got.bonus) == (want.accepted, want.next_token, want.bonus)
@@ -55,8 +59,24 @@ def test_walk_over_partial_rows_equals_the_walk_over_every_row(seed, top_k):
     assert partial.computed == int(computed.sum())
     if rows == [0] and got.accepted:
         assert partial.misses >= 1 and partial.computed < n
+    if picked:  # the rows computed on demand got their picks too
+        assert partial.tops.shape == (partial.computed, max(top_k, 1))
+        assert partial.tops.tolist() == top_tokens_reference(partial.logits, range(partial.computed), max(top_k, 1))
     # every other path sees every row, in node order
     assert torch.equal(partial.dense(), dense)
+
+
+@needs_core
+def test_the_walk_reads_the_picks_not_the_rows():
+    """With ``tops`` the walk follows the picks made as the rows were written: given rows of
+    zeros (whose argmax is token 0) and picks naming token 1 at the root, it takes the root's
+    child with token 1, and hands recycling the picks."""
+    tree = TokenTree(token_ids=[9, 0, 1], parents=[-1, 0, 0], expected=[1.0, 0.5, 0.5])
+    zeros = torch.zeros(3, 5)
+    tops = np.array([[1, 2], [3, 4], [4, 0]], dtype=np.int32)
+    got = accept(tree, PartialLogits(tree, [0, 1, 2], zeros, torch.zeros(3, 2), None, tops=tops), SamplingParams(),
+                 top_k=2)
+    assert (got.accepted, got.next_token, got.tops) == ([2], 4, [[1, 2], [4, 0]])
 
 
 @needs_core
@@ -99,6 +119,12 @@ def test_verify_rows_gives_the_full_forward_rows(family):
     torch.testing.assert_close(partial.dense(), full, rtol=1e-5, atol=1e-5)
     target.prefill(prompt)
     assert isinstance(target.verify(tree, list(range(len(tree)))), torch.Tensor)  # every row: a plain forward
+    if target.fast_head is not None and "skinny" in target.fast_head.forms:  # the head picks as it writes
+        target.fast_head.choice[(3, torch.get_num_threads())] = "skinny"
+        target.prefill(prompt)
+        picked = target.verify(tree, rows, picks=4)
+        torch.testing.assert_close(picked.logits, full[rows], rtol=1e-5, atol=1e-5)
+        assert picked.tops.tolist() == top_tokens_reference(picked.logits, range(3), 4)
 
 
 class _ScaledLogits(transformers.LlamaForCausalLM):

@@ -45,6 +45,7 @@ import os
 import time
 import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -263,7 +264,7 @@ class FastHead(torch.nn.Module):
             made = self._copies[form] = (w.shape, _HEAD_COPIES[form](w.detach()))
         return made[1]
 
-    def _form(self, form: str, flat: torch.Tensor) -> torch.Tensor:
+    def _form(self, form: str, flat: torch.Tensor, tops: np.ndarray | None = None) -> torch.Tensor:
         w = self.head.weight
         if form == "linear":
             return F.linear(flat, w)
@@ -272,7 +273,9 @@ class FastHead(torch.nn.Module):
         if form == "packed":
             return packed_linear(flat, self._copy(form), None)
         if form == "skinny":
-            return skinny_linear(flat if flat.is_contiguous() else flat.contiguous(), self._copy(form), w.shape[0], None)
+            panels, bound = self._copy(form)
+            return skinny_linear(flat if flat.is_contiguous() else flat.contiguous(), panels, w.shape[0], None,
+                                 tops=tops, weight_bound=bound)
         return (w @ flat.t()).t()
 
     @torch.inference_mode()
@@ -294,17 +297,25 @@ class FastHead(torch.nn.Module):
         return excess
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        out, _ = self.project(x.reshape(-1, x.shape[-1]))
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def project(self, flat: torch.Tensor, picks: int = 0) -> tuple[torch.Tensor, np.ndarray | None]:
+        """The logits of ``flat`` [m, d] in the form chosen for m rows; with ``picks`` > 0 where
+        that form is the skinny product, each row's ``picks`` best token ids too (int32 [m,
+        picks], ``engine.top_tokens``' order), picked as the product writes the row, while it
+        is in cache (else None): the greedy walk then reads those, not the rows."""
         key = (_bucket(flat.shape[0]), torch.get_num_threads())
         form = self._chooser.pick(key)  # the chosen form, or one being tried (FormChooser)
         self.prepare(flat.shape[0])  # the copies are made before the clock (once; a seeded choice too)
         start = time.perf_counter()
-        out = self._form(form, flat)
+        tops = np.empty((flat.shape[0], picks), dtype=np.int32) if picks > 0 and form == "skinny" else None
+        out = self._form(form, flat, tops)
         excess = self._chooser.record(key, form, time.perf_counter() - start)
         if excess:
             self.excess_s += excess  # what trying cost over the best form so far
             _TRIAL_EXCESS[0] += excess
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out, tops
 
 
 _SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, FastHead]" = weakref.WeakKeyDictionary()
@@ -342,10 +353,20 @@ def skinny_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def skinny_linear(flat: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
-                  isa: str | None = None) -> torch.Tensor:
+                  isa: str | None = None, tops: np.ndarray | None = None,
+                  weight_bound: float = math.inf) -> torch.Tensor:
     """``F.linear(flat, W, bias)`` for 2D contiguous ``flat`` with ``panels = skinny_pack(W)``
-    (called per layer in every forward: ``_core`` bound at import, not looked up per call)."""
+    (called per layer in every forward: ``_core`` bound at import, not looked up per call);
+    ``tops`` (int32 [m, k], bias-free only): each row's k best column indices written there, as
+    ``engine.top_tokens`` picks them from the row, as the product stores it (``weight_bound``:
+    max |W|, by which a row's outputs are known finite; a row not known so, or every row with
+    the default, is scanned once written instead)."""
     out = torch.empty((flat.shape[0], out_features), dtype=torch.float32)
+    if tops is not None:
+        if bias is not None:
+            raise ValueError("skinny_linear: tops of a bias-free product only")
+        _core.skinny_linear(flat, panels, out, isa, tops, weight_bound)
+        return out
     _core.skinny_linear(flat, panels, out, isa)
     if bias is not None:
         out += bias
@@ -364,8 +385,9 @@ def skinny_rows_only(forms: tuple):
 
 
 # the head's forms that compute on a copy of the weight, and how each copy is made
+# the skinny product's: its panels and max |w| (its picks' check that no output is NaN or inf)
 _HEAD_COPIES = {"transposed": lambda w: w.t().contiguous(), "packed": lambda w: pack(w),
-                "skinny": lambda w: skinny_pack(w)}
+                "skinny": lambda w: (skinny_pack(w), float(w.abs().max()))}
 
 
 class PackedLinears:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from lookupdec.model.cache import PrefixStore, commit_accepted, common_prefix, crop_cache, new_cache
-from lookupdec.model.kernels import fast_head_for, kernel_forms, packed_linears_for, seed_kernel_forms, swapped
+from lookupdec.model.kernels import FastHead, fast_head_for, kernel_forms, packed_linears_for, seed_kernel_forms, swapped
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
@@ -182,10 +182,12 @@ class TargetModel:
         return head + (self.body.take_excess() if self.body is not None else 0.0)
 
     @torch.inference_mode()
-    def verify(self, tree: TokenTree, rows: Sequence[int] | None = None):
+    def verify(self, tree: TokenTree, rows: Sequence[int] | None = None, picks: int = 0):
         """One forward over the tree's nodes. Returns logits [1 + n, vocab] (float32); with
         ``rows`` (where ``partial_head``), a ``PartialLogits`` holding only those nodes' rows and
-        the hidden states for any other (``sampling.head_rows`` picks them).
+        the hidden states for any other (``sampling.head_rows`` picks them), and with ``picks`` >
+        0 each row's ``picks`` best token ids where the output projection makes them as it writes
+        the rows (``FastHead.project``; ``PartialLogits.tops``).
         ``last_prepare_s``: time it spent in ``prepare`` (not the forward's cost)."""
         n = len(tree)
         partial = rows is not None and self.partial_head and len(rows) < n
@@ -194,14 +196,14 @@ class TargetModel:
         # attention path, the one plain decoding takes, is exactly the tree mask then.
         ids, positions, mask = tree_inputs(tree, self.n_cached, device=self.device, dtype=self.dtype,
                                            windows=self._windows, tree_mode=self.tree_mode, buffers=self._inputs)
-        head = _RowsHead(self._head, self.fast_head or self._head, rows) if partial else self.fast_head
+        head = _RowsHead(self._head, self.fast_head or self._head, rows, picks) if partial else self.fast_head
         with swapped(self.model, head, gqa=self._gqa, body=self.body, tokens=n):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                              past_key_values=self.cache, use_cache=True)
         self.n_cached += n
         self.last_prepare_s += self.take_excess()
         if partial:
-            return PartialLogits(tree, list(rows), out.logits[0].float(), head.hidden[0], self._project)
+            return PartialLogits(tree, list(rows), out.logits[0].float(), head.hidden[0], self._project, tops=head.tops)
         return out.logits[0].float()
 
     @torch.inference_mode()
@@ -304,14 +306,17 @@ _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scali
 class _RowsHead(torch.nn.Module):
     """The output projection during a ``verify(rows=...)`` (one sequence, or a batch:
     ``BatchTarget``): keeps the final hidden states [rows, Q, d] (``hidden``) and projects only
-    the ``rows`` positions (``b * Q + node``) of them, in one product."""
+    the ``rows`` positions (``b * Q + node``) of them, in one product; with ``picks`` > 0 and a
+    ``FastHead``, each row's ``picks`` best token ids too where its form makes them (``tops``)."""
 
-    def __init__(self, head: torch.nn.Module, compute, rows: Sequence[int]) -> None:
+    def __init__(self, head: torch.nn.Module, compute, rows: Sequence[int], picks: int = 0) -> None:
         super().__init__()
         self.head = head  # the model's own, which ``swapped`` puts back
         self.compute = compute
         self.rows = torch.tensor(list(rows), dtype=torch.long)
+        self.picks = picks if isinstance(compute, FastHead) else 0
         self.hidden: torch.Tensor | None = None
+        self.tops: np.ndarray | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -319,7 +324,11 @@ class _RowsHead(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.hidden = x
-        return self.compute(x.reshape(-1, x.shape[-1])[self.rows][None])
+        picked = x.reshape(-1, x.shape[-1])[self.rows]
+        if self.picks:
+            out, self.tops = self.compute.project(picked, self.picks)
+            return out[None]
+        return self.compute(picked[None])
 
 
 class InputBuffers:

@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <limits>
 #include <cstring>
 #include <initializer_list>
 #include <optional>
@@ -334,13 +335,27 @@ void skinny_pack(MatrixIn w, PanelsOut panels) {
   lookupdec::skinny_pack(w.data(), n, k, panels.data());
 }
 
-void skinny_linear(MatrixIn x, PanelsIn panels, MatrixOut y, std::optional<std::string> isa) {
+using TopsOut = nb::ndarray<int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+// With `tops` [m, top_k] int32: each row's top_k output indices too (skinny_linear_tops; weight_bound:
+// max |w| of the packed weight, inf where unknown).
+void skinny_linear(MatrixIn x, PanelsIn panels, MatrixOut y, std::optional<std::string> isa,
+                   std::optional<TopsOut> tops, float weight_bound) {
   const int64_t m = static_cast<int64_t>(x.shape(0)), k = static_cast<int64_t>(x.shape(1));
   const int64_t n = static_cast<int64_t>(y.shape(1));
   if (x.stride(1) != 1 || y.stride(1) != 1) throw std::invalid_argument("skinny_linear: rows contiguous");
   if (static_cast<int64_t>(y.shape(0)) != m) throw std::invalid_argument("skinny_linear: y has x's rows");
   if (static_cast<int64_t>(panels.shape(0)) != (n + lookupdec::kPanel - 1) / lookupdec::kPanel * lookupdec::kPanel * k)
     throw std::invalid_argument("skinny_linear: panels of ceil(n / 16) * 16 * k floats (y's columns, x's)");
+  if (tops.has_value()) {
+    const int64_t top_k = static_cast<int64_t>(tops->shape(1));
+    if (static_cast<int64_t>(tops->shape(0)) != m || top_k < 1 || top_k > n)
+      throw std::invalid_argument("skinny_linear: tops of x's rows and 1 to n columns");
+    nb::gil_scoped_release release;
+    lookupdec::skinny_linear_tops(x.data(), x.stride(0), m, k, panels.data(), n, y.data(), y.stride(0),
+                                  static_cast<int32_t>(top_k), tops->data(), weight_bound, isa ? isa->c_str() : nullptr);
+    return;
+  }
   nb::gil_scoped_release release;
   lookupdec::skinny_linear(x.data(), x.stride(0), m, k, panels.data(), n, y.data(), y.stride(0),
                            isa ? isa->c_str() : nullptr);
@@ -445,9 +460,11 @@ nb::bytes cost_curve(const std::vector<double>& sizes, const std::vector<double>
 // (accepted nodes, next token, bonus, tops, missing): lookupdec.sampling.accept's greedy walk;
 // tops: with top_k > 0 the top_k token ids of every visited row (one list per row, best first),
 // else None; missing: with row_of (int32 bytes, a row of `logits` per node, -1: not computed),
-// the first node the walk reached without a row (then next token -1), else -1.
+// the first node the walk reached without a row (then next token -1), else -1; choices
+// ([rows of logits, >= max(top_k, 1)] int32): each row's top picks, made as it was written.
+using ChoicesIn = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
-                      int32_t top_k, std::optional<nb::bytes> row_of, int32_t start) {
+                      int32_t top_k, std::optional<nb::bytes> row_of, int32_t start, std::optional<ChoicesIn> choices) {
   size_t n = token_ids.size();
   if (n == 0 || parents.size() != n || parents[0] != -1) throw std::invalid_argument("greedy_walk: bad tree");
   for (size_t i = 1; i < n; ++i)
@@ -470,9 +487,17 @@ nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, co
   int32_t missing = -1;
   std::vector<std::vector<int32_t>> tops;
   if (start < 0 || static_cast<size_t>(start) >= n) throw std::invalid_argument("greedy_walk: start is not a node");
+  const int32_t* picked = nullptr;
+  int64_t width = 0;
+  if (choices.has_value()) {
+    width = static_cast<int64_t>(choices->shape(1));
+    if (choices->shape(0) != logits.shape(0) || width < std::max<int64_t>(top_k, 1))
+      throw std::invalid_argument("greedy_walk: choices need a row per row of logits and max(top_k, 1) columns");
+    picked = choices->data();
+  }
   std::vector<int32_t> accepted = lookupdec::greedy_walk(logits.data(), logits.stride(0), logits.shape(1), token_ids,
                                                          parents, &next_token, &bonus, top_k, &tops, rows, &missing,
-                                                         start);
+                                                         start, picked, width);
   nb::object rows_out = nb::none();
   if (top_k > 0) {
     nb::list lists;
@@ -532,7 +557,7 @@ NB_MODULE(_core, m) {
   m.def("tree_inputs", &tree_inputs<int64_t>);
   m.def("tree_inputs_at", &tree_inputs_at<int64_t>);
   m.def("greedy_walk", &greedy_walk, nb::arg("logits"), nb::arg("token_ids"), nb::arg("parents"),
-        nb::arg("top_k") = 0, nb::arg("row_of") = nb::none(), nb::arg("start") = 0);
+        nb::arg("top_k") = 0, nb::arg("row_of") = nb::none(), nb::arg("start") = 0, nb::arg("choices") = nb::none());
   m.def("observe_draft", &observe_draft);
   m.def("calibration_table", &calibration_table);
   m.def("learn_drafts", &learn_drafts);
@@ -540,7 +565,8 @@ NB_MODULE(_core, m) {
   m.def("cost_curve", &cost_curve);
   m.def("top_tokens", &top_tokens);
   m.def("skinny_pack", &skinny_pack);
-  m.def("skinny_linear", &skinny_linear, nb::arg("x"), nb::arg("panels"), nb::arg("y"), nb::arg("isa") = nb::none());
+  m.def("skinny_linear", &skinny_linear, nb::arg("x"), nb::arg("panels"), nb::arg("y"), nb::arg("isa") = nb::none(),
+        nb::arg("tops") = nb::none(), nb::arg("weight_bound") = std::numeric_limits<float>::infinity());
   m.def("skinny_isa", &lookupdec::skinny_isa);
   m.def("skinny_isas", &lookupdec::skinny_isas);
   nb::class_<CoreTree>(m, "Tree")
@@ -570,9 +596,10 @@ NB_MODULE(_core, m) {
                               last_rows, last_col);
       })
       .def("greedy_walk", [](const CoreTree& t, LogitsIn logits, int32_t top_k, std::optional<nb::bytes> row_of,
-                             int32_t start) {
-        return greedy_walk(logits, t.tree.token_ids, t.tree.parents, top_k, row_of, start);
-      }, nb::arg("logits"), nb::arg("top_k") = 0, nb::arg("row_of") = nb::none(), nb::arg("start") = 0);
+                             int32_t start, std::optional<ChoicesIn> choices) {
+        return greedy_walk(logits, t.tree.token_ids, t.tree.parents, top_k, row_of, start, choices);
+      }, nb::arg("logits"), nb::arg("top_k") = 0, nb::arg("row_of") = nb::none(), nb::arg("start") = 0,
+      nb::arg("choices") = nb::none());
   nb::class_<Automaton>(m, "Automaton")
       .def(nb::init<>())
       .def("extend", [](Automaton& a, TokensIn t) { a.extend(t.data(), t.shape(0)); })

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "topk.hpp"
+
 namespace lookupdec {
 
 constexpr int kPanel = 16;  // outputs per panel
@@ -30,18 +32,52 @@ void skinny_pack(const float* w, int64_t n, int64_t k, float* panels);
 void skinny_linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y,
                    int64_t ldy, const char* isa = nullptr);
 
+// skinny_linear, and each row's top_k output indices (lookupdec::row_topk of the row: NaNs
+// first, then values descending, ties by index) into tops [m, top_k], 1 <= top_k <= n: the
+// output projection's rows picked from as the kernel stores them (the maximum of each row's
+// block of outputs compared with the row's floor while in registers; the few that beat it
+// are added), not read back from memory by the greedy walk. weight_bound: max |w| (NaN or
+// inf where w is not finite); a row whose outputs could be NaN or inf by it (and its inputs)
+// is scanned whole after the product instead.
+void skinny_linear_tops(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y,
+                        int64_t ldy, int32_t top_k, int32_t* tops, float weight_bound, const char* isa = nullptr);
+
 // The instruction set skinny_linear runs: "avx512", "avx2" or "generic"; and every one this CPU runs.
 const char* skinny_isa();
 std::vector<std::string> skinny_isas();
 
+// Each kernel: with `tops` (one per row of y, else null) and `floors` (each row's floor: what an
+// output must beat to be offered; +inf for a row left to a scan, RowTopK::deferred), the outputs
+// stored that may beat their row's floor are offered to its RowTopK in column order
+// (offer_rows, which keeps floors[r] up to date).
 namespace skinny_avx512 {
-void linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy);
+void linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy,
+            RowTopK* tops, float* floors);
 }
 namespace skinny_avx2 {
-void linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy);
+void linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy,
+            RowTopK* tops, float* floors);
 }
 namespace skinny_generic {
-void linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy);
+void linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy,
+            RowTopK* tops, float* floors);
+}
+
+// The rows r of a block (bit r of `rows`; tops[r], y + r * ldy) whose outputs in columns [col,
+// end) may beat their floor, offered to their picks in column order (RowTopK::add takes only
+// those that beat it, as it rises; floors[r] follows). Out of line: a kernel's accumulators
+// never live across it.
+__attribute__((noinline)) inline void offer_rows(RowTopK* tops, float* floors, const float* y, int64_t ldy, int64_t col,
+                                                 int64_t end, uint32_t rows) {
+  while (rows) {
+    const int r = __builtin_ctz(rows);
+    RowTopK& top = tops[r];
+    const float* row = y + r * ldy;
+    for (int64_t c = col; c < end; ++c)
+      if (row[c] > top.floor()) top.add(row[c], static_cast<int32_t>(c));
+    floors[r] = top.floor();
+    rows &= rows - 1;
+  }
 }
 
 }  // namespace lookupdec

@@ -618,37 +618,29 @@ int64_t row_argmax(const float* x, int64_t n) {
   return argmax_scalar(x, n);
 }
 
-namespace {
-
-// The k best of a row, one entry at a time: NaN indices (first `want`), and the best
-// `want` others above -inf by (value desc, index asc). `floor` is what an entry must beat.
-struct TopK {
-  size_t want;
-  std::vector<int32_t> nans;
-  std::vector<std::pair<float, int32_t>> best;
-  float floor = -std::numeric_limits<float>::infinity();
-
-  void add(float v, int32_t j) {
-    if (v != v) {
-      if (nans.size() < want) nans.push_back(j);
-      return;
-    }
-    if (!(v > floor)) return;
-    auto at = std::upper_bound(best.begin(), best.end(), v,
-                               [](float value, const std::pair<float, int32_t>& e) { return value > e.first; });
-    best.insert(at, {v, j});  // after equal values: the earlier index first
-    if (best.size() > want) best.pop_back();
-    if (best.size() == want) floor = best.back().first;
+void RowTopK::add(float v, int32_t j) {
+  if (want_ == 0) return;
+  if (v != v) {
+    if (nans_.size() < want_) nans_.push_back(j);
+    return;
   }
-};
+  if (!(v > floor_)) return;
+  auto at = std::upper_bound(best_.begin(), best_.end(), v,
+                             [](float value, const std::pair<float, int32_t>& e) { return value > e.first; });
+  best_.insert(at, {v, j});  // after equal values: the earlier index first
+  if (best_.size() > want_) best_.pop_back();
+  if (best_.size() == want_) floor_ = best_.back().first;
+}
+
+namespace {
 
 #ifdef LOOKUPDEC_X86
 // Entries above the floor (or NaN) of x[j, j + 8) go to `top`, in index order.
-__attribute__((target("avx2"))) inline void topk_block8(const float* x, int64_t j, TopK* top) {
+__attribute__((target("avx2"))) inline void topk_block8(const float* x, int64_t j, RowTopK* top) {
   __m256 v = _mm256_loadu_ps(x + j);
-  __m256 floor = _mm256_set1_ps(top->floor);
+  __m256 floor = _mm256_set1_ps(top->floor());
   int mask = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, floor, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  // TopK::add is plain (SSE) code: with the upper halves of the ymm registers dirty every SSE
+  // RowTopK::add is plain (SSE) code: with the upper halves of the ymm registers dirty every SSE
   // instruction waits on them (a row's top k took 4x its argmax until this line)
   if (mask) _mm256_zeroupper();
   while (mask) {
@@ -661,55 +653,64 @@ __attribute__((target("avx2"))) inline void topk_block8(const float* x, int64_t 
 // 32 entries per test: once the floor is high (after the first few hundred entries of a row of
 // logits) almost no block holds a candidate, and a block is one max and one compare; a block
 // with one (or a NaN) is taken 8 at a time, in index order, as before.
-__attribute__((target("avx2"))) void scan_topk_avx2(const float* x, int64_t n, TopK* top) {
-  int64_t j = 0;
-  __m256 floor = _mm256_set1_ps(top->floor);
-  for (; j + 32 <= n; j += 32) {
+__attribute__((target("avx2"))) void scan_topk_avx2(const float* x, int64_t begin, int64_t end, RowTopK* top) {
+  int64_t j = begin;
+  __m256 floor = _mm256_set1_ps(top->floor());
+  for (; j + 32 <= end; j += 32) {
     __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + 8);
     __m256 c = _mm256_loadu_ps(x + j + 16), d = _mm256_loadu_ps(x + j + 24);
     __m256 m = _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d));  // a NaN may vanish here...
     __m256 unordered = _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q));  // ...not here
     if (_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(m, floor, _CMP_GT_OQ), unordered)) == 0) continue;
     for (int64_t k = j; k < j + 32; k += 8) topk_block8(x, k, top);
-    floor = _mm256_set1_ps(top->floor);
+    floor = _mm256_set1_ps(top->floor());
   }
-  for (; j + 8 <= n; j += 8) topk_block8(x, j, top);
+  for (; j + 8 <= end; j += 8) topk_block8(x, j, top);
   _mm256_zeroupper();
-  for (; j < n; ++j) top->add(x[j], static_cast<int32_t>(j));
+  for (; j < end; ++j) top->add(x[j], static_cast<int32_t>(j));
 }
 #endif
 
 }  // namespace
 
-void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out) {
-  out->clear();
-  int64_t want = std::min<int64_t>(k, n);
-  if (want <= 0) return;
-  TopK top{static_cast<size_t>(want), {}, {}};
-  top.best.reserve(static_cast<size_t>(want) + 1);
+RowTopK::RowTopK(int64_t k, int64_t n) : want_(static_cast<size_t>(std::max<int64_t>(0, std::min(k, n)))) {
+  best_.reserve(want_ + 1);
+}
+
+void RowTopK::scan(const float* x, int64_t begin, int64_t end) {
+  if (want_ == 0) return;
 #ifdef LOOKUPDEC_X86
   static const bool avx2 = __builtin_cpu_supports("avx2");
   if (avx2) {
-    scan_topk_avx2(x, n, &top);
-  } else {
-    for (int64_t j = 0; j < n; ++j) top.add(x[j], static_cast<int32_t>(j));
+    scan_topk_avx2(x, begin, end, this);
+    return;
   }
-#else
-  for (int64_t j = 0; j < n; ++j) top.add(x[j], static_cast<int32_t>(j));
 #endif
-  for (int32_t j : top.nans) out->push_back(j);  // repeated argmax takes NaNs first
-  for (const auto& e : top.best) {
-    if (static_cast<int64_t>(out->size()) == want) break;
-    out->push_back(e.second);
+  for (int64_t j = begin; j < end; ++j) add(x[j], static_cast<int32_t>(j));
+}
+
+void RowTopK::finish(int32_t* out) const {
+  size_t got = 0;
+  for (int32_t j : nans_) out[got++] = j;  // repeated argmax takes NaNs first
+  for (const auto& e : best_) {
+    if (got == want_) break;
+    out[got++] = e.second;
   }
-  while (static_cast<int64_t>(out->size()) < want) out->push_back(0);  // then only -inf is left: index 0
+  while (got < want_) out[got++] = 0;  // then only -inf is left: index 0
+}
+
+void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out) {
+  RowTopK top(k, n);
+  top.scan(x, 0, n);
+  out->resize(top.size());
+  top.finish(out->data());
 }
 
 std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
                                  const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
                                  int64_t* next_token, bool* bonus, int32_t top_k,
                                  std::vector<std::vector<int32_t>>* tops, const int32_t* row_of, int32_t* missing,
-                                 int32_t start) {
+                                 int32_t start, const int32_t* choices, int64_t choice_width) {
   size_t n = token_ids.size();
   std::vector<int32_t> first(n + 1, 0), kids(n > 0 ? n - 1 : 0);  // children of each node
   for (size_t i = 1; i < n; ++i) ++first[parents[i] + 1];
@@ -731,7 +732,11 @@ std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_
       }
     }
     int64_t token;
-    if (top_k > 0) {  // one pass over the row: its top k, whose first is its argmax
+    if (choices != nullptr) {  // picked as the row was written
+      const int32_t* picked = choices + row * choice_width;
+      if (top_k > 0) tops->emplace_back(picked, picked + top_k);
+      token = picked[0];
+    } else if (top_k > 0) {  // one pass over the row: its top k, whose first is its argmax
       tops->emplace_back();
       row_topk(logits + row * row_stride, vocab, top_k, &tops->back());
       token = tops->back()[0];

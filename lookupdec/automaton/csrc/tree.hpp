@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "topk.hpp"
+
 namespace lookupdec {
 
 // Calibration cells: as lookupdec.tree's DEPTH_BUCKETS, SIBLING_RANKS and COND_BUCKETS (checked
@@ -113,6 +115,7 @@ int64_t row_argmax(const float* x, int64_t n);
 // by index), entries of -inf never, then index 0 repeated once those run out; min(k, n) picks.
 void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out);
 
+
 // Greedy acceptance (lookupdec.sampling.accept, greedy without logits processing): from the
 // root, follow the child whose token is the argmax of the node's row of `logits` ([rows,
 // vocab], rows >= nodes, row r at logits + r * row_stride); stop at the first node without
@@ -124,10 +127,14 @@ void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out);
 // walk reaches a node whose entry is -1 it stops, sets *missing to that node (else -1) and
 // returns the nodes accepted before it (the caller computes the missing rows and walks again,
 // from `start` = that node: the walk then begins there, its accepted nodes those below it).
+// With `choices` ([rows, choice_width] int32, row r at choices + r * choice_width, top_k <=
+// choice_width), each row's top picks were made already (skinny_linear_tops, as the output
+// projection wrote the row): the walk reads them instead of the row.
 std::vector<int32_t> greedy_walk(const float* logits, int64_t row_stride, int64_t vocab,
                                  const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
                                  int64_t* next_token, bool* bonus, int32_t top_k = 0,
                                  std::vector<std::vector<int32_t>>* tops = nullptr, const int32_t* row_of = nullptr,
-                                 int32_t* missing = nullptr, int32_t start = 0);
+                                 int32_t* missing = nullptr, int32_t start = 0, const int32_t* choices = nullptr,
+                                 int64_t choice_width = 0);
 
 }  // namespace lookupdec
