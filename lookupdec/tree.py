@@ -629,7 +629,7 @@ class TokenTree:
         return _core.tree_inputs_at(self.token_ids, self.parents, n_cached, fill, ids, positions, mask, rows, cols,
                                     last_rows, last_column)
 
-    def greedy_walk(self, logits: np.ndarray, top_k: int = 0, row_of: bytes | None = None, start: int = 0,
+    def greedy_walk(self, logits: np.ndarray | None, top_k: int = 0, row_of: bytes | None = None, start: int = 0,
                     choices: np.ndarray | None = None):
         """The compiled core's greedy acceptance walk over float32 ``logits`` (rows contiguous;
         node u's row is u, or ``row_of[u]`` given ``row_of``, int32 bytes with -1 for a row not
@@ -641,7 +641,7 @@ class TokenTree:
         the walk begins at (a missing one, once its row is there): accepted nodes are those below
         it, ``tops`` begin with its row. ``choices``: int32 [rows, >= max(top_k, 1)], each row's
         best token ids made as the row was written (``kernels.skinny_linear(tops=...)``): the walk
-        reads those, not the rows."""
+        reads those, not the rows (``logits`` may then be None)."""
         core = self.__dict__.get("_core")
         if core is not None:
             return core.greedy_walk(logits, top_k, row_of, start, choices)

@@ -77,6 +77,9 @@ def test_the_walk_reads_the_picks_not_the_rows():
     got = accept(tree, PartialLogits(tree, [0, 1, 2], zeros, torch.zeros(3, 2), None, tops=tops), SamplingParams(),
                  top_k=2)
     assert (got.accepted, got.next_token, got.tops) == ([2], 4, [[1, 2], [4, 0]])
+    assert tree.greedy_walk(None, 2, None, 0, tops)[:4] == ([2], 4, True, [[1, 2], [4, 0]])  # no rows needed
+    with pytest.raises(ValueError, match="logits or choices"):
+        tree.greedy_walk(None, 2)
 
 
 @needs_core

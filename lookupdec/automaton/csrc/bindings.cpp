@@ -463,23 +463,32 @@ nb::bytes cost_curve(const std::vector<double>& sizes, const std::vector<double>
 // the first node the walk reached without a row (then next token -1), else -1; choices
 // ([rows of logits, >= max(top_k, 1)] int32): each row's top picks, made as it was written.
 using ChoicesIn = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, const std::vector<int32_t>& parents,
-                      int32_t top_k, std::optional<nb::bytes> row_of, int32_t start, std::optional<ChoicesIn> choices) {
+nb::tuple greedy_walk(std::optional<LogitsIn> logits_in, const std::vector<int32_t>& token_ids,
+                      const std::vector<int32_t>& parents, int32_t top_k, std::optional<nb::bytes> row_of, int32_t start,
+                      std::optional<ChoicesIn> choices) {
   size_t n = token_ids.size();
   if (n == 0 || parents.size() != n || parents[0] != -1) throw std::invalid_argument("greedy_walk: bad tree");
   for (size_t i = 1; i < n; ++i)
     if (parents[i] < 0 || static_cast<size_t>(parents[i]) >= i)
       throw std::invalid_argument("greedy_walk: parents[i] must be in [0, i)");
-  if (logits.shape(1) < 1 || logits.stride(1) != 1)
+  if (!logits_in.has_value() && !choices.has_value())
+    throw std::invalid_argument("greedy_walk: logits or choices");
+  // with choices alone the rows are never read (a cold torch-to-numpy view of them costs more
+  // than the walk): only their count matters
+  const float* data = logits_in.has_value() ? logits_in->data() : nullptr;
+  const int64_t num_rows = static_cast<int64_t>(logits_in.has_value() ? logits_in->shape(0) : choices->shape(0));
+  const int64_t row_stride = logits_in.has_value() ? static_cast<int64_t>(logits_in->stride(0)) : 0;
+  const int64_t vocab = logits_in.has_value() ? static_cast<int64_t>(logits_in->shape(1)) : 0;
+  if (logits_in.has_value() && (logits_in->shape(1) < 1 || logits_in->stride(1) != 1))
     throw std::invalid_argument("greedy_walk: logits need contiguous rows");
   const int32_t* rows = nullptr;
   if (row_of.has_value()) {
     int64_t count = static_cast<int64_t>(n);
     rows = bytes_array<int32_t>(*row_of, &count, "row_of");
     for (size_t i = 0; i < n; ++i)
-      if (rows[i] < -1 || rows[i] >= static_cast<int64_t>(logits.shape(0)))
+      if (rows[i] < -1 || rows[i] >= num_rows)
         throw std::invalid_argument("greedy_walk: row_of names a row logits does not have");
-  } else if (logits.shape(0) < n) {
+  } else if (num_rows < static_cast<int64_t>(n)) {
     throw std::invalid_argument("greedy_walk: logits need a row per node");
   }
   int64_t next_token = 0;
@@ -491,11 +500,11 @@ nb::tuple greedy_walk(LogitsIn logits, const std::vector<int32_t>& token_ids, co
   int64_t width = 0;
   if (choices.has_value()) {
     width = static_cast<int64_t>(choices->shape(1));
-    if (choices->shape(0) != logits.shape(0) || width < std::max<int64_t>(top_k, 1))
+    if (static_cast<int64_t>(choices->shape(0)) != num_rows || width < std::max<int64_t>(top_k, 1))
       throw std::invalid_argument("greedy_walk: choices need a row per row of logits and max(top_k, 1) columns");
     picked = choices->data();
   }
-  std::vector<int32_t> accepted = lookupdec::greedy_walk(logits.data(), logits.stride(0), logits.shape(1), token_ids,
+  std::vector<int32_t> accepted = lookupdec::greedy_walk(data, row_stride, vocab, token_ids,
                                                          parents, &next_token, &bonus, top_k, &tops, rows, &missing,
                                                          start, picked, width);
   nb::object rows_out = nb::none();
@@ -556,7 +565,7 @@ NB_MODULE(_core, m) {
   m.def("ancestor_mask", &ancestor_mask);
   m.def("tree_inputs", &tree_inputs<int64_t>);
   m.def("tree_inputs_at", &tree_inputs_at<int64_t>);
-  m.def("greedy_walk", &greedy_walk, nb::arg("logits"), nb::arg("token_ids"), nb::arg("parents"),
+  m.def("greedy_walk", &greedy_walk, nb::arg("logits").none(), nb::arg("token_ids"), nb::arg("parents"),
         nb::arg("top_k") = 0, nb::arg("row_of") = nb::none(), nb::arg("start") = 0, nb::arg("choices") = nb::none());
   m.def("observe_draft", &observe_draft);
   m.def("calibration_table", &calibration_table);
@@ -595,10 +604,10 @@ NB_MODULE(_core, m) {
         return tree_inputs_at(t.tree.token_ids, t.tree.parents, n_cached, fill, ids, positions, mask, rows, cols,
                               last_rows, last_col);
       })
-      .def("greedy_walk", [](const CoreTree& t, LogitsIn logits, int32_t top_k, std::optional<nb::bytes> row_of,
-                             int32_t start, std::optional<ChoicesIn> choices) {
+      .def("greedy_walk", [](const CoreTree& t, std::optional<LogitsIn> logits, int32_t top_k,
+                             std::optional<nb::bytes> row_of, int32_t start, std::optional<ChoicesIn> choices) {
         return greedy_walk(logits, t.tree.token_ids, t.tree.parents, top_k, row_of, start, choices);
-      }, nb::arg("logits"), nb::arg("top_k") = 0, nb::arg("row_of") = nb::none(), nb::arg("start") = 0,
+      }, nb::arg("logits").none(), nb::arg("top_k") = 0, nb::arg("row_of") = nb::none(), nb::arg("start") = 0,
       nb::arg("choices") = nb::none());
   nb::class_<Automaton>(m, "Automaton")
       .def(nb::init<>())
