@@ -12,9 +12,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
-#include <limits>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <stdexcept>

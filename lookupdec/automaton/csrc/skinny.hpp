@@ -47,8 +47,8 @@ const char* skinny_isa();
 std::vector<std::string> skinny_isas();
 
 // Each kernel: with `tops` (one per row of y, else null) and `floors` (each row's floor: what an
-// output must beat to be offered; +inf for a row left to a scan, RowTopK::deferred), the outputs
-// stored that may beat their row's floor are offered to its RowTopK in column order
+// output must beat to be offered; +inf for a row skinny_linear_tops scans once written), the
+// outputs stored that may beat their row's floor are offered to its RowTopK in column order
 // (offer_rows, which keeps floors[r] up to date).
 namespace skinny_avx512 {
 void linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y, int64_t ldy,
