@@ -244,7 +244,7 @@ class FastHead(torch.nn.Module):
         super().__init__()
         self.head = head
         # per form with a copy of the weight (``_HEAD_COPIES``): (the weight's shape, the copy), made on first need
-        self._copies: dict[str, tuple[torch.Size, torch.Tensor]] = {}
+        self._copies: dict[str, tuple[torch.Size, object]] = {}
         self.forms = tuple(f for f in FORMS if (f != "packed" or packed_available())
                            and (f != "skinny" or skinny_available()))
         self._chooser = FormChooser(self.forms, skinny_rows_only(self.forms))  # per (row bucket, torch threads)
@@ -256,8 +256,9 @@ class FastHead(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         return self.head.weight
 
-    def _copy(self, form: str) -> torch.Tensor:
-        """The weight in ``form``'s layout (made again where the weight's shape changed)."""
+    def _copy(self, form: str):
+        """The weight in ``form``'s layout (``_HEAD_COPIES``; made again where the weight's shape
+        changed)."""
         w = self.head.weight
         made = self._copies.get(form)
         if made is None or made[0] != w.shape:
@@ -384,8 +385,8 @@ def skinny_rows_only(forms: tuple):
     return lambda key: forms if key[0] <= SKINNY_MAX_ROWS else wide
 
 
-# the head's forms that compute on a copy of the weight, and how each copy is made
-# the skinny product's: its panels and max |w| (its picks' check that no output is NaN or inf)
+# the head's forms that compute on a copy of the weight, and how each copy is made (the skinny
+# product's: its panels and max |w|, by which its picks know a row's outputs finite)
 _HEAD_COPIES = {"transposed": lambda w: w.t().contiguous(), "packed": lambda w: pack(w),
                 "skinny": lambda w: (skinny_pack(w), float(w.abs().max()))}
 

@@ -64,18 +64,19 @@ void linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* pane
 }
 
 // The rows r of a block (bit r of `rows`; tops[r], y + r * ldy) whose outputs in columns [col,
-// end) may beat their floor, offered to their picks in column order (RowTopK::add takes only
-// those that beat it, as it rises; floors[r] follows). Out of line: a kernel's accumulators
-// never live across it.
+// end) may beat their floor, offered to their picks in column order: those above floors[r],
+// which follows the picks' floor as it rises (a row left to a scan keeps +inf: offered
+// nothing). Out of line: a kernel's accumulators never live across it.
 __attribute__((noinline)) inline void offer_rows(RowTopK* tops, float* floors, const float* y, int64_t ldy, int64_t col,
                                                  int64_t end, uint32_t rows) {
   while (rows) {
     const int r = __builtin_ctz(rows);
-    RowTopK& top = tops[r];
     const float* row = y + r * ldy;
     for (int64_t c = col; c < end; ++c)
-      if (row[c] > top.floor()) top.add(row[c], static_cast<int32_t>(c));
-    floors[r] = top.floor();
+      if (row[c] > floors[r]) {
+        tops[r].add(row[c], static_cast<int32_t>(c));
+        floors[r] = tops[r].floor();
+      }
     rows &= rows - 1;
   }
 }
