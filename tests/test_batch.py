@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ from helpers import FakeTokenizer, SpyProposer, first_difference
 from lookupdec import Engine, EngineConfig
 from lookupdec.batch import BatchDecoder, BatchRequest, choose_width
 from lookupdec.budget import CostModel
-from lookupdec.model.cache import BatchStore, SlotStore
+from lookupdec.model.cache import BatchStore, SlotStore, _core
 from tiny_models import FAMILIES
 
 SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9)
@@ -311,6 +312,40 @@ def test_batch_store_gathers_rows_at_once_as_row_by_row():
     before = at_once.buffer.clone()
     at_once.gather_rows([(1, [20, 21], 20)], at_once=True)  # already in place: nothing moves
     assert torch.equal(at_once.buffer, before)
+
+
+@pytest.mark.skipif(_core is None, reason="compiled core not built")
+def test_compiled_slot_gathers_equal_torch_indexing():
+    """``SlotStore.gather`` and ``BatchStore.gather_row`` move slots in place in the compiled
+    core (``gather_slots``) on a CPU buffer: the same buffer as torch's indexing
+    (``gather_reference``, ``gather_row_reference``) on random increasing slots, overlapping runs
+    (a slot read that is another's target), slots already in place, and float16."""
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        dtype = torch.float16 if trial % 5 == 4 else torch.float32
+        capacity, start = 48, int(rng.integers(0, 20))
+        count = int(rng.integers(1, 10))
+        slots = sorted(int(s) for s in rng.choice(np.arange(start, capacity), size=count, replace=False))
+        slots = [max(s, start + j) for j, s in enumerate(slots)]  # (still increasing: each at or after its target)
+        if trial % 3 == 0:  # the accepted path's first nodes often sit in place already
+            slots[0] = start
+        single, reference = SlotStore(3), SlotStore(3)
+        single.buffer = torch.randn(3, 2, 1, 2, capacity, 8).to(dtype)
+        reference.buffer = single.buffer.clone()
+        single.gather(slots, start)
+        reference.gather_reference(slots, start)
+        assert torch.equal(single.buffer, reference.buffer), (slots, start)
+        batch, batch_reference = BatchStore(3, max_rows=4), BatchStore(3, max_rows=4)
+        batch.buffer = torch.randn(3, 2, 4, 2, capacity, 8).to(dtype)
+        batch_reference.buffer = batch.buffer.clone()
+        row = trial % 4
+        batch.gather_row(row, slots, start)
+        batch_reference.gather_row_reference(row, slots, start)
+        assert torch.equal(batch.buffer, batch_reference.buffer), (row, slots, start)
+    with pytest.raises(ValueError, match="slots must increase"):
+        single.gather([5, 4], 2)
+    with pytest.raises(ValueError, match="at or after its target"):
+        single.gather([1], 2)
 
 
 def test_choose_width():

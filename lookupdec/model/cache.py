@@ -7,6 +7,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
+try:
+    from lookupdec.automaton import _core
+except ImportError:  # not built: the torch gather runs
+    _core = None
+
 # -- the KV cache's layout: the only code that knows it ---------------------------------------------
 INITIAL_SLOTS = 256  # slots of a SlotCache's first buffer (it grows by GROWTH, copying once)
 GROWTH = 1.5
@@ -94,7 +99,19 @@ class SlotStore:
         return self.buffer[layer, kind, :, :, : self.lengths[layer]]
 
     def gather(self, slots: Sequence[int], start: int) -> None:
-        """Copy ``slots`` of every layer to ``start, start + 1, ...`` (slots >= their targets)."""
+        """Copy ``slots`` of every layer to ``start, start + 1, ...`` (slots increasing, each at or
+        after its target): on a CPU buffer in place by the compiled core (``gather_slots``: no
+        temporary), else ``gather_reference``."""
+        buffer = self.buffer
+        if _core is not None and buffer.device.type == "cpu" and buffer.is_contiguous():
+            row = buffer.stride(3) * buffer.element_size()  # one (layer, K/V, batch row, head)'s slots
+            _core.gather_slots(buffer.data_ptr(), buffer.numel() // buffer.stride(3), row, 1, 0,
+                               buffer.stride(4) * buffer.element_size(), buffer.shape[4], list(slots), start)
+            return
+        self.gather_reference(slots, start)
+
+    def gather_reference(self, slots: Sequence[int], start: int) -> None:
+        """``gather`` by torch indexing (any device): one copy of every layer's slots."""
         rows = self.buffer.view(-1, self.buffer.shape[4], self.buffer.shape[5])  # [layers*2*batch*heads, slots, dim]
         count, first = len(slots), slots[0]
         if slots[-1] - first == count - 1 and first >= start + count:  # one run, not overlapping its target
@@ -203,6 +220,21 @@ class BatchStore(SlotStore):
 
     def gather_row(self, row: int, slots: Sequence[int], start: int) -> None:
         """Copy ``slots`` of ``row`` (every layer) to ``start, start + 1, ...`` (slots >= their targets)."""
+        skip = _in_place(slots, start)
+        slots, start = slots[skip:], start + skip
+        if not len(slots):
+            return
+        buffer = self.buffer
+        if _core is not None and buffer.device.type == "cpu" and buffer.is_contiguous():  # in place, compiled
+            size = buffer.element_size()
+            _core.gather_slots(buffer.data_ptr() + row * buffer.stride(2) * size, buffer.shape[0] * buffer.shape[1],
+                               buffer.stride(1) * size, buffer.shape[3], buffer.stride(3) * size,
+                               buffer.stride(4) * size, buffer.shape[4], list(slots), start)
+            return
+        self.gather_row_reference(row, slots, start)
+
+    def gather_row_reference(self, row: int, slots: Sequence[int], start: int) -> None:
+        """``gather_row`` by torch indexing (any device)."""
         skip = _in_place(slots, start)
         slots, start = slots[skip:], start + skip
         if not len(slots):

@@ -305,6 +305,38 @@ bool tree_inputs_at(const std::vector<Token>& token_ids, const std::vector<int32
   return true;
 }
 
+// model/cache.SlotStore.gather (and BatchStore.gather_row) on a CPU buffer, in place: in each
+// row of slots (`outer` x `inner` rows at base + o * outer_stride + i * inner_stride bytes, each
+// `capacity` slots of `slot_bytes`), slot slots[j] is copied to start + j. The slots increase
+// and none lies before its target, so copying in order never overwrites a slot still to be
+// read; runs of consecutive slots move in one memmove. No allocation: index_select's temporary
+// (180 rows x the accepted slots of SmolLM2's cache, often past malloc's mmap threshold) cost
+// page faults on every step that moved K/V.
+void gather_slots(uintptr_t base, int64_t outer, int64_t outer_stride, int64_t inner, int64_t inner_stride,
+                  int64_t slot_bytes, int64_t capacity, const std::vector<int64_t>& slots, int64_t start) {
+  int64_t count = static_cast<int64_t>(slots.size());
+  if (!base || outer < 0 || inner < 0 || slot_bytes <= 0 || start < 0 || start + count > capacity)
+    throw std::invalid_argument("gather_slots: buffer shape out of range");
+  for (int64_t j = 0; j < count; ++j)
+    if (slots[j] < start + j || slots[j] >= capacity || (j > 0 && slots[j] <= slots[j - 1]))
+      throw std::invalid_argument("gather_slots: slots must increase, each at or after its target, below capacity");
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first j, length) of consecutive slots not in place
+  for (int64_t j = 0; j < count;) {
+    int64_t k = j + 1;
+    while (k < count && slots[k] == slots[k - 1] + 1) ++k;
+    if (slots[j] != start + j) runs.emplace_back(j, k - j);
+    j = k;
+  }
+  uint8_t* data = reinterpret_cast<uint8_t*>(base);
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = 0; i < inner; ++i) {
+      uint8_t* row = data + o * outer_stride + i * inner_stride;
+      for (const auto& run : runs)
+        std::memmove(row + (start + run.first) * slot_bytes, row + slots[run.first] * slot_bytes,
+                     static_cast<size_t>(run.second * slot_bytes));
+    }
+}
+
 using LogitsIn = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>;
 using CellsOut = nb::ndarray<double, nb::ndim<1>, nb::device::cpu>;
 
@@ -573,6 +605,7 @@ NB_MODULE(_core, m) {
   m.def("choose_num_nodes", &choose_num_nodes);
   m.def("cost_curve", &cost_curve);
   m.def("top_tokens", &top_tokens);
+  m.def("gather_slots", &gather_slots);
   m.def("skinny_pack", &skinny_pack);
   m.def("skinny_linear", &skinny_linear, nb::arg("x"), nb::arg("panels"), nb::arg("y"), nb::arg("isa") = nb::none(),
         nb::arg("tops") = nb::none(), nb::arg("weight_bound") = std::numeric_limits<float>::infinity());
