@@ -6,7 +6,9 @@ with a fixed node budget (``max_nodes=64``, ``max_depth=64``) and times every ph
 the verify forward, in µs per step:
 
     propose  ``Mixture.propose`` over ``build_proposers(EngineConfig())`` (n-gram + suffix)
-    merge    ``AcceptanceCalibrator.calibration()`` + ``TokenTree.from_drafts``
+    merge    ``TokenTree.from_drafts`` with the calibrator, as ``StepCore.build_tree``: the fast paths'
+             merge computes the calibration cells it reads from the calibrator's counts; the
+             reference makes ``AcceptanceCalibrator.calibration()``'s whole table first
     choose   ``SizeRecord.scales`` + ``choose_num_nodes`` (``CostModel``: a measured 150M-parameter curve,
              one per set of paths, observed every step) + ``prune``
              (timed; the verified tree stays the fixed budget's, as with ``budget="fixed"``)
@@ -256,7 +258,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             drafts = mixture.propose(rid, context, MAX_NODES)
             marks.append(_now())
             tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
-                               calibration=calibrator.calibration())
+                               calibration=calibrator)  # as StepCore.build_tree
             marks.append(_now())
             gains = tree.expected_in_prune_order()
             chosen = paths.choose(gains, cost, 0.0, MAX_NODES, mode.sizes.scales(min(len(gains), MAX_NODES), 1.0))

@@ -493,6 +493,19 @@ class AcceptanceCalibrator:
                                             probabilities=True)
         return self._calibration
 
+    def merge_counts(self) -> tuple | None:
+        """What ``TokenTree.from_drafts`` reads when given this calibrator instead of its
+        ``calibration()``: ``(rows, sources, counts)``, the ``(source, match bucket) -> row`` and
+        ``source -> index`` dicts and the compiled merge's count arguments, from which it computes
+        only the cells its drafts read (each as ``calibration()``'s table holds it, bit for bit:
+        the whole table, 1,800 cells, took more than the merge itself). None on the reference
+        backend (the merge then takes ``calibration()``)."""
+        if not self.compiled or not hasattr(_core, "merge_drafts_counts"):
+            return None
+        return self._rows, self._sources, (
+            self._reached, self._predicted, self._matched, self._row_source_index, len(self._sources),
+            _COND_MIDS_BYTES, SOURCE_PRIOR_WEIGHT, ROW_PRIOR_WEIGHT, CELL_PRIOR_WEIGHT, MAX_FACTOR, MAX_PRIOR_PROB)
+
     def learn(self, drafts: Sequence[Draft], committed: Sequence[int]) -> None:
         """After a step: decay the history once, then count every reached node of every draft
         against the ``committed`` tokens (the verified tree needs no pass of its own: every

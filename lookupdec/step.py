@@ -164,9 +164,9 @@ class StepCore:
     def build_tree(self, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
                    cost: CostModel | None, overhead_s: float, scale: float = 1.0) -> TokenTree:
         """Merge the drafts into one trie and keep the nodes worth verifying."""
-        calibration = self.calibrator.calibration() if self.calibrator is not None else None
+        # (the calibrator itself: the compiled merge computes only the cells it reads)
         tree = TokenTree.from_drafts(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
-                                     calibration=calibration)
+                                     calibration=self.calibrator)
         if self.chain_only:
             tree = tree.best_chain()
         if cost is not None and tree.num_draft_nodes:

@@ -433,13 +433,27 @@ class TokenTree:
         calibration: Calibration | dict | None = None,
     ) -> "TokenTree":
         """``from_drafts_reference``'s tree, computed by the compiled core when it is built (one
-        call: ``csrc/tree.cpp``). Draft-model ``samples`` are mapped to the kept nodes here."""
+        call: ``csrc/tree.cpp``). Draft-model ``samples`` are mapped to the kept nodes here.
+        ``calibration`` may also be a ``budget.AcceptanceCalibrator``: the tree is the one its
+        ``calibration()`` gives, the merge computing only the cells it reads from the
+        calibrator's counts (``merge_counts``)."""
+        counts = calibration.merge_counts() if hasattr(calibration, "merge_counts") else None
+        if hasattr(calibration, "merge_counts") and (counts is None or _core is None or max_nodes < 0
+                                                     or max_depth < 0):
+            calibration = calibration.calibration()
         if _core is None or max_nodes < 0 or max_depth < 0:  # (negative budgets: the reference's behaviour)
             return cls.from_drafts_reference(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
                                              calibration=calibration)
         if isinstance(calibration, dict):
             calibration = Calibration.from_factors(calibration)
         packed = [d.packed() for d in drafts]
+        if counts is not None:
+            rows_of, source_of, arrays = counts
+            core, node_of = _core.merge_drafts_counts(
+                root_token, packed, [rows_of.get((d.source, match_bucket(d.match_length)), -1) for d in drafts],
+                [source_of.get(d.source, -1) for d in drafts], bytes([d.samples is None for d in drafts]), *arrays,
+                [d.source for d in drafts] + [""], max_nodes, max_depth)
+            return cls._with_samples(core, node_of, drafts, packed)
         if calibration is None:
             rows, fallback, table, probabilities = [-1] * len(drafts), [1.0] * len(drafts), b"", False
         else:
@@ -449,6 +463,11 @@ class TokenTree:
         core, node_of = _core.merge_drafts(root_token, packed, rows, fallback, bytes([d.samples is None for d in drafts]),
                                            table, probabilities, [d.source for d in drafts] + [""], max_nodes,
                                            max_depth)
+        return cls._with_samples(core, node_of, drafts, packed)
+
+    @classmethod
+    def _with_samples(cls, core, node_of: bytes, drafts: Sequence[Draft], packed: list) -> "TokenTree":
+        """The compiled merge's tree, each draft's ``samples`` mapped to the nodes kept."""
         samples = {}
         if any(d.samples for d in drafts):
             node_of = np.frombuffer(node_of, np.int32)
@@ -475,6 +494,8 @@ class TokenTree:
         order of score never takes a child before its parent. Ties go to the earlier node
         (drafts earlier in the list win).
         """
+        if hasattr(calibration, "merge_counts"):  # an AcceptanceCalibrator
+            calibration = calibration.calibration()
         if isinstance(calibration, dict):
             calibration = Calibration.from_factors(calibration)
         token_ids, parents, scores, sources, depths = [root_token], [-1], [1.0], [""], [0]

@@ -195,7 +195,8 @@ def test_observe_draft_matches_the_reference(seed):
 def test_compiled_calibrator_matches_the_reference(seed):
     """``AcceptanceCalibrator`` (compiled ``learn`` and ``calibration``, one call each) against its
     numpy reference over many steps of random drafts from every source: the counts, the table,
-    the row and source factors bit for bit, and the trees merged with either calibration."""
+    the row and source factors bit for bit, and the trees merged with either calibration or with
+    the calibrator itself (the compiled merge computing the cells it reads from the counts)."""
     from lookupdec.budget import AcceptanceCalibrator
 
     rng = random.Random(seed)
@@ -204,6 +205,15 @@ def test_compiled_calibrator_matches_the_reference(seed):
     for step in range(30):
         _, drafts, _, max_nodes = random_case(seed * 1000 + step)
         committed = [rng.randrange(3) for _ in range(rng.randint(0, 8))]
+        # before learning them (some drafts' rows, even sources, not seen yet: their fallback):
+        # the merge over the calibrator's counts (cells computed as read) is the merge over its table
+        by_table = TokenTree.from_drafts(0, drafts, max_nodes=max_nodes, max_depth=8, calibration=ref.calibration())
+        assert fast.merge_counts() is not None and ref.merge_counts() is None
+        for calibrator in (fast, ref):
+            assert_same_tree(TokenTree.from_drafts(0, drafts, max_nodes=max_nodes, max_depth=8, calibration=calibrator),
+                             by_table)
+        assert_same_tree(TokenTree.from_drafts_reference(0, drafts, max_nodes=max_nodes, max_depth=8, calibration=fast),
+                         by_table)
         for calibrator in (fast, ref):
             calibrator.learn(drafts, committed)
         for name in ("_reached", "_predicted", "_matched"):

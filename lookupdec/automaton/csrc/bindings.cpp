@@ -150,19 +150,20 @@ nb::list expected_in_prune_order(const CoreTree& t) {
 // drafts: one (token_ids, parents, scores) bytes tuple per draft (Draft.packed()); rows,
 // fallback, point_mass: one entry per draft; names: each draft's source, then the root's "".
 // Returns (the kept tree as a CoreTree, each draft node's node in it as int32 bytes, -1: none).
-nb::tuple merge_drafts(int32_t root_token, nb::list drafts, const std::vector<int32_t>& rows,
-                       const std::vector<double>& fallback, nb::bytes point_mass, nb::bytes table,
-                       bool probabilities, nb::list names, int32_t max_nodes, int32_t max_depth) {
-  size_t num_drafts = nb::len(drafts);
-  if (rows.size() != num_drafts || fallback.size() != num_drafts || point_mass.size() != num_drafts ||
-      nb::len(names) != num_drafts + 1)
-    throw std::invalid_argument("merge_drafts: rows, fallback, point_mass and names must match the drafts");
-  std::vector<int64_t> offsets(num_drafts + 1, 0);
+// Every draft's packed (token_ids, parents, scores) bytes, concatenated, with their offsets.
+struct PackedDrafts {
+  std::vector<int64_t> offsets;
   std::vector<int32_t> tokens, parents;
   std::vector<double> scores;
-  tokens.reserve(1024);
-  parents.reserve(1024);
-  scores.reserve(1024);
+};
+
+PackedDrafts pack_drafts(nb::list drafts) {
+  size_t num_drafts = nb::len(drafts);
+  PackedDrafts out;
+  out.offsets.assign(num_drafts + 1, 0);
+  out.tokens.reserve(1024);
+  out.parents.reserve(1024);
+  out.scores.reserve(1024);
   for (size_t d = 0; d < num_drafts; ++d) {
     PyObject* packed = PyList_GET_ITEM(drafts.ptr(), static_cast<Py_ssize_t>(d));
     if (!PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != 3)
@@ -178,31 +179,52 @@ nb::tuple merge_drafts(int32_t root_token, nb::list drafts, const std::vector<in
     const int32_t* t = reinterpret_cast<const int32_t*>(PyBytes_AS_STRING(arrays[0]));
     const int32_t* p = reinterpret_cast<const int32_t*>(PyBytes_AS_STRING(arrays[1]));
     const double* s = reinterpret_cast<const double*>(PyBytes_AS_STRING(arrays[2]));
-    tokens.insert(tokens.end(), t, t + n);
-    parents.insert(parents.end(), p, p + n);
-    scores.insert(scores.end(), s, s + n);
-    offsets[d + 1] = offsets[d] + static_cast<int64_t>(n);
+    out.tokens.insert(out.tokens.end(), t, t + n);
+    out.parents.insert(out.parents.end(), p, p + n);
+    out.scores.insert(out.scores.end(), s, s + n);
+    out.offsets[d + 1] = out.offsets[d] + static_cast<int64_t>(n);
   }
-  int64_t table_size = -1;
+  return out;
+}
+
+lookupdec::MergeInput merge_input(int32_t root_token, const PackedDrafts& packed, const std::vector<int32_t>& rows,
+                                  nb::bytes point_mass, int32_t max_nodes, int32_t max_depth) {
   lookupdec::MergeInput in;
   in.root_token = root_token;
-  in.tokens = tokens.data();
-  in.parents = parents.data();
-  in.scores = scores.data();
-  in.offsets = offsets.data();
-  in.num_drafts = static_cast<int64_t>(num_drafts);
+  in.tokens = packed.tokens.data();
+  in.parents = packed.parents.data();
+  in.scores = packed.scores.data();
+  in.offsets = packed.offsets.data();
+  in.num_drafts = static_cast<int64_t>(packed.offsets.size()) - 1;
   in.rows = rows.data();
-  in.fallback = fallback.data();
   in.point_mass = reinterpret_cast<const uint8_t*>(point_mass.c_str());
-  in.table = bytes_array<double>(table, &table_size, "table");
-  in.table_size = table_size;
-  in.probabilities = probabilities;
   in.max_nodes = max_nodes;
   in.max_depth = max_depth;
+  return in;
+}
+
+nb::tuple merged(const lookupdec::MergeInput& in, nb::list names) {
   CoreTree tree{lookupdec::merge_drafts(in), names};
   nb::bytes node_of = to_bytes(tree.tree.node_of);
   tree.tree.node_of.clear();
   return nb::make_tuple(std::move(tree), node_of);
+}
+
+nb::tuple merge_drafts(int32_t root_token, nb::list drafts, const std::vector<int32_t>& rows,
+                       const std::vector<double>& fallback, nb::bytes point_mass, nb::bytes table,
+                       bool probabilities, nb::list names, int32_t max_nodes, int32_t max_depth) {
+  size_t num_drafts = nb::len(drafts);
+  if (rows.size() != num_drafts || fallback.size() != num_drafts || point_mass.size() != num_drafts ||
+      nb::len(names) != num_drafts + 1)
+    throw std::invalid_argument("merge_drafts: rows, fallback, point_mass and names must match the drafts");
+  PackedDrafts packed = pack_drafts(drafts);
+  lookupdec::MergeInput in = merge_input(root_token, packed, rows, point_mass, max_nodes, max_depth);
+  int64_t table_size = -1;
+  in.fallback = fallback.data();
+  in.table = bytes_array<double>(table, &table_size, "table");
+  in.table_size = table_size;
+  in.probabilities = probabilities;
+  return merged(in, names);
 }
 
 // A bytearray (writable: numpy and torch views of it need no copy).
@@ -436,6 +458,41 @@ nb::tuple calibration_table(CountsIn reached, CountsIn predicted, CountsIn match
   return nb::make_tuple(to_bytes(table), to_bytes(by_row), to_bytes(by_source));
 }
 
+// TokenTree.from_drafts over an AcceptanceCalibrator's counts (merge_drafts with the cells it
+// reads computed from them, not a whole table: the calibration merge_drafts would be given).
+// draft_sources: each draft's source index in the counts, -1 if unknown (its factor is then 1).
+nb::tuple merge_drafts_counts(int32_t root_token, nb::list drafts, const std::vector<int32_t>& rows,
+                              const std::vector<int32_t>& draft_sources, nb::bytes point_mass, CountsIn reached,
+                              CountsIn predicted, CountsIn matched, nb::bytes row_source, int64_t sources,
+                              nb::bytes cond_mids, double source_prior, double row_prior, double cell_prior,
+                              double max_factor, double max_prior_prob, nb::list names, int32_t max_nodes,
+                              int32_t max_depth) {
+  size_t num_drafts = nb::len(drafts);
+  if (rows.size() != num_drafts || draft_sources.size() != num_drafts || point_mass.size() != num_drafts ||
+      nb::len(names) != num_drafts + 1)
+    throw std::invalid_argument("merge_drafts: rows, draft_sources, point_mass and names must match the drafts");
+  size_t nrows = reached.shape(0);
+  check_counts(nrows, {predicted.shape(0), matched.shape(0)}, {reached.shape(1), predicted.shape(1), matched.shape(1)},
+               "merge_drafts");
+  int64_t n = static_cast<int64_t>(nrows), cells = lookupdec::kCellsPerRow;
+  const int32_t* src = bytes_array<int32_t>(row_source, &n, "row_source");
+  const double* mids = bytes_array<double>(cond_mids, &cells, "cond_mids");
+  lookupdec::CalibrationCounts counts{reached.data(), predicted.data(), matched.data(), n, src, sources, mids,
+                                      {source_prior, row_prior, cell_prior, max_factor, max_prior_prob}};
+  for (int32_t r : rows)
+    if (r >= n) throw std::invalid_argument("merge_drafts: a draft's row is out of range");
+  PackedDrafts packed = pack_drafts(drafts);
+  lookupdec::MergeInput in = merge_input(root_token, packed, rows, point_mass, max_nodes, max_depth);
+  std::vector<double> ones(num_drafts, 1.0);
+  in.fallback = ones.data();
+  in.table = nullptr;
+  in.table_size = n * cells;
+  in.probabilities = true;
+  in.counts = &counts;
+  in.draft_sources = draft_sources.data();
+  return merged(in, names);
+}
+
 // budget.AcceptanceCalibrator.learn: every count decayed once (x *= decay, as numpy's), then each
 // draft (packed int32 tokens, int32 parents, float64 scores) counted into its row (observe_draft).
 void learn_drafts(CountsOut reached, CountsOut predicted, CountsOut matched, double decay,
@@ -581,6 +638,7 @@ NB_MODULE(_core, m) {
   m.attr("DEPTH_BUCKETS") = nb::make_tuple(1, 2, 3, 5, 9, 17);
   m.attr("COND_BUCKETS") = nb::make_tuple(0.0, 0.25, 0.5, 0.75, 0.95);
   m.def("merge_drafts", &merge_drafts);
+  m.def("merge_drafts_counts", &merge_drafts_counts);
   nb::class_<lookupdec::NgramIndex>(m, "NgramIndex")
       .def(nb::init<int32_t, int32_t>())
       .def("extend", [](lookupdec::NgramIndex& index, const std::vector<int32_t>& t) {

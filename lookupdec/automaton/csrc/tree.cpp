@@ -114,11 +114,21 @@ void check_draft(const MergeInput& in, int64_t d) {
 }
 
 // Each node's factor and flat cell (Calibration.node_factors).
-void node_factors(const MergeInput& in, int64_t d, std::vector<double>* factors, std::vector<int32_t>* cells,
-                  std::vector<int32_t>* depth, std::vector<int32_t>* rank) {
+// The factors a merge reads from calibration counts (MergeInput::counts): each source's and row's.
+struct CountLevels {
+  std::vector<double> by_source, by_row;
+};
+
+void node_factors(const MergeInput& in, const CountLevels* levels, int64_t d, std::vector<double>* factors,
+                  std::vector<int32_t>* cells, std::vector<int32_t>* depth, std::vector<int32_t>* rank) {
   int64_t begin = in.offsets[d], n = in.offsets[d + 1] - begin;
   int32_t row = in.rows[d];
-  factors->assign(n, in.fallback[d]);
+  double fallback = in.fallback[d];
+  if (levels != nullptr && row < 0) {
+    int32_t source = in.draft_sources[d];
+    fallback = source >= 0 && source < static_cast<int32_t>(levels->by_source.size()) ? levels->by_source[source] : 1.0;
+  }
+  factors->assign(n, fallback);
   cells->assign(n, -1);
   if (row < 0) return;
   const int32_t* parents = in.parents + begin;
@@ -136,7 +146,8 @@ void node_factors(const MergeInput& in, int64_t d, std::vector<double>* factors,
     int64_t at = cell < 0 ? cell + in.table_size : cell;  // Python's indexing (a negative score's cell)
     if (at < 0 || at >= in.table_size) throw std::out_of_range("merge_drafts: calibration cell outside the table");
     (*cells)[i] = static_cast<int32_t>(cell);
-    (*factors)[i] = !in.probabilities ? in.table[at] : cond > 0 ? in.table[at] / cond : 0.0;
+    double value = levels != nullptr ? calibration_cell(*in.counts, levels->by_row, at) : in.table[at];
+    (*factors)[i] = !in.probabilities ? value : cond > 0 ? value / cond : 0.0;
   }
 }
 
@@ -150,9 +161,11 @@ Trie build_trie(const MergeInput& in) {
   TrieIndex index(static_cast<size_t>(total));
   std::vector<double> factors;
   std::vector<int32_t> cells, depth, rank;
+  CountLevels levels;
+  if (in.counts != nullptr) calibration_levels(*in.counts, &levels.by_source, &levels.by_row);
   for (int64_t d = 0; d < in.num_drafts; ++d) {
     check_draft(in, d);
-    node_factors(in, d, &factors, &cells, &depth, &rank);
+    node_factors(in, in.counts != nullptr ? &levels : nullptr, d, &factors, &cells, &depth, &rank);
     int64_t begin = in.offsets[d], n = in.offsets[d + 1] - begin;
     const double* raw = in.scores + begin;
     int32_t* local = trie.local_node.data() + begin;
@@ -377,41 +390,48 @@ void observe_draft(const int32_t* tokens, const int32_t* parents, const double* 
   }
 }
 
+void calibration_levels(const CalibrationCounts& c, std::vector<double>* by_source, std::vector<double>* by_row) {
+  const int64_t C = kCellsPerRow;
+  std::vector<double> row_p(c.rows, 0.0), row_m(c.rows, 0.0), src_p(c.sources, 0.0), src_m(c.sources, 0.0);
+  for (int64_t r = 0; r < c.rows; ++r) {
+    double p = 0.0, m = 0.0;
+    for (int64_t k = 0; k < C; ++k) {
+      p += c.predicted[r * C + k];
+      m += c.matched[r * C + k];
+    }
+    row_p[r] = p;
+    row_m[r] = m;
+    int32_t s = c.row_source[r];
+    if (s < 0 || s >= c.sources) throw std::invalid_argument("calibration_table: a row's source index is out of range");
+    src_p[s] += p;
+    src_m[s] += m;
+  }
+  const CalibrationWeights& w = c.w;
+  by_source->assign(c.sources, 0.0);
+  for (int64_t s = 0; s < c.sources; ++s)
+    (*by_source)[s] = std::min(w.max_factor, (src_m[s] + w.source_prior) / (src_p[s] + w.source_prior));
+  by_row->assign(c.rows, 0.0);
+  for (int64_t r = 0; r < c.rows; ++r) {
+    double prior = (*by_source)[c.row_source[r]];
+    (*by_row)[r] = std::min(w.max_factor, (row_m[r] + w.row_prior * prior) / (row_p[r] + w.row_prior));
+  }
+}
+
+double calibration_cell(const CalibrationCounts& c, const std::vector<double>& by_row, int64_t k) {
+  double factor = by_row[k / kCellsPerRow];
+  double claimed = c.reached[k] > 0 ? c.predicted[k] / std::max(c.reached[k], 1e-12) : c.cond_mids[k % kCellsPerRow];
+  double cell_prior = std::min(factor * claimed, c.w.max_prior_prob);
+  return (c.matched[k] + c.w.cell_prior * cell_prior) / (c.reached[k] + c.w.cell_prior);
+}
+
 void calibration_table(const double* reached, const double* predicted, const double* matched, int64_t rows,
                        const int32_t* row_source, int64_t sources, const double* cond_mids,
                        const CalibrationWeights& w, std::vector<double>* by_source, std::vector<double>* by_row,
                        std::vector<double>* table) {
-  const int64_t C = kCellsPerRow;
-  std::vector<double> row_p(rows, 0.0), row_m(rows, 0.0), src_p(sources, 0.0), src_m(sources, 0.0);
-  for (int64_t r = 0; r < rows; ++r) {
-    double p = 0.0, m = 0.0;
-    for (int64_t c = 0; c < C; ++c) {
-      p += predicted[r * C + c];
-      m += matched[r * C + c];
-    }
-    row_p[r] = p;
-    row_m[r] = m;
-    int32_t s = row_source[r];
-    if (s < 0 || s >= sources) throw std::invalid_argument("calibration_table: a row's source index is out of range");
-    src_p[s] += p;
-    src_m[s] += m;
-  }
-  by_source->assign(sources, 0.0);
-  for (int64_t s = 0; s < sources; ++s)
-    (*by_source)[s] = std::min(w.max_factor, (src_m[s] + w.source_prior) / (src_p[s] + w.source_prior));
-  by_row->assign(rows, 0.0);
-  table->assign(rows * C, 0.0);
-  for (int64_t r = 0; r < rows; ++r) {
-    double prior = (*by_source)[row_source[r]];
-    double factor = std::min(w.max_factor, (row_m[r] + w.row_prior * prior) / (row_p[r] + w.row_prior));
-    (*by_row)[r] = factor;
-    for (int64_t c = 0; c < C; ++c) {
-      int64_t k = r * C + c;
-      double claimed = reached[k] > 0 ? predicted[k] / std::max(reached[k], 1e-12) : cond_mids[c];
-      double cell_prior = std::min(factor * claimed, w.max_prior_prob);
-      (*table)[k] = (matched[k] + w.cell_prior * cell_prior) / (reached[k] + w.cell_prior);
-    }
-  }
+  CalibrationCounts c{reached, predicted, matched, rows, row_source, sources, cond_mids, w};
+  calibration_levels(c, by_source, by_row);
+  table->assign(rows * kCellsPerRow, 0.0);
+  for (int64_t k = 0; k < rows * kCellsPerRow; ++k) (*table)[k] = calibration_cell(c, *by_row, k);
 }
 
 int64_t choose_num_nodes(const double* values, int64_t count, const double* curve, double overhead,

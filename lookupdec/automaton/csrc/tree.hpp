@@ -23,6 +23,22 @@ constexpr double kCondBuckets[] = {0.0, 0.25, 0.5, 0.75, 0.95};
 constexpr int32_t kNumCondBuckets = 5;
 constexpr int32_t kCellsPerRow = kNumDepthBuckets * kSiblingRanks * kNumCondBuckets;
 
+struct CalibrationWeights {
+  double source_prior, row_prior, cell_prior, max_factor, max_prior_prob;
+};
+
+// The calibrator's decayed counts [rows, kCellsPerRow] (row-major) and each row's source index.
+struct CalibrationCounts {
+  const double* reached;
+  const double* predicted;
+  const double* matched;
+  int64_t rows;
+  const int32_t* row_source;
+  int64_t sources;
+  const double* cond_mids;  // [kCellsPerRow] a cell's claimed probability before any observation
+  CalibrationWeights w;
+};
+
 struct MergeInput {
   int32_t root_token;
   const int32_t* tokens;   // [total] every draft's token ids, draft after draft
@@ -35,6 +51,11 @@ struct MergeInput {
   const uint8_t* point_mass; // [num_drafts] 1 = a lookup draft (no draft-model samples)
   const double* table;       // [table_size] calibration values, row * kCellsPerRow + cell
   int64_t table_size;
+  // or, instead of table (nullptr: the table): the counts it is made of, each cell read computed
+  // from them (probabilities), table_size = rows * kCellsPerRow; a draft without a row then takes
+  // its source's factor (draft_sources[d] >= 0) or 1, not fallback[d]
+  const CalibrationCounts* counts = nullptr;
+  const int32_t* draft_sources = nullptr;  // [num_drafts] source index in counts, -1 = unknown
   bool probabilities;        // the table holds acceptance probabilities: factor = value / cond
   int32_t max_nodes;
   int32_t max_depth;
@@ -85,13 +106,15 @@ void observe_draft(const int32_t* tokens, const int32_t* parents, const double* 
 // the definition): from the decayed reached/predicted/matched counts [rows, kCellsPerRow]
 // (row-major) and each row's source index, each source's factor, each row's factor and each
 // cell's acceptance probability, every sum taken left to right as the reference takes them.
-struct CalibrationWeights {
-  double source_prior, row_prior, cell_prior, max_factor, max_prior_prob;
-};
 void calibration_table(const double* reached, const double* predicted, const double* matched, int64_t rows,
                        const int32_t* row_source, int64_t sources, const double* cond_mids,
                        const CalibrationWeights& w, std::vector<double>* by_source, std::vector<double>* by_row,
                        std::vector<double>* table);
+// Its source and row factors alone, and one cell's probability (what calibration_table writes
+// at k = row * kCellsPerRow + cell, the same operations): a merge reads a few dozen of the
+// table's cells, so it computes those instead of the whole table (MergeInput::counts).
+void calibration_levels(const CalibrationCounts& c, std::vector<double>* by_source, std::vector<double>* by_row);
+double calibration_cell(const CalibrationCounts& c, const std::vector<double>& by_row, int64_t k);
 
 // budget.choose_num_nodes: the n in [0, count] maximising (1 + scale[n] * (v[0] + ... + v[n-1])) /
 // (curve[1 + n] + overhead), the first of equal rates (the reference's numpy operations, in order).
