@@ -147,6 +147,27 @@ def test_random_extends_agree_with_reference_and_brute_force(seed, vocab_kind):
             check_queries(compiled, reference, stream, context)
 
 
+def test_match_of_the_streams_own_tail():
+    """A context that is the stream's own tail (a request's automaton and its context, every
+    step) is matched by suffix links from the last state: the same (state, length) as the
+    reference's transition walk, for every tail length, on repetitive and random streams, after
+    bulk and small extends; a context differing in one token takes the walk."""
+    rng = np.random.default_rng(11)
+    for vocab, n in (([0, 1], 300), ([0, 1, 2, 3, 4, 5, 6, 7], 400), ([3], 80)):
+        compiled, reference = both()
+        stream: list[int] = []
+        for chunk in (random_stream(rng, n, vocab), random_stream(rng, 7, vocab), [vocab[0]] * 5):
+            compiled.extend(chunk)
+            reference.extend(np.asarray(chunk, dtype=np.int64))
+            stream += chunk
+            for length in list(range(1, 70)) + [len(stream) - 1, len(stream)]:
+                tail = stream[-length:]
+                check_queries(compiled, reference, stream, tail)
+                assert compiled.match(tail)[1] == len(tail)
+                changed = tail[:-1] + [99]
+                assert compiled.match(changed) == reference.match(changed) == (0, 0)
+
+
 def test_match_max_len_caps_the_match():
     stream = [5, 6, 7, 8, 9] * 3
     automaton = SuffixAutomaton(stream)

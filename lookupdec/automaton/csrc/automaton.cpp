@@ -348,8 +348,17 @@ void Automaton::check_state(int32_t s) const {
 }
 
 // The longest match is usually much shorter than the context: match a short tail first and
-// widen it only while the match fills it.
+// widen it only while the match fills it. A context that is the stream's own tail (a request's
+// automaton and its context: every step) matches whole, at the state on the suffix links from
+// the last state whose strings have its length: a few states read instead of 16 + 64
+// transitions, each a cache miss after a forward.
 std::pair<int32_t, int32_t> Automaton::match(const int32_t* context, size_t n) const {
+  if (n > 0 && static_cast<int64_t>(n) <= num_tokens_ &&
+      std::memcmp(token_data() + (num_tokens_ - static_cast<int64_t>(n)), context, n * sizeof(int32_t)) == 0) {
+    int32_t s = last_;
+    while (s != kRoot && len(states_[s].link) >= n) s = states_[s].link;
+    return {s, static_cast<int32_t>(n)};
+  }
   size_t window = std::min(n, kFirstMatchWindow);
   for (;;) {
     std::pair<int32_t, int32_t> found = match_all(context + (n - window), window);
