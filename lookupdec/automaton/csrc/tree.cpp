@@ -113,12 +113,13 @@ void check_draft(const MergeInput& in, int64_t d) {
   }
 }
 
-// Each node's factor and flat cell (Calibration.node_factors).
 // The factors a merge reads from calibration counts (MergeInput::counts): each source's and row's.
 struct CountLevels {
   std::vector<double> by_source, by_row;
 };
 
+// Each node's factor and flat cell (Calibration.node_factors); `levels`: the counts' factors,
+// when the cells are computed from counts (then a draft without a row takes its source's).
 void node_factors(const MergeInput& in, const CountLevels* levels, int64_t d, std::vector<double>* factors,
                   std::vector<int32_t>* cells, std::vector<int32_t>* depth, std::vector<int32_t>* rank) {
   int64_t begin = in.offsets[d], n = in.offsets[d + 1] - begin;
