@@ -440,21 +440,30 @@ void check_counts(size_t rows, std::initializer_list<size_t> shape0, std::initia
       throw std::invalid_argument(std::string(who) + ": rows of CELLS_PER_ROW cells");
 }
 
+// The calibrator's counts as the core reads them (arrays checked alike, one source index per row).
+lookupdec::CalibrationCounts calibration_counts(CountsIn reached, CountsIn predicted, CountsIn matched,
+                                               nb::bytes row_source, int64_t sources, nb::bytes cond_mids,
+                                               const lookupdec::CalibrationWeights& weights, const char* who) {
+  size_t rows = reached.shape(0);
+  check_counts(rows, {predicted.shape(0), matched.shape(0)}, {reached.shape(1), predicted.shape(1), matched.shape(1)},
+               who);
+  int64_t n = static_cast<int64_t>(rows), cells = lookupdec::kCellsPerRow;
+  const int32_t* src = bytes_array<int32_t>(row_source, &n, "row_source");
+  const double* mids = bytes_array<double>(cond_mids, &cells, "cond_mids");
+  return {reached.data(), predicted.data(), matched.data(), n, src, sources, mids, weights};
+}
+
 // budget.AcceptanceCalibrator.calibration: (table float64 bytes [rows * CELLS_PER_ROW], row
 // factors float64 bytes [rows], source factors float64 bytes [sources]).
 nb::tuple calibration_table(CountsIn reached, CountsIn predicted, CountsIn matched, nb::bytes row_source,
                             int64_t sources, nb::bytes cond_mids, double source_prior, double row_prior,
                             double cell_prior, double max_factor, double max_prior_prob) {
-  size_t rows = reached.shape(0);
-  check_counts(rows, {predicted.shape(0), matched.shape(0)}, {reached.shape(1), predicted.shape(1), matched.shape(1)},
-               "calibration_table");
-  int64_t n = static_cast<int64_t>(rows), cells = lookupdec::kCellsPerRow;
-  const int32_t* src = bytes_array<int32_t>(row_source, &n, "row_source");
-  const double* mids = bytes_array<double>(cond_mids, &cells, "cond_mids");
+  lookupdec::CalibrationCounts c = calibration_counts(reached, predicted, matched, row_source, sources, cond_mids,
+                                                      {source_prior, row_prior, cell_prior, max_factor, max_prior_prob},
+                                                      "calibration_table");
   std::vector<double> by_source, by_row, table;
-  lookupdec::calibration_table(reached.data(), predicted.data(), matched.data(), n, src, sources, mids,
-                               {source_prior, row_prior, cell_prior, max_factor, max_prior_prob}, &by_source, &by_row,
-                               &table);
+  lookupdec::calibration_table(c.reached, c.predicted, c.matched, c.rows, c.row_source, c.sources, c.cond_mids, c.w,
+                               &by_source, &by_row, &table);
   return nb::make_tuple(to_bytes(table), to_bytes(by_row), to_bytes(by_source));
 }
 
@@ -471,22 +480,17 @@ nb::tuple merge_drafts_counts(int32_t root_token, nb::list drafts, const std::ve
   if (rows.size() != num_drafts || draft_sources.size() != num_drafts || point_mass.size() != num_drafts ||
       nb::len(names) != num_drafts + 1)
     throw std::invalid_argument("merge_drafts: rows, draft_sources, point_mass and names must match the drafts");
-  size_t nrows = reached.shape(0);
-  check_counts(nrows, {predicted.shape(0), matched.shape(0)}, {reached.shape(1), predicted.shape(1), matched.shape(1)},
-               "merge_drafts");
-  int64_t n = static_cast<int64_t>(nrows), cells = lookupdec::kCellsPerRow;
-  const int32_t* src = bytes_array<int32_t>(row_source, &n, "row_source");
-  const double* mids = bytes_array<double>(cond_mids, &cells, "cond_mids");
-  lookupdec::CalibrationCounts counts{reached.data(), predicted.data(), matched.data(), n, src, sources, mids,
-                                      {source_prior, row_prior, cell_prior, max_factor, max_prior_prob}};
+  lookupdec::CalibrationCounts counts = calibration_counts(
+      reached, predicted, matched, row_source, sources, cond_mids,
+      {source_prior, row_prior, cell_prior, max_factor, max_prior_prob}, "merge_drafts");
   for (int32_t r : rows)
-    if (r >= n) throw std::invalid_argument("merge_drafts: a draft's row is out of range");
+    if (r >= counts.rows) throw std::invalid_argument("merge_drafts: a draft's row is out of range");
   PackedDrafts packed = pack_drafts(drafts);
   lookupdec::MergeInput in = merge_input(root_token, packed, rows, point_mass, max_nodes, max_depth);
   std::vector<double> ones(num_drafts, 1.0);
   in.fallback = ones.data();
   in.table = nullptr;
-  in.table_size = n * cells;
+  in.table_size = counts.rows * lookupdec::kCellsPerRow;
   in.probabilities = true;
   in.counts = &counts;
   in.draft_sources = draft_sources.data();
