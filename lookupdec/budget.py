@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, Calibration, Draft, _core, match_bucket, observe_draft
+from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, Calibration, Draft, _core, calibration_row_key, observe_draft
 
 
 log = logging.getLogger("lookupdec")
@@ -435,7 +435,7 @@ class AcceptanceCalibrator:
         self._rows_copy: dict | None = None  # the calibrations' copy of _rows (until a row is added)
 
     def _row(self, draft: Draft) -> int:
-        key = (draft.source, match_bucket(draft.match_length))
+        key = calibration_row_key(draft)
         row = self._rows.get(key)
         if row is None:
             row = self._rows[key] = len(self._row_source)

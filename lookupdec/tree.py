@@ -53,6 +53,11 @@ def match_bucket(match_length: int) -> int:
     return MATCH_BUCKETS[bisect.bisect_right(MATCH_BUCKETS, match_length) - 1]
 
 
+def calibration_row_key(draft: "Draft") -> tuple[str, int]:
+    """The calibration row a draft's nodes are counted in: its source and match-length bucket."""
+    return draft.source, match_bucket(draft.match_length)
+
+
 @dataclass(frozen=True)
 class Draft:
     """One proposer's small tree, hung under the root (the last committed token)."""
@@ -307,7 +312,7 @@ class Calibration:
 
     def row(self, draft: Draft) -> int:
         """``draft``'s row, -1 if none (``fallback`` then)."""
-        return self.rows.get((draft.source, match_bucket(draft.match_length)), -1)
+        return self.rows.get(calibration_row_key(draft), -1)
 
     def node_factors(self, draft: Draft) -> tuple[list[float], list[int]]:
         """Each node's factor and its flat cell (``row * CELLS_PER_ROW + cell``, -1 without a row)."""
@@ -437,10 +442,12 @@ class TokenTree:
         ``calibration`` may also be a ``budget.AcceptanceCalibrator``: the tree is the one its
         ``calibration()`` gives, the merge computing only the cells it reads from the
         calibrator's counts (``merge_counts``)."""
-        counts = calibration.merge_counts() if hasattr(calibration, "merge_counts") else None
-        if hasattr(calibration, "merge_counts") and (counts is None or _core is None or max_nodes < 0
-                                                     or max_depth < 0):
-            calibration = calibration.calibration()
+        counts = None
+        if hasattr(calibration, "merge_counts"):  # an AcceptanceCalibrator
+            if _core is not None and max_nodes >= 0 and max_depth >= 0:
+                counts = calibration.merge_counts()
+            if counts is None:  # (the reference backend, or the reference merge below)
+                calibration = calibration.calibration()
         if _core is None or max_nodes < 0 or max_depth < 0:  # (negative budgets: the reference's behaviour)
             return cls.from_drafts_reference(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
                                              calibration=calibration)
@@ -450,7 +457,7 @@ class TokenTree:
         if counts is not None:
             rows_of, source_of, arrays = counts
             core, node_of = _core.merge_drafts_counts(
-                root_token, packed, [rows_of.get((d.source, match_bucket(d.match_length)), -1) for d in drafts],
+                root_token, packed, [rows_of.get(calibration_row_key(d), -1) for d in drafts],
                 [source_of.get(d.source, -1) for d in drafts], bytes([d.samples is None for d in drafts]), *arrays,
                 [d.source for d in drafts] + [""], max_nodes, max_depth)
             return cls._with_samples(core, node_of, drafts, packed)

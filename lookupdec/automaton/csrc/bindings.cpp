@@ -487,8 +487,7 @@ nb::tuple merge_drafts_counts(int32_t root_token, nb::list drafts, const std::ve
     if (r >= counts.rows) throw std::invalid_argument("merge_drafts: a draft's row is out of range");
   PackedDrafts packed = pack_drafts(drafts);
   lookupdec::MergeInput in = merge_input(root_token, packed, rows, point_mass, max_nodes, max_depth);
-  std::vector<double> ones(num_drafts, 1.0);
-  in.fallback = ones.data();
+  in.fallback = nullptr;
   in.table = nullptr;
   in.table_size = counts.rows * lookupdec::kCellsPerRow;
   in.probabilities = true;

@@ -124,8 +124,10 @@ void node_factors(const MergeInput& in, const CountLevels* levels, int64_t d, st
                   std::vector<int32_t>* cells, std::vector<int32_t>* depth, std::vector<int32_t>* rank) {
   int64_t begin = in.offsets[d], n = in.offsets[d + 1] - begin;
   int32_t row = in.rows[d];
-  double fallback = in.fallback[d];
-  if (levels != nullptr && row < 0) {
+  double fallback;
+  if (levels == nullptr) {
+    fallback = in.fallback[d];
+  } else {  // (read only where the draft has no row: its source's factor, 1 for a source not seen)
     int32_t source = in.draft_sources[d];
     fallback = source >= 0 && source < static_cast<int32_t>(levels->by_source.size()) ? levels->by_source[source] : 1.0;
   }

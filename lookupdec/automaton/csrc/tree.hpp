@@ -51,9 +51,9 @@ struct MergeInput {
   const uint8_t* point_mass; // [num_drafts] 1 = a lookup draft (no draft-model samples)
   const double* table;       // [table_size] calibration values, row * kCellsPerRow + cell
   int64_t table_size;
-  // or, instead of table (nullptr: the table): the counts it is made of, each cell read computed
-  // from them (probabilities), table_size = rows * kCellsPerRow; a draft without a row then takes
-  // its source's factor (draft_sources[d] >= 0) or 1, not fallback[d]
+  // or, instead of table and fallback (nullptr: those): the counts the table is made of, each
+  // cell read computed from them (probabilities), table_size = rows * kCellsPerRow; a draft
+  // without a row takes its source's factor (draft_sources[d] >= 0) or 1
   const CalibrationCounts* counts = nullptr;
   const int32_t* draft_sources = nullptr;  // [num_drafts] source index in counts, -1 = unknown
   bool probabilities;        // the table holds acceptance probabilities: factor = value / cond
