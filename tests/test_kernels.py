@@ -80,10 +80,19 @@ def form_of(body, layer) -> str:
 needs_skinny = pytest.mark.skipif(not skinny_available(), reason="the compiled core is not built")
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """torch's intra-op threads for the test (the skinny product splits its panels over as many)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @needs_skinny
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 13, 16, 17, 24, 33, 64])
 @pytest.mark.parametrize("out_features, in_features", [(40, 24), (48, 576), (1, 5), (100, 33), (16, 16)])
-def test_skinny_product_equals_linear_on_every_instruction_set(rows, out_features, in_features):
+def test_skinny_product_equals_linear_on_every_instruction_set(rows, out_features, in_features, threads):
     """``_core.skinny_linear`` on each kernel this CPU runs (AVX-512, AVX2, the compiler's
     default) against ``F.linear``: the same sums up to float32 rounding, panels of 16 outputs
     with a partial last one, rows split into register blocks of 8 (or 6, 3)."""
@@ -120,15 +129,50 @@ def test_skinny_rows_do_not_depend_on_the_other_rows():
 
 
 @needs_skinny
+@pytest.mark.parametrize("rows", [1, 6, 16, 40])
+@pytest.mark.parametrize("out_features", [16, 63, 64, 200, 5003])
+def test_skinny_outputs_and_picks_do_not_depend_on_the_thread_count(rows, out_features):
+    """The skinny product splits its panels over torch's threads (``_core.skinny_threads``: as
+    many as ``torch.set_num_threads`` gives, one per 4 panels at most): every output and every
+    pick is bit for bit the one-thread product's, on every kernel."""
+    from lookupdec.automaton import _core
+    from lookupdec.model.kernels import skinny_linear, skinny_pack
+
+    generator = torch.Generator().manual_seed(rows * 7 + out_features)
+    w = torch.randn(out_features, 48, generator=generator)
+    x = torch.randn(rows, 48, generator=generator)
+    panels, bound = skinny_pack(w), float(w.abs().max())
+    before = torch.get_num_threads()
+    try:
+        got = {}
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            want_threads = min(count, max(1, (out_features + 15) // 16 // 4)) if _core.OPENMP else 1
+            assert _core.skinny_threads(out_features) == want_threads
+            for isa in _core.skinny_isas():
+                tops = np.full((rows, 3), -1, dtype=np.int32)
+                got[count, isa] = (skinny_linear(x, panels, out_features, None, isa=isa),
+                                   skinny_linear(x, panels, out_features, None, isa=isa, tops=tops, weight_bound=bound),
+                                   tops)
+        for isa in _core.skinny_isas():
+            (a, a_tops_rows, a_tops), (b, b_tops_rows, b_tops) = got[1, isa], got[2, isa]
+            assert torch.equal(a, b) and torch.equal(a_tops_rows, b_tops_rows) and torch.equal(a, a_tops_rows), isa
+            assert a_tops.tolist() == b_tops.tolist(), isa
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_skinny
 @pytest.mark.parametrize("rows", [1, 5, 27, 64])
 @pytest.mark.parametrize("top_k", [1, 4])
-def test_skinny_tops_are_the_top_tokens_of_the_rows_it_writes(rows, top_k):
+def test_skinny_tops_are_the_top_tokens_of_the_rows_it_writes(rows, top_k, threads):
     """``skinny_linear(tops=...)`` offers each block of outputs to its row's picks as the kernel
     stores it, and gives each row's ``top_k`` best column ids as ``engine.top_tokens_reference``
     reads them from the finished row: ties to the earlier id (duplicate weight rows, in
     different panels and panel groups), a NaN row's first ids (a row not known finite by
     ``weight_bound`` is scanned once written; without a bound every row is); the rows
-    themselves are bit for bit those without ``tops``, on every kernel."""
+    themselves are bit for bit those without ``tops``, on every kernel; on two threads each
+    thread's picks among its panels are merged (the ties above lie on both sides of the split)."""
     from lookupdec.automaton import _core
     from lookupdec.engine import top_tokens_reference
     from lookupdec.model.kernels import skinny_linear, skinny_pack
@@ -504,3 +548,19 @@ def test_a_chosen_form_is_timed_and_checked_on_the_probe_layers_alone(monkeypatc
     assert [f for f, _ in recorded] == forms_seen
     assert {seconds for _, seconds in recorded} == {float(len(probe))}  # the probe layers' time alone
     assert all("forward" not in m.__dict__ for m in layers)
+
+
+@needs_skinny
+def test_the_cache_keys_name_a_threaded_skinny_product():
+    """Cost curves and form choices measured with the one-thread skinny product are not those of
+    the product split over torch's threads: ``TargetModel.kernels`` (the caches' keys) names it
+    ``skinny-mt`` where the core was built with OpenMP."""
+    from lookupdec.model.kernels import skinny_threaded
+
+    target = Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig()).target
+    forms = target.kernels.split("+")
+    want = "skinny-mt" if skinny_threaded() else "skinny"
+    assert f"head-{want}" in forms
+    if "skinny" in target.body.forms:
+        assert want in forms
+    assert ("skinny" in forms or "head-skinny" in forms) != skinny_threaded()

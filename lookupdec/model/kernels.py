@@ -338,6 +338,13 @@ def fast_head_for(model) -> FastHead | None:
     return _SHARED[head]
 
 
+def skinny_threaded() -> bool:
+    """The skinny product splits its panels over torch's OpenMP threads (``skinny_threads`` in
+    ``csrc/skinny.hpp``; the core built with OpenMP): at 2 threads it is another kernel than
+    the one-thread product, so the cost and form caches name it apart (``TargetModel.kernels``)."""
+    return _core is not None and bool(getattr(_core, "OPENMP", False))
+
+
 def skinny_available() -> bool:
     """The compiled core has the skinny product (``csrc/skinny.hpp``) in a vector instruction set
     of this CPU (AVX-512 or AVX2; the compiler's default kernel, 2-5x slower, is a reference

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from lookupdec.model.cache import PrefixStore, commit_accepted, common_prefix, crop_cache, new_cache
-from lookupdec.model.kernels import FastHead, fast_head_for, kernel_forms, packed_linears_for, seed_kernel_forms, swapped
+from lookupdec.model.kernels import (FastHead, fast_head_for, kernel_forms, packed_linears_for, seed_kernel_forms,
+                                     skinny_threaded, swapped)
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
@@ -69,8 +70,9 @@ class TargetModel:
         # the output projection by the fastest product form per row count (CPU float32; model/kernels.py)
         self.fast_head = fast_head_for(model) if fast_head else None
         self.body = packed_linears_for(model) if fast_head else None  # its linears in the fastest form (idem)
-        body_forms = [f for f in self.body.forms if f != "linear"] if self.body is not None else []
-        head = ["head-skinny" if "skinny" in self.fast_head.forms else "head"] if self.fast_head is not None else []
+        skinny = "skinny-mt" if skinny_threaded() else "skinny"  # (a threaded product: measured apart)
+        body_forms = [skinny if f == "skinny" else f for f in self.body.forms if f != "linear"] if self.body is not None else []
+        head = [f"head-{skinny}" if "skinny" in self.fast_head.forms else "head"] if self.fast_head is not None else []
         self.kernels = "+".join(head + body_forms) or "plain"  # the forms on offer: the cost and form caches' keys
         self.config = model.config
         self.device = next(model.parameters()).device

@@ -672,6 +672,12 @@ NB_MODULE(_core, m) {
         nb::arg("tops") = nb::none(), nb::arg("weight_bound") = std::numeric_limits<float>::infinity());
   m.def("skinny_isa", &lookupdec::skinny_isa);
   m.def("skinny_isas", &lookupdec::skinny_isas);
+  m.def("skinny_threads", &lookupdec::skinny_threads);
+#if defined(LOOKUPDEC_OPENMP)
+  m.attr("OPENMP") = true;  // the skinny product splits over torch's OpenMP threads
+#else
+  m.attr("OPENMP") = false;
+#endif
   nb::class_<CoreTree>(m, "Tree")
       .def("__len__", [](const CoreTree& t) { return t.tree.token_ids.size(); })
       .def("token_ids", [](const CoreTree& t) { return int_list(t.tree.token_ids); })

@@ -28,9 +28,16 @@ constexpr int kPanel = 16;  // outputs per panel
 void skinny_pack(const float* w, int64_t n, int64_t k, float* panels);
 
 // `y` [m, n] (row stride ldy) = `x` [m, k] (row stride ldx) . W^T, W packed by skinny_pack;
-// `isa` (null: the widest) names one of skinny_isas().
+// `isa` (null: the widest) names one of skinny_isas(). Split over skinny_threads(n) OpenMP
+// threads, each a run of whole panels: the outputs are the same whatever the thread count.
 void skinny_linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y,
                    int64_t ldy, const char* isa = nullptr);
+
+// Threads the skinny product of n outputs runs on: OpenMP's count for this thread (torch's
+// intra-op threads: torch.set_num_threads sets it), at most one per kMinThreadPanels panels, and
+// 1 inside a parallel region or where the core was built without OpenMP.
+constexpr int64_t kMinThreadPanels = 4;
+int skinny_threads(int64_t n);
 
 // skinny_linear, and each row's top_k output indices (lookupdec::row_topk of the row: NaNs
 // first, then values descending, ties by index) into tops [m, top_k], 1 <= top_k <= n: the

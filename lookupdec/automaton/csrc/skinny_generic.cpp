@@ -1,4 +1,5 @@
 // skinny.hpp's kernel at the compiler's default instruction set, the packing, and the dispatch.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -7,6 +8,10 @@
 #include <vector>
 
 #include "skinny.hpp"
+
+#if defined(LOOKUPDEC_OPENMP)
+#include <omp.h>
+#endif
 
 namespace lookupdec {
 
@@ -62,19 +67,48 @@ Linear kernel(const char* isa) {
 }
 }  // namespace
 
+int skinny_threads(int64_t n) {
+#if defined(LOOKUPDEC_OPENMP)
+  if (omp_in_parallel()) return 1;
+  const int64_t most = (n + kPanel - 1) / kPanel / kMinThreadPanels;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), most)));
+#else
+  (void)n;
+  return 1;
+#endif
+}
+
 void skinny_linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y,
                    int64_t ldy, const char* isa) {
-  kernel(isa)(x, ldx, m, k, panels, n, y, ldy, nullptr, nullptr);
+  const Linear linear = kernel(isa);
+  const int threads = skinny_threads(n);
+  if (threads <= 1) {
+    linear(x, ldx, m, k, panels, n, y, ldy, nullptr, nullptr);
+    return;
+  }
+  // each thread a contiguous run of panels: every output is the same sum as on one thread
+  const int64_t count = (n + kPanel - 1) / kPanel;
+#if defined(LOOKUPDEC_OPENMP)
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
+    const int64_t first = count * t / parts, last = count * (t + 1) / parts;
+    if (last > first)
+      linear(x, ldx, m, k, panels + first * k * kPanel, std::min(n, last * kPanel) - first * kPanel,
+             y + first * kPanel, ldy, nullptr, nullptr);
+  }
+#endif
 }
 
 void skinny_linear_tops(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y,
                         int64_t ldy, int32_t top_k, int32_t* tops, float weight_bound, const char* isa) {
-  std::vector<RowTopK> best;
-  std::vector<float> floors(static_cast<size_t>(m));
+  const Linear linear = kernel(isa);
+  const int threads = skinny_threads(n);
+  // per thread (a run of whole panels, as skinny_linear's), each row's picks among its columns
+  std::vector<std::vector<RowTopK>> best(static_cast<size_t>(threads));
+  std::vector<std::vector<float>> floors(static_cast<size_t>(threads), std::vector<float>(static_cast<size_t>(m)));
   std::vector<uint8_t> deferred(static_cast<size_t>(m));
-  best.reserve(static_cast<size_t>(m));
   for (int64_t r = 0; r < m; ++r) {
-    best.emplace_back(top_k, n);
     // Every output of the row is finite when its inputs are and sum |x| * max |w| stays far
     // below float's largest (each partial sum of products is bounded by it, rounding aside);
     // else the row may hold NaN or inf: the kernel offers it nothing (floor +inf) and it is
@@ -82,11 +116,36 @@ void skinny_linear_tops(const float* x, int64_t ldx, int64_t m, int64_t k, const
     double norm = 0.0;
     for (int64_t i = 0; i < k; ++i) norm += std::fabs(static_cast<double>(x[r * ldx + i]));
     deferred[r] = !(norm * static_cast<double>(weight_bound) < 1e36);  // NaN or inf too
-    floors[r] = deferred[r] ? std::numeric_limits<float>::infinity() : best.back().floor();
   }
-  kernel(isa)(x, ldx, m, k, panels, n, y, ldy, best.data(), floors.data());
+  for (int t = 0; t < threads; ++t) {
+    best[t].reserve(static_cast<size_t>(m));
+    for (int64_t r = 0; r < m; ++r) {
+      best[t].emplace_back(top_k, n);
+      floors[t][r] = deferred[r] ? std::numeric_limits<float>::infinity() : best[t].back().floor();
+    }
+  }
+  const int64_t count = (n + kPanel - 1) / kPanel;
+  int parts = 1;
+  if (threads <= 1) {
+    linear(x, ldx, m, k, panels, n, y, ldy, best[0].data(), floors[0].data());
+  } else {
+#if defined(LOOKUPDEC_OPENMP)
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num();
+      const int64_t got = omp_get_num_threads();
+      if (t == 0) parts = static_cast<int>(got);
+      const int64_t first = count * t / got, last = count * (t + 1) / got;
+      if (last > first)
+        linear(x, ldx, m, k, panels + first * k * kPanel, std::min(n, last * kPanel) - first * kPanel,
+               y + first * kPanel, ldy, best[t].data(), floors[t].data());
+    }
+#endif
+  }
   for (int64_t r = 0; r < m; ++r) {
-    RowTopK& row = best[static_cast<size_t>(r)];
+    RowTopK& row = best[0][static_cast<size_t>(r)];
+    for (int t = 1; t < parts; ++t)  // later runs' columns come after: merged in index order
+      row.merge(best[t][static_cast<size_t>(r)], static_cast<int32_t>(count * t / parts * kPanel));
     if (deferred[r]) row.scan(y + r * ldy, 0, n);
     row.finish(tops + r * top_k);
   }

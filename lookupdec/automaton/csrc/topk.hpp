@@ -21,6 +21,9 @@ class RowTopK {
   // one entry (index j) after every entry before it; what scan does per entry
   void add(float v, int32_t j);
   float floor() const { return floor_; }  // what an entry must beat (NaNs aside)
+  // the picks of `later`, a RowTopK of the entries after every entry this one saw (indices
+  // shifted by `offset`): as if those entries had been added here, in index order
+  void merge(const RowTopK& later, int32_t offset);
 
  private:
   size_t want_;

@@ -700,6 +700,13 @@ RowTopK::RowTopK(int64_t k, int64_t n) : want_(static_cast<size_t>(std::max<int6
   best_.reserve(want_ + 1);
 }
 
+void RowTopK::merge(const RowTopK& later, int32_t offset) {
+  for (int32_t j : later.nans_)
+    if (nans_.size() < want_) nans_.push_back(j + offset);
+  // later's best in its order (value descending, index ascending): equal values stay in index order
+  for (const auto& e : later.best_) add(e.first, e.second + offset);
+}
+
 void RowTopK::scan(const float* x, int64_t begin, int64_t end) {
   if (want_ == 0) return;
 #ifdef LOOKUPDEC_X86
