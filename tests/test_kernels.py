@@ -564,3 +564,28 @@ def test_the_cache_keys_name_a_threaded_skinny_product():
     if "skinny" in target.body.forms:
         assert want in forms
     assert ("skinny" in forms or "head-skinny" in forms) != skinny_threaded()
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [0, 1, 9, 64])
+def test_the_skinny_hot_path_computes_what_the_checked_binding_does(rows, threads):
+    """``kernels.skinny_linear`` hands the core addresses (``_core.skinny_linear_at``) where
+    the tensors are float32 CPU with rows of contiguous floats, the checked binding otherwise
+    (an instruction set named): the same outputs, bit for bit, with rows strided apart (a
+    slice of wider rows) and a bias."""
+    from lookupdec.automaton import _core
+    from lookupdec.model.kernels import skinny_linear, skinny_pack
+
+    generator = torch.Generator().manual_seed(rows)
+    w = torch.randn(90, 40, generator=generator)
+    bias = torch.randn(90, generator=generator)
+    wide = torch.randn(rows, 56, generator=generator)
+    x = wide[:, 8:48]  # rows 56 floats apart
+    panels = skinny_pack(w)
+    want = torch.empty(rows, 90)
+    _core.skinny_linear(x, panels, want, None)
+    assert torch.equal(skinny_linear(x, panels, 90, None), want)
+    assert torch.equal(skinny_linear(x, panels, 90, bias), want + bias)
+    assert torch.equal(skinny_linear(x, panels, 90, None, isa=_core.skinny_isa()), want)
+    with pytest.raises(ValueError):
+        _core.skinny_linear_at(x.data_ptr(), 4, rows, 40, panels.data_ptr(), 90, want.data_ptr())  # rows overlap

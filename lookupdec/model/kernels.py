@@ -375,11 +375,20 @@ def skinny_linear(flat: torch.Tensor, panels: torch.Tensor, out_features: int, b
             raise ValueError("skinny_linear: tops of a bias-free product only")
         _core.skinny_linear(flat, panels, out, isa, tops, weight_bound)
         return out
-    _core.skinny_linear(flat, panels, out, isa)
+    k = flat.shape[1]
+    if (isa is None and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.stride(1) == 1
+            and panels.numel() == -(-out_features // 16) * 16 * k and panels.dtype == torch.float32
+            and panels.device.type == "cpu" and panels.is_contiguous() and _skinny_at is not None):
+        # the hot path: addresses, not tensors (each tensor's conversion cost more than a small product)
+        _skinny_at(flat.data_ptr(), flat.stride(0), flat.shape[0], k, panels.data_ptr(), out_features, out.data_ptr())
+    else:
+        _core.skinny_linear(flat, panels, out, isa)
     if bias is not None:
         out += bias
     return out
 
+
+_skinny_at = getattr(_core, "skinny_linear_at", None)  # (a core built before it: the checked binding)
 
 SKINNY_MAX_ROWS = 64  # the skinny product is offered for forwards of at most this many tokens
 

@@ -415,6 +415,17 @@ void skinny_linear(MatrixIn x, PanelsIn panels, MatrixOut y, std::optional<std::
                            isa ? isa->c_str() : nullptr);
 }
 
+// skinny_linear without the ndarray conversions (a torch tensor's DLPack import cost 5 µs of a
+// call's 8, 211 calls per SmolLM2 forward): addresses and sizes the caller has checked
+// (model/kernels.py: float32 CPU tensors, x's rows contiguous, panels of ceil(n / 16) * 16 * k
+// floats, y [m, n] contiguous).
+void skinny_linear_at(uintptr_t x, int64_t ldx, int64_t m, int64_t k, uintptr_t panels, int64_t n, uintptr_t y) {
+  if (m < 0 || k < 1 || n < 1 || ldx < k) throw std::invalid_argument("skinny_linear_at: bad sizes");
+  nb::gil_scoped_release release;
+  lookupdec::skinny_linear(reinterpret_cast<const float*>(x), ldx, m, k, reinterpret_cast<const float*>(panels), n,
+                           reinterpret_cast<float*>(y), n);
+}
+
 // tree.observe_draft: one draft's reached nodes counted into a calibration row's three arrays.
 void observe_draft(nb::bytes tokens, nb::bytes parents, nb::bytes scores, const std::vector<int64_t>& committed,
                    CellsOut reached, CellsOut predicted, CellsOut matched) {
@@ -670,6 +681,7 @@ NB_MODULE(_core, m) {
   m.def("skinny_pack", &skinny_pack);
   m.def("skinny_linear", &skinny_linear, nb::arg("x"), nb::arg("panels"), nb::arg("y"), nb::arg("isa") = nb::none(),
         nb::arg("tops") = nb::none(), nb::arg("weight_bound") = std::numeric_limits<float>::infinity());
+  m.def("skinny_linear_at", &skinny_linear_at);
   m.def("skinny_isa", &lookupdec::skinny_isa);
   m.def("skinny_isas", &lookupdec::skinny_isas);
   m.def("skinny_threads", &lookupdec::skinny_threads);
