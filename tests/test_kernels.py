@@ -136,7 +136,7 @@ def test_skinny_outputs_and_picks_do_not_depend_on_the_thread_count(rows, out_fe
     many as ``torch.set_num_threads`` gives, one per 4 panels at most): every output and every
     pick is bit for bit the one-thread product's, on every kernel."""
     from lookupdec.automaton import _core
-    from lookupdec.model.kernels import skinny_linear, skinny_pack
+    from lookupdec.model.kernels import skinny_linear, skinny_pack, skinny_threaded
 
     generator = torch.Generator().manual_seed(rows * 7 + out_features)
     w = torch.randn(out_features, 48, generator=generator)
@@ -147,7 +147,7 @@ def test_skinny_outputs_and_picks_do_not_depend_on_the_thread_count(rows, out_fe
         got = {}
         for count in (1, 2):
             torch.set_num_threads(count)
-            want_threads = min(count, max(1, (out_features + 15) // 16 // 4)) if _core.OPENMP else 1
+            want_threads = min(count, max(1, (out_features + 15) // 16 // 4)) if skinny_threaded() else 1
             assert _core.skinny_threads(out_features) == want_threads
             for isa in _core.skinny_isas():
                 tops = np.full((rows, 3), -1, dtype=np.int32)
@@ -589,3 +589,34 @@ def test_the_skinny_hot_path_computes_what_the_checked_binding_does(rows, thread
     assert torch.equal(skinny_linear(x, panels, 90, None, isa=_core.skinny_isa()), want)
     with pytest.raises(ValueError):
         _core.skinny_linear_at(x.data_ptr(), 4, rows, 40, panels.data_ptr(), 90, want.data_ptr())  # rows overlap
+
+
+def test_two_openmp_runtimes_keep_the_skinny_product_on_one_thread(tmp_path):
+    """The core links ``libgomp.so.1``; where torch's runtime is another file (a renamed
+    ``libgomp-<hash>.so.1``, ``libiomp5``) the process has two pools of workers spinning on
+    the same cores, and the product stays on one thread (``_core.set_skinny_thread_cap``)."""
+    from lookupdec.model.kernels import openmp_runtimes
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0\n"
+                    "7f02-7f03 r--p 0 08:01 1 /usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0\n"
+                    "7f04-7f05 r-xp 0 08:01 2 /opt/torch/lib/libgomp-a34b3233.so.1\n"
+                    "7f06-7f07 r-xp 0 08:01 3 /usr/lib/libc.so.6\n7f08-7f09 rw-p 0 00:00 0 [heap]\n")
+    assert openmp_runtimes(str(maps)) == {"/usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0",
+                                          "/opt/torch/lib/libgomp-a34b3233.so.1"}
+    assert openmp_runtimes(str(tmp_path / "absent")) == set()
+    assert len(openmp_runtimes()) <= 1  # this process: torch's runtime is the core's
+
+
+@needs_skinny
+def test_the_thread_cap_keeps_the_product_on_one_thread():
+    from lookupdec.automaton import _core
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _core.set_skinny_thread_cap(1)
+        assert _core.skinny_threads(49152) == 1
+    finally:
+        _core.set_skinny_thread_cap(1 << 20)
+        torch.set_num_threads(before)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import time
@@ -50,6 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from lookupdec.tree import _core  # the compiled core (None where it is not built): the skinny product
+
+log = logging.getLogger("lookupdec")
 
 # the head's: F.linear; x @ (W^T stored); (W @ x^T)^T; oneDNN prepacked; the core's skinny product
 FORMS = ("linear", "transposed", "right", "packed", "skinny")
@@ -338,11 +341,42 @@ def fast_head_for(model) -> FastHead | None:
     return _SHARED[head]
 
 
+def openmp_runtimes(maps: str = "/proc/self/maps") -> set[str]:
+    """The OpenMP runtime files this process has mapped (Linux; empty where unknown). The core
+    links ``libgomp.so.1``: one runtime with torch's where torch ships that name (its CPU
+    wheels), two where torch's is renamed (``libgomp-<hash>.so.1``) or another (``libiomp5``)."""
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            names = {line.split()[-1] for line in f if ".so" in line}
+    except OSError:
+        return set()
+    return {os.path.realpath(n) for n in names
+            if os.path.basename(n).startswith(("libgomp", "libiomp", "libomp")) and os.path.isabs(n)}
+
+
+def _check_runtimes() -> bool:
+    """Whether the skinny product may split over threads: one OpenMP runtime in the process
+    (two would each keep their own workers spinning on the same cores); else it is capped at
+    one thread (``_core.set_skinny_thread_cap``)."""
+    if _core is None or not getattr(_core, "OPENMP", False):
+        return False
+    if len(openmp_runtimes()) > 1:
+        log.info("two OpenMP runtimes in this process (%s): the skinny product runs on one thread",
+                 ", ".join(sorted(openmp_runtimes())))
+        _core.set_skinny_thread_cap(1)
+        return False
+    return True
+
+
+_THREADED = _check_runtimes()
+
+
 def skinny_threaded() -> bool:
     """The skinny product splits its panels over torch's OpenMP threads (``skinny_threads`` in
-    ``csrc/skinny.hpp``; the core built with OpenMP): at 2 threads it is another kernel than
-    the one-thread product, so the cost and form caches name it apart (``TargetModel.kernels``)."""
-    return _core is not None and bool(getattr(_core, "OPENMP", False))
+    ``csrc/skinny.hpp``; the core built with OpenMP, one OpenMP runtime in the process): at 2
+    threads it is another kernel than the one-thread product, so the cost and form caches name
+    it apart (``TargetModel.kernels``)."""
+    return _THREADED
 
 
 def skinny_available() -> bool:

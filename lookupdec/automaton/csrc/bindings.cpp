@@ -685,6 +685,7 @@ NB_MODULE(_core, m) {
   m.def("skinny_isa", &lookupdec::skinny_isa);
   m.def("skinny_isas", &lookupdec::skinny_isas);
   m.def("skinny_threads", &lookupdec::skinny_threads);
+  m.def("set_skinny_thread_cap", &lookupdec::set_skinny_thread_cap);
 #if defined(LOOKUPDEC_OPENMP)
   m.attr("OPENMP") = true;  // the skinny product splits over torch's OpenMP threads
 #else

@@ -1,5 +1,6 @@
 // skinny.hpp's kernel at the compiler's default instruction set, the packing, and the dispatch.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -67,10 +68,16 @@ Linear kernel(const char* isa) {
 }
 }  // namespace
 
+namespace {
+std::atomic<int> thread_cap{1 << 20};  // set_skinny_thread_cap
+}  // namespace
+
+void set_skinny_thread_cap(int cap) { thread_cap.store(std::max(cap, 1)); }
+
 int skinny_threads(int64_t n) {
 #if defined(LOOKUPDEC_OPENMP)
   if (omp_in_parallel()) return 1;
-  const int64_t most = (n + kPanel - 1) / kPanel / kMinThreadPanels;
+  const int64_t most = std::min<int64_t>((n + kPanel - 1) / kPanel / kMinThreadPanels, thread_cap.load());
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), most)));
 #else
   (void)n;
