@@ -620,3 +620,32 @@ def test_the_thread_cap_keeps_the_product_on_one_thread():
     finally:
         _core.set_skinny_thread_cap(1 << 20)
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
+def test_fused_norms_compute_what_the_models_norms_do(family):
+    """``fused_norms_for``: each RMS norm that ``F.rms_norm`` computes bit for bit (probed
+    once per module) runs as that one call inside ``swapped``: the same outputs on rows of any
+    count and scale, the module's own forward back after the block; Gemma's ``1 + weight``
+    norm fails the probe and keeps its own."""
+    from lookupdec.model.kernels import fused_norms_for
+
+    model = cached_tiny(family)
+    norms = fused_norms_for(model)
+    assert fused_norms_for(model) is norms  # one list per model
+    all_norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert all_norms
+    if family == "gemma":
+        assert norms == []
+        return
+    assert [m for m, _ in norms] == all_norms
+    generator = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for rows, scale in [(1, 1.0), (7, 1e-3), (33, 50.0)]:
+            x = torch.randn(1, rows, all_norms[0].weight.shape[0], generator=generator) * scale
+            want = [m(x) for m in all_norms]
+            with swapped(model, None, norms=norms):
+                assert all("forward" in m.__dict__ for m in all_norms)
+                got = [m(x) for m in all_norms]
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), (rows, scale)
+    assert not any("forward" in m.__dict__ for m in all_norms)
