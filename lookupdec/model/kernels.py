@@ -360,9 +360,10 @@ def _check_runtimes() -> bool:
     one thread (``_core.set_skinny_thread_cap``)."""
     if _core is None or not getattr(_core, "OPENMP", False):
         return False
-    if len(openmp_runtimes()) > 1:
+    runtimes = openmp_runtimes()
+    if len(runtimes) > 1:
         log.info("two OpenMP runtimes in this process (%s): the skinny product runs on one thread",
-                 ", ".join(sorted(openmp_runtimes())))
+                 ", ".join(sorted(runtimes)))
         _core.set_skinny_thread_cap(1)
         return False
     return True

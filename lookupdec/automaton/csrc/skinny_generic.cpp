@@ -85,35 +85,45 @@ int skinny_threads(int64_t n) {
 #endif
 }
 
+namespace {
+// fn(first, last, run) for contiguous runs [first, last) of the `count` panels, one per OpenMP
+// thread (up to `threads`; here alone where threads <= 1); returns how many runs there were.
+// Run r starts at panel count * r / runs.
+template <class F>
+int split_panels(int threads, int64_t count, F&& fn) {
+  int runs = 1;
+#if defined(LOOKUPDEC_OPENMP)
+  if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+    {
+      const int r = omp_get_thread_num(), got = omp_get_num_threads();
+      if (r == 0) runs = got;  // read after the region's barrier
+      const int64_t first = count * r / got, last = count * (r + 1) / got;
+      if (last > first) fn(first, last, r);
+    }
+    return runs;
+  }
+#endif
+  (void)threads;
+  fn(0, count, 0);
+  return runs;
+}
+}  // namespace
+
 void skinny_linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y,
                    int64_t ldy, const char* isa) {
   const Linear linear = kernel(isa);
-  const int threads = skinny_threads(n);
-  if (threads <= 1) {
-    linear(x, ldx, m, k, panels, n, y, ldy, nullptr, nullptr);
-    return;
-  }
-  // each thread a contiguous run of panels: every output is the same sum as on one thread
-  const int64_t count = (n + kPanel - 1) / kPanel;
-#if defined(LOOKUPDEC_OPENMP)
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
-    const int64_t first = count * t / parts, last = count * (t + 1) / parts;
-    if (last > first)
-      linear(x, ldx, m, k, panels + first * k * kPanel, std::min(n, last * kPanel) - first * kPanel,
-             y + first * kPanel, ldy, nullptr, nullptr);
-  }
-#endif
+  // each thread a run of whole panels: every output is the same sum as on one thread
+  split_panels(skinny_threads(n), (n + kPanel - 1) / kPanel, [&](int64_t first, int64_t last, int) {
+    linear(x, ldx, m, k, panels + first * k * kPanel, std::min(n, last * kPanel) - first * kPanel, y + first * kPanel,
+           ldy, nullptr, nullptr);
+  });
 }
 
 void skinny_linear_tops(const float* x, int64_t ldx, int64_t m, int64_t k, const float* panels, int64_t n, float* y,
                         int64_t ldy, int32_t top_k, int32_t* tops, float weight_bound, const char* isa) {
   const Linear linear = kernel(isa);
   const int threads = skinny_threads(n);
-  // per thread (a run of whole panels, as skinny_linear's), each row's picks among its columns
-  std::vector<std::vector<RowTopK>> best(static_cast<size_t>(threads));
-  std::vector<std::vector<float>> floors(static_cast<size_t>(threads), std::vector<float>(static_cast<size_t>(m)));
   std::vector<uint8_t> deferred(static_cast<size_t>(m));
   for (int64_t r = 0; r < m; ++r) {
     // Every output of the row is finite when its inputs are and sum |x| * max |w| stays far
@@ -124,6 +134,9 @@ void skinny_linear_tops(const float* x, int64_t ldx, int64_t m, int64_t k, const
     for (int64_t i = 0; i < k; ++i) norm += std::fabs(static_cast<double>(x[r * ldx + i]));
     deferred[r] = !(norm * static_cast<double>(weight_bound) < 1e36);  // NaN or inf too
   }
+  // per run of panels (skinny_linear's), each row's picks among its columns and their floors
+  std::vector<std::vector<RowTopK>> best(static_cast<size_t>(threads));
+  std::vector<std::vector<float>> floors(static_cast<size_t>(threads), std::vector<float>(static_cast<size_t>(m)));
   for (int t = 0; t < threads; ++t) {
     best[t].reserve(static_cast<size_t>(m));
     for (int64_t r = 0; r < m; ++r) {
@@ -132,27 +145,14 @@ void skinny_linear_tops(const float* x, int64_t ldx, int64_t m, int64_t k, const
     }
   }
   const int64_t count = (n + kPanel - 1) / kPanel;
-  int parts = 1;
-  if (threads <= 1) {
-    linear(x, ldx, m, k, panels, n, y, ldy, best[0].data(), floors[0].data());
-  } else {
-#if defined(LOOKUPDEC_OPENMP)
-#pragma omp parallel num_threads(threads)
-    {
-      const int t = omp_get_thread_num();
-      const int64_t got = omp_get_num_threads();
-      if (t == 0) parts = static_cast<int>(got);
-      const int64_t first = count * t / got, last = count * (t + 1) / got;
-      if (last > first)
-        linear(x, ldx, m, k, panels + first * k * kPanel, std::min(n, last * kPanel) - first * kPanel,
-               y + first * kPanel, ldy, best[t].data(), floors[t].data());
-    }
-#endif
-  }
+  const int runs = split_panels(threads, count, [&](int64_t first, int64_t last, int run) {
+    linear(x, ldx, m, k, panels + first * k * kPanel, std::min(n, last * kPanel) - first * kPanel, y + first * kPanel,
+           ldy, best[run].data(), floors[run].data());
+  });
   for (int64_t r = 0; r < m; ++r) {
     RowTopK& row = best[0][static_cast<size_t>(r)];
-    for (int t = 1; t < parts; ++t)  // later runs' columns come after: merged in index order
-      row.merge(best[t][static_cast<size_t>(r)], static_cast<int32_t>(count * t / parts * kPanel));
+    for (int run = 1; run < runs; ++run)  // later runs' columns come after: merged in index order
+      row.merge(best[run][static_cast<size_t>(r)], static_cast<int32_t>(count * run / runs * kPanel));
     if (deferred[r]) row.scan(y + r * ldy, 0, n);
     row.finish(tops + r * top_k);
   }
