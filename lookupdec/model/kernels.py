@@ -341,29 +341,33 @@ def fast_head_for(model) -> FastHead | None:
     return _SHARED[head]
 
 
-def openmp_runtimes(maps: str = "/proc/self/maps") -> set[str]:
-    """The OpenMP runtime files this process has mapped (Linux; empty where unknown). The core
-    links ``libgomp.so.1``: one runtime with torch's where torch ships that name (its CPU
-    wheels), two where torch's is renamed (``libgomp-<hash>.so.1``) or another (``libiomp5``)."""
+def shares_torch_runtime() -> bool:
+    """Whether the core runs on torch's OpenMP runtime: its thread count follows
+    ``torch.set_num_threads`` (set to 1, then 2, then back). The core links ``libgomp.so.1``,
+    the runtime torch's CPU wheels load; a torch that renames its libgomp, ships libiomp5 or
+    runs another thread pool leaves the core its own runtime, whose workers would spin on the
+    same cores as torch's. (Other libraries' runtimes, such as faiss's or sentencepiece's
+    renamed libgomp copies, sleep while they are not used.)"""
+    if _core is None or not getattr(_core, "OPENMP", False):
+        return False
+    before = torch.get_num_threads()
     try:
-        with open(maps, encoding="utf-8", errors="replace") as f:
-            names = {line.split()[-1] for line in f if ".so" in line}
-    except OSError:
-        return set()
-    return {os.path.realpath(n) for n in names
-            if os.path.basename(n).startswith(("libgomp", "libiomp", "libomp")) and os.path.isabs(n)}
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            if _core.omp_max_threads() != count:
+                return False
+        return True
+    finally:
+        torch.set_num_threads(before)
 
 
 def _check_runtimes() -> bool:
-    """Whether the skinny product may split over threads: one OpenMP runtime in the process
-    (two would each keep their own workers spinning on the same cores); else it is capped at
-    one thread (``_core.set_skinny_thread_cap``)."""
+    """Whether the skinny product may split over threads: on torch's own OpenMP runtime; else
+    it is capped at one thread (``_core.set_skinny_thread_cap``)."""
     if _core is None or not getattr(_core, "OPENMP", False):
         return False
-    runtimes = openmp_runtimes()
-    if len(runtimes) > 1:
-        log.info("two OpenMP runtimes in this process (%s): the skinny product runs on one thread",
-                 ", ".join(sorted(runtimes)))
+    if not shares_torch_runtime():
+        log.info("the compiled core and torch use different OpenMP runtimes: the skinny product runs on one thread")
         _core.set_skinny_thread_cap(1)
         return False
     return True

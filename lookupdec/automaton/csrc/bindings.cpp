@@ -26,6 +26,9 @@
 #include "recycle.hpp"
 #include "suffix_drafts.hpp"
 #include "skinny.hpp"
+#if defined(LOOKUPDEC_OPENMP)
+#include <omp.h>
+#endif
 #include "tree.hpp"
 
 namespace nb = nanobind;
@@ -688,6 +691,9 @@ NB_MODULE(_core, m) {
   m.def("set_skinny_thread_cap", &lookupdec::set_skinny_thread_cap);
 #if defined(LOOKUPDEC_OPENMP)
   m.attr("OPENMP") = true;  // the skinny product splits over torch's OpenMP threads
+  // the thread count of the OpenMP runtime the core runs on, for this thread (torch's where
+  // torch.set_num_threads moves it: model/kernels.py checks)
+  m.def("omp_max_threads", []() { return omp_get_max_threads(); });
 #else
   m.attr("OPENMP") = false;
 #endif

@@ -38,8 +38,8 @@ void skinny_linear(const float* x, int64_t ldx, int64_t m, int64_t k, const floa
 // 1 inside a parallel region or where the core was built without OpenMP.
 constexpr int64_t kMinThreadPanels = 4;
 int skinny_threads(int64_t n);
-// At most `cap` threads from now on (1: the one-thread product), e.g. where the process holds
-// another OpenMP runtime than torch's (model/kernels.py checks).
+// At most `cap` threads from now on (1: the one-thread product), e.g. where the core's OpenMP
+// runtime is not torch's (model/kernels.py checks).
 void set_skinny_thread_cap(int cap);
 
 // skinny_linear, and each row's top_k output indices (lookupdec::row_topk of the row: NaNs
