@@ -362,15 +362,14 @@ def shares_torch_runtime() -> bool:
 
 
 def _check_runtimes() -> bool:
-    """Whether the skinny product may split over threads: on torch's own OpenMP runtime; else
-    it is capped at one thread (``_core.set_skinny_thread_cap``)."""
-    if _core is None or not getattr(_core, "OPENMP", False):
-        return False
-    if not shares_torch_runtime():
+    """Whether the skinny product may split over threads: on torch's own OpenMP runtime; a core
+    with another is capped at one thread (``_core.set_skinny_thread_cap``)."""
+    if shares_torch_runtime():
+        return True
+    if _core is not None and getattr(_core, "OPENMP", False):
         log.info("the compiled core and torch use different OpenMP runtimes: the skinny product runs on one thread")
         _core.set_skinny_thread_cap(1)
-        return False
-    return True
+    return False
 
 
 _THREADED = _check_runtimes()
@@ -378,7 +377,7 @@ _THREADED = _check_runtimes()
 
 def skinny_threaded() -> bool:
     """The skinny product splits its panels over torch's OpenMP threads (``skinny_threads`` in
-    ``csrc/skinny.hpp``; the core built with OpenMP, one OpenMP runtime in the process): at 2
+    ``csrc/skinny.hpp``; the core built with OpenMP, on torch's runtime): at 2
     threads it is another kernel than the one-thread product, so the cost and form caches name
     it apart (``TargetModel.kernels``)."""
     return _THREADED
