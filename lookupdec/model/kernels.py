@@ -413,20 +413,30 @@ def skinny_linear(flat: torch.Tensor, panels: torch.Tensor, out_features: int, b
             raise ValueError("skinny_linear: tops of a bias-free product only")
         _core.skinny_linear(flat, panels, out, isa, tops, weight_bound)
         return out
-    k = flat.shape[1]
-    if (isa is None and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.stride(1) == 1
-            and panels.numel() == -(-out_features // 16) * 16 * k and panels.dtype == torch.float32
-            and panels.device.type == "cpu" and panels.is_contiguous() and _skinny_at is not None):
-        # the hot path: addresses, not tensors (each tensor's conversion cost more than a small product)
-        _skinny_at(flat.data_ptr(), flat.stride(0), flat.shape[0], k, panels.data_ptr(), out_features, out.data_ptr())
-    else:
-        _core.skinny_linear(flat, panels, out, isa)
+    if (isa is None and _skinny_at is not None and flat.dtype == torch.float32 and flat.device.type == "cpu"
+            and flat.stride(1) == 1 and panels.numel() == -(-out_features // 16) * 16 * flat.shape[1]
+            and panels.dtype == torch.float32 and panels.device.type == "cpu" and panels.is_contiguous()):
+        return skinny_product(flat, panels, out_features, bias)
+    _core.skinny_linear(flat, panels, out, isa)
     if bias is not None:
         out += bias
     return out
 
 
 _skinny_at = getattr(_core, "skinny_linear_at", None)  # (a core built before it: the checked binding)
+
+
+def skinny_product(flat: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None):
+    """``skinny_linear``'s hot path, unchecked: the core gets addresses, not tensors (each
+    tensor's conversion cost more than a small product). For callers that hold what it needs:
+    ``flat`` float32 on the CPU with contiguous rows, ``panels = skinny_pack(W)`` of ``W``
+    [out_features, flat's columns] (``PackedLinears``' layers, checked once when packed)."""
+    out = torch.empty((flat.shape[0], out_features), dtype=torch.float32)
+    _skinny_at(flat.data_ptr(), flat.stride(0), flat.shape[0], flat.shape[1], panels.data_ptr(), out_features,
+               out.data_ptr())
+    if bias is not None:
+        out += bias
+    return out
 
 SKINNY_MAX_ROWS = 64  # the skinny product is offered for forwards of at most this many tokens
 
@@ -562,11 +572,14 @@ class PackedLinears:
                 flat = x.reshape(-1, x.shape[-1])
                 out = packed_linear(flat if flat.is_contiguous() else flat.contiguous(), copies[m][2], m.bias)
                 return out.view(*x.shape[:-1], out.shape[-1])
-        else:
+        else:  # (float32 CPU layers, panels of their weights: the unchecked product where the core has it)
+            product = skinny_product if _skinny_at is not None else skinny_linear
+
             def forward(x: torch.Tensor) -> torch.Tensor:
+                if x.dtype is not torch.float32:  # (not this layer's dtype: nn.Linear says why)
+                    return torch.nn.Linear.forward(m, x)
                 flat = x.reshape(-1, x.shape[-1])
-                out = skinny_linear(flat if flat.is_contiguous() else flat.contiguous(), copies[m][2], out_features,
-                                    m.bias)
+                out = product(flat if flat.is_contiguous() else flat.contiguous(), copies[m][2], out_features, m.bias)
                 return out.view(*x.shape[:-1], out_features)
 
         return forward
