@@ -713,7 +713,7 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
     if fast is not None:
         model.set_output_embeddings(fast)
     for m, forward in norms or ():
-        m.forward = forward
+        m.__dict__["forward"] = forward  # as the body's: nn.Module.__setattr__ cost 2 µs a norm, 61 per forward
     try:
         if body is None:
             context = contextlib.nullcontext()
