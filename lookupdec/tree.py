@@ -82,10 +82,10 @@ class Draft:
 
     @classmethod
     def _trusted(cls, token_ids: tuple | None, parents: tuple | None, scores: tuple | None, source: str,
-                 match_length: int = 0, packed: tuple | None = None, best: tuple | None = None) -> "Draft":
+                 match_length: int = 0, packed: tuple | None = None) -> "Draft":
         """A draft whose parents are valid by construction (no per-node check). ``packed``: its
         arrays as bytes (``packed()``); given alone (the three tuples None), the tuples are made
-        from it on first use. ``best``: its ``best_chain()``, when the maker has it."""
+        from it on first use."""
         draft = cls.__new__(cls)
         fields = draft.__dict__
         fields.update(source=source, match_length=match_length, samples=None)
@@ -93,8 +93,6 @@ class Draft:
             fields.update(token_ids=token_ids, parents=parents, scores=scores)
         if packed is not None:
             fields["_packed"] = packed
-        if best is not None:
-            fields["_best"] = best
         return draft
 
     def __getattr__(self, name: str):
@@ -121,9 +119,6 @@ class Draft:
     def best_chain(self) -> tuple[list[int], list[float]]:
         """The path that follows the best-scored child from the root: (tokens, conditional
         probabilities score[i] / score[parent])."""
-        best = self.__dict__.get("_best")
-        if best is not None:  # the compiled suffix drafts compute it with the draft
-            return list(best[0]), list(best[1])
         if self.parents == tuple(range(-1, len(self.parents) - 1)):  # already a chain
             prev = (1.0,) + self.scores[:-1]
             return list(self.token_ids), [s / p if p > 0 else 0.0 for s, p in zip(self.scores, prev)]

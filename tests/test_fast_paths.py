@@ -100,11 +100,15 @@ def test_compiled_suffix_drafts_equal_the_reference(seed):
             p.stop(f"r{request}")
 
 
-def test_packed_arrays_and_cached_chain_are_the_drafts_own():
+def test_packed_arrays_and_pending_chain_are_the_drafts_own():
     p = SuffixProposer()
     prompt = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 3, 5, 6]
     p.start("r", prompt)
-    for draft in p.propose("r", prompt, 8):
+    drafts = p.propose("r", prompt, 8)
+    assert drafts
+    chain, certain = p._requests.get("r").pending["suffix"]  # the longest match's, checked after the step
+    assert chain == drafts[0].best_chain()[0] and len(certain) == len(chain)
+    for draft in drafts:
         tokens, parents, scores = draft.packed()
         assert np.frombuffer(tokens, np.int32).tolist() == list(draft.token_ids)
         assert np.frombuffer(parents, np.int32).tolist() == list(draft.parents)

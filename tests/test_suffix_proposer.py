@@ -57,6 +57,15 @@ def test_lifecycle_errors_name_the_request():
         p.stop("x")
 
 
+@pytest.mark.parametrize("bad", [2**31, 2**40])
+def test_a_context_id_outside_int32_is_a_value_error(bad):
+    # the compiled drafting calls the core directly; its TypeError becomes the wrapper's ValueError
+    p = SuffixProposer()
+    p.start("r", [1, 2, 3, 1, 2])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        p.propose("r", [1, 2, 3, 1, bad], max_nodes=8)
+
+
 def test_global_capacity_drops_oldest_outputs():
     p = SuffixProposer(SuffixConfig(global_capacity=40))
     for r in range(10):

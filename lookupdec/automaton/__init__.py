@@ -250,9 +250,9 @@ class SuffixAutomaton:
                       certain_step: float) -> list[tuple]:
         """The suffix proposer's drafts in one call (compiled core only: see
         ``lookupdec.proposers.suffix.automaton_drafts``, which documents the arguments): per
-        draft, ``(token_ids, parents, scores, match_length, chain, chain_cond, chain_certain)``:
-        the draft's arrays as bytes (int32, int32, float64), its best chain as lists (tokens,
-        conditional probabilities, certain-step flags)."""
+        draft, ``(token_ids, parents, scores, match_length, chain, chain_certain)``: the draft's
+        arrays as bytes (int32, int32, float64); the first draft's best chain as lists (tokens,
+        certain-step flags), None for the others."""
         if self.backend != "compiled":
             raise NotImplementedError("suffix_drafts needs the compiled core (the reference: automaton_drafts_reference)")
         _check_budget(max_nodes, max_nodes)

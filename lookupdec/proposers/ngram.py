@@ -82,9 +82,8 @@ class NgramProposer:
             return []
         if not isinstance(state, _NgramIndex):
             config = self.config
-            return [Draft._trusted(None, None, None, self.name, match_len, packed=(tokens, parents, scores),
-                                   best=(chain, cond))
-                    for tokens, parents, scores, match_len, chain, cond in state.propose(
+            return [Draft._trusted(None, None, None, self.name, match_len, packed=(tokens, parents, scores))
+                    for tokens, parents, scores, match_len in state.propose(
                         config.max_draft_tokens, config.max_branches, max_nodes, BRANCH_DECAY, CONTINUE_PROB)]
         length = min(self.config.max_draft_tokens, max_nodes)
         found, seen = [], set()  # (first score, continuation start)

@@ -108,17 +108,13 @@ class SuffixProposer:
         if max_nodes <= 0:
             return []
         ctx = list(context[-self.config.max_match :])
-        drafts = self._drafts(request, request.automaton, ctx, max_nodes, self.config.min_match, "suffix")
-        if self._global_tokens:
-            drafts += self._drafts(request, self.global_automaton, ctx, max_nodes, self.config.global_min_match,
-                                   "suffix-global")
-        return drafts
-
-    # -- drafting -------------------------------------------------------------------------------
-    def _drafts(self, request: _Request, automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: int,
-                min_match: int, source: str) -> list[Draft]:
         drafts = automaton_drafts if self.drafting == "auto" else automaton_drafts_reference
-        return drafts(automaton, ctx, max_nodes, min_match, source, self.certain_step[source], request.pending)
+        out = drafts(request.automaton, ctx, max_nodes, self.config.min_match, "suffix", self.certain_step["suffix"],
+                     request.pending)
+        if self._global_tokens:
+            out += drafts(self.global_automaton, ctx, max_nodes, self.config.global_min_match, "suffix-global",
+                          self.certain_step["suffix-global"], request.pending)
+        return out
 
     # -- the global cache -----------------------------------------------------------------------
     def add_to_global(self, output: Sequence[int]) -> None:
@@ -169,22 +165,33 @@ class SuffixProposer:
         self.global_automaton = SuffixAutomaton(stream)
 
 
+_SUFFIX_DRAFTS_KWARGS = ("max_nodes", "min_match", "levels", "shorter_divisor", "separator", "empty_confidence",
+                         "match_prior", "certain_step")
+
+
 def automaton_drafts(automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: int, min_match: int, source: str,
                      certain_step: CertainStepEstimate, pending: dict) -> list[Draft]:
     """``automaton_drafts_reference``'s drafts, made by the compiled core in one call
     (``csrc/suffix_drafts.cpp``) when the automaton is compiled; each draft comes with its
-    arrays and its best chain, so the merge and the calibrator do not recompute them."""
+    arrays (the merge and the calibrator read them as they are), the first with its best chain
+    and certain-step flags for ``pending``."""
     if automaton.backend != "compiled":
         return automaton_drafts_reference(automaton, ctx, max_nodes, min_match, source, certain_step, pending)
-    levels = automaton.suffix_drafts(ctx, max_nodes=max_nodes, min_match=min_match, levels=MATCH_LEVELS,
-                                     shorter_divisor=SHORTER_MATCH_NODES_DIVISOR, separator=SEPARATOR,
-                                     empty_confidence=EMPTY_MATCH_CONFIDENCE, match_prior=MATCH_PRIOR,
-                                     certain_step=certain_step.value)
+    # SuffixAutomaton.suffix_drafts's arguments in its core's order
+    args = (max_nodes, min_match, MATCH_LEVELS, SHORTER_MATCH_NODES_DIVISOR, SEPARATOR, EMPTY_MATCH_CONFIDENCE,
+            MATCH_PRIOR, certain_step.hits / certain_step.trials)  # (CertainStepEstimate.value)
+    levels = None
+    if type(ctx) is list and max_nodes >= 0:  # the step's call: straight to the core, past the wrapper's checks
+        try:
+            levels = automaton._core.suffix_drafts(ctx, *args)
+        except TypeError:
+            pass  # (the wrapper below names the bad ids)
+    if levels is None:
+        levels = automaton.suffix_drafts(ctx, **dict(zip(_SUFFIX_DRAFTS_KWARGS, args)))
     out = []
-    for tokens, parents, scores, length, chain, chain_cond, chain_certain in levels:
-        out.append(Draft._trusted(None, None, None, source, length, packed=(tokens, parents, scores),
-                                  best=(chain, chain_cond)))
-        if source not in pending:
+    for tokens, parents, scores, length, chain, chain_certain in levels:
+        out.append(Draft._trusted(None, None, None, source, length, packed=(tokens, parents, scores)))
+        if chain is not None and source not in pending:
             pending[source] = (chain, chain_certain)
     return out
 

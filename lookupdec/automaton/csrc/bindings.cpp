@@ -239,8 +239,10 @@ nb::bytearray ancestor_mask(nb::bytes parents) {
   return mask;
 }
 
-// One tuple per draft: (token_ids, parents, scores, match_length, chain, chain_cond,
-// chain_certain): the draft's arrays as bytes, its best chain as lists.
+// One tuple per draft: (token_ids, parents, scores, match_length, chain, chain_certain): the
+// draft's arrays as bytes; the first draft's best chain and its certain-step flags as lists (the
+// proposer checks that chain against the step's tokens), None for the later drafts (shorter
+// matches: nothing reads their chains in a step; Draft.best_chain() reads it from the arrays).
 // (context: a list of token ids; int32 overflow is a TypeError, which the wrapper reports)
 nb::list suffix_drafts(Automaton& automaton, const std::vector<int32_t>& context, int32_t max_nodes,
                        int32_t min_match, int32_t levels, int32_t shorter_divisor, int32_t separator,
@@ -250,9 +252,12 @@ nb::list suffix_drafts(Automaton& automaton, const std::vector<int32_t>& context
   std::vector<lookupdec::SuffixDraft> drafts =
       lookupdec::suffix_drafts(automaton, context.data(), context.size(), params);
   nb::list out;
-  for (const lookupdec::SuffixDraft& d : drafts)
+  for (const lookupdec::SuffixDraft& d : drafts) {
+    bool first = out.size() == 0;
     out.append(nb::make_tuple(to_bytes(d.token_ids), to_bytes(d.parents), to_bytes(d.scores), d.match_length,
-                              int_list(d.chain), float_list(d.chain_cond), bool_list(d.chain_certain)));
+                              first ? nb::object(int_list(d.chain)) : nb::none(),
+                              first ? nb::object(bool_list(d.chain_certain)) : nb::none()));
+  }
   return out;
 }
 
@@ -622,15 +627,14 @@ nb::tuple greedy_walk(std::optional<LogitsIn> logits_in, const std::vector<int32
   return nb::make_tuple(int_list(accepted), next_token, bonus, rows_out, missing);
 }
 
-// One tuple per draft: (token_ids, parents, scores, match_length, chain, chain_cond): the arrays
-// as bytes (Draft.packed()), the best chain (Draft.best_chain()) as lists.
+// One tuple per draft: (token_ids, parents, scores, match_length): the arrays as bytes
+// (Draft.packed()). (Draft.best_chain() of a chain is read from them when asked: no step does.)
 nb::list ngram_propose(const lookupdec::NgramIndex& index, int32_t max_draft_tokens, int32_t max_branches,
                        int32_t max_nodes, double branch_decay, double continue_prob) {
   nb::list out;
   for (const lookupdec::NgramDraft& d : index.propose(max_draft_tokens, max_branches, max_nodes, branch_decay,
                                                       continue_prob))
-    out.append(nb::make_tuple(to_bytes(d.token_ids), to_bytes(d.parents), to_bytes(d.scores), d.match_length,
-                              int_list(d.token_ids), float_list(d.chain_cond)));
+    out.append(nb::make_tuple(to_bytes(d.token_ids), to_bytes(d.parents), to_bytes(d.scores), d.match_length));
   return out;
 }
 

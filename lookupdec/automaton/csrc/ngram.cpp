@@ -127,14 +127,13 @@ std::vector<NgramDraft> NgramIndex::propose(int32_t max_draft_tokens, int32_t ma
     if (lengths[r] == 0) continue;
     NgramDraft draft;
     draft.match_length = found[r].match_len;
-    double previous = 1.0;
+    draft.token_ids.resize(lengths[r]);
+    draft.parents.resize(lengths[r]);
+    draft.scores.resize(lengths[r]);
     for (int32_t d = 0; d < lengths[r]; ++d) {
-      double score = found[r].first * decay[d];
-      draft.token_ids.push_back(continuation_token(found[r].end, d));
-      draft.parents.push_back(d - 1);
-      draft.scores.push_back(score);
-      draft.chain_cond.push_back(previous > 0 ? score / previous : 0.0);
-      previous = score;
+      draft.token_ids[d] = continuation_token(found[r].end, d);
+      draft.parents[d] = d - 1;
+      draft.scores[d] = found[r].first * decay[d];
     }
     out.push_back(std::move(draft));
   }

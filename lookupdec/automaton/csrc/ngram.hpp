@@ -13,7 +13,7 @@ namespace lookupdec {
 
 struct NgramDraft {
   std::vector<int32_t> token_ids, parents;  // a chain: parents = -1, 0, 1, ...
-  std::vector<double> scores, chain_cond;   // chain_cond: score / previous score (Draft.best_chain)
+  std::vector<double> scores;
   int32_t match_length = 0;
 };
 

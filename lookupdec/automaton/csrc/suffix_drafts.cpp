@@ -41,8 +41,8 @@ std::vector<uint8_t> decay_certain_steps(SuffixDraft* draft, double scale, doubl
   return certain;
 }
 
-// Draft.best_chain: from the root, the best-scored child (the first of equals), with the
-// conditional probabilities score / parent score; and _chain_flags: the certain flags on it.
+// Draft.best_chain's tokens: from the root, the best-scored child (the first of equals); and
+// _chain_flags: the certain flags on it.
 void best_chain(SuffixDraft* draft, const std::vector<uint8_t>& certain) {
   size_t n = draft->token_ids.size();
   std::vector<int32_t> best_child(n + 1, -1);  // parent + 1 -> best child so far
@@ -50,12 +50,9 @@ void best_chain(SuffixDraft* draft, const std::vector<uint8_t>& certain) {
     int32_t& best = best_child[draft->parents[i] + 1];
     if (best < 0 || draft->scores[i] > draft->scores[best]) best = static_cast<int32_t>(i);
   }
-  double parent_score = 1.0;
   for (int32_t node = best_child[0]; node >= 0; node = best_child[node + 1]) {
     draft->chain.push_back(draft->token_ids[node]);
-    draft->chain_cond.push_back(parent_score > 0 ? draft->scores[node] / parent_score : 0.0);
     draft->chain_certain.push_back(certain[node]);
-    parent_score = draft->scores[node];
   }
 }
 
@@ -79,7 +76,7 @@ std::vector<SuffixDraft> suffix_drafts(Automaton& automaton, const int32_t* cont
                             (length + params.empty_confidence + params.match_prior);
         std::vector<uint8_t> certain = decay_certain_steps(&draft, confidence, params.certain_step);
         draft.match_length = length;
-        best_chain(&draft, certain);
+        if (out.empty()) best_chain(&draft, certain);  // (the pending chain: the longest match's)
         out.push_back(std::move(draft));
       }
     }

@@ -27,8 +27,7 @@ struct SuffixDraft {
   std::vector<int32_t> token_ids, parents;  // parents: -1 = child of the root
   std::vector<double> scores;
   int32_t match_length = 0;
-  std::vector<int32_t> chain;         // best chain (Draft.best_chain): tokens
-  std::vector<double> chain_cond;     // ... and conditional probabilities
+  std::vector<int32_t> chain;         // the first draft's best chain (Draft.best_chain): tokens
   std::vector<uint8_t> chain_certain; // ... and whether each step was a certain one
 };
 
