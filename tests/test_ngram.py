@@ -149,3 +149,17 @@ def test_branches_are_distinct_continuations():
             shorter = min(len(a), len(b))
             assert a[:shorter] != b[:shorter], f"{b} repeats {a}"
     assert len(chains[0]) == 24
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("bad", [-1, 2**31])
+def test_a_token_id_outside_int32_is_a_value_error_and_keeps_nothing(backend, bad):
+    proposer = NgramProposer(backend=backend)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        proposer.start("r", [1, 2, bad])
+    proposer.start("r", [1, 2])  # the rejected start left no request behind
+    proposer.start("s", [1, 2, 3, 1, 2])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        proposer.observe("s", [3, bad])
+    # the rejected observe kept nothing: the request still sees its 5 prompt tokens
+    assert [list(d.token_ids[:3]) for d in proposer.propose("s", [1, 2, 3, 1, 2], 8)][0] == [3, 1, 2]

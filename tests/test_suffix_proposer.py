@@ -57,9 +57,10 @@ def test_lifecycle_errors_name_the_request():
         p.stop("x")
 
 
-@pytest.mark.parametrize("bad", [2**31, 2**40])
+@pytest.mark.parametrize("bad", [2**31, 2**40, -1])
 def test_a_context_id_outside_int32_is_a_value_error(bad):
-    # the compiled drafting calls the core directly; its TypeError becomes the wrapper's ValueError
+    # the compiled drafting calls the core directly; its TypeError (overflow) becomes the
+    # wrapper's ValueError, and the core raises that itself for a negative id
     p = SuffixProposer()
     p.start("r", [1, 2, 3, 1, 2])
     with pytest.raises(ValueError, match="token ids must be in"):

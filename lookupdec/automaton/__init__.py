@@ -107,6 +107,8 @@ def _int32_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
             array = np.asarray(tokens, dtype=np.int32)
         except OverflowError as exc:
             raise ValueError("token ids must be in [0, 2**31 - 1]") from exc
+        if array.size and array.min() < 0:  # -1 fits int32: checked, as for arrays below
+            raise ValueError("token ids must be in [0, 2**31 - 1]")
     else:  # numpy arrays, torch tensors, ...
         array = np.asarray(tokens)
         if array.dtype != np.int32 and array.size:

@@ -40,6 +40,9 @@ class RequestRegistry:
             raise ValueError(f"{self._owner}: request {request_id!r} already started")
         self._states[request_id] = state
 
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
     def get(self, request_id: str):
         try:
             return self._states[request_id]

@@ -58,13 +58,16 @@ class NgramProposer:
         self._requests = RequestRegistry("NgramProposer")
 
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        if request_id in self._requests:
+            self._requests.add(request_id, None)  # raises, naming the request
         if self.backend == "compiled":
             from lookupdec.automaton import _core
 
-            self._requests.add(request_id, _core.NgramIndex(self.config.min_ngram, self.config.max_ngram))
+            state = _core.NgramIndex(self.config.min_ngram, self.config.max_ngram)
         else:
-            self._requests.add(request_id, _NgramIndex())
-        self._extend(self._requests.get(request_id), prompt_ids)
+            state = _NgramIndex()
+        self._extend(state, prompt_ids)  # first: a rejected prompt leaves no request behind
+        self._requests.add(request_id, state)
 
     def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
         self._extend(self._requests.get(request_id), new_ids)
@@ -119,6 +122,7 @@ class NgramProposer:
                 _int32_tokens(new_ids)  # raises the ValueError naming ids outside int32
                 raise
             return
+        _int32_tokens(new_ids)  # the compiled index's check: ids outside [0, 2**31 - 1] are a ValueError
         tokens, ends = state.tokens, state.ends
         lo, hi = self.config.min_ngram, self.config.max_ngram
         for tok in new_ids:

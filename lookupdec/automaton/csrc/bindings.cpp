@@ -243,10 +243,14 @@ nb::bytearray ancestor_mask(nb::bytes parents) {
 // draft's arrays as bytes; the first draft's best chain and its certain-step flags as lists (the
 // proposer checks that chain against the step's tokens), None for the later drafts (shorter
 // matches: nothing reads their chains in a step; Draft.best_chain() reads it from the arrays).
-// (context: a list of token ids; int32 overflow is a TypeError, which the wrapper reports)
+// (context: a list of token ids; int32 overflow is a TypeError, which the wrapper reports; a
+// negative id a ValueError, as the wrapper's own check of other inputs says it)
 nb::list suffix_drafts(Automaton& automaton, const std::vector<int32_t>& context, int32_t max_nodes,
                        int32_t min_match, int32_t levels, int32_t shorter_divisor, int32_t separator,
                        double empty_confidence, double match_prior, double certain_step) {
+  for (int32_t token : context) {
+    if (token < 0) throw nb::value_error("token ids must be in [0, 2**31 - 1]");
+  }
   lookupdec::SuffixDraftParams params{max_nodes, min_match, levels, shorter_divisor, separator,
                                       empty_confidence, match_prior, certain_step};
   std::vector<lookupdec::SuffixDraft> drafts =
@@ -663,6 +667,9 @@ NB_MODULE(_core, m) {
   nb::class_<lookupdec::NgramIndex>(m, "NgramIndex")
       .def(nb::init<int32_t, int32_t>())
       .def("extend", [](lookupdec::NgramIndex& index, const std::vector<int32_t>& t) {
+        for (int32_t token : t) {  // checked first: a rejected call keeps nothing
+          if (token < 0) throw nb::value_error("token ids must be in [0, 2**31 - 1]");
+        }
         index.extend(t.data(), t.size());
       })
       .def("size", &lookupdec::NgramIndex::size)
