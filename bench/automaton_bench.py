@@ -247,8 +247,9 @@ def run_metadata(argv: list[str]) -> dict:
 
     def git(*args: str) -> str | None:
         try:
-            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  check=True, timeout=10).stdout.strip()
+            # the checkout whose lookupdec runs (an editable install's, wherever this script is)
+            return subprocess.run(["git", *args], cwd=Path(lookupdec.__file__).resolve().parent.parent,
+                                  capture_output=True, text=True, check=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 

@@ -53,12 +53,26 @@ def load_average() -> list[float] | None:
         return None
 
 
+def code_checkout() -> Path:
+    """The checkout whose ``lookupdec`` this process runs. Usually this benchmark's own; but an
+    editable install resolves ``import lookupdec`` to the checkout it was installed from even
+    when the benchmark runs from another worktree (its finder comes before ``sys.path``), and the
+    result must name the code that ran."""
+    try:
+        import lookupdec
+    except ImportError:
+        return REPO_ROOT
+    return Path(lookupdec.__file__).resolve().parent.parent
+
+
 def git_info() -> dict:
-    """Commit of the working tree and whether it had uncommitted changes (results must say)."""
+    """Commit of the checkout whose code ran (``code_checkout``) and whether it had uncommitted
+    changes (results must say); ``checkout``: that checkout where it is not this benchmark's."""
+    root = code_checkout()
 
     def git(*args: str) -> str | None:
         try:
-            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
                                   check=True, timeout=10).stdout
         except (OSError, subprocess.SubprocessError):
             return None
@@ -66,8 +80,11 @@ def git_info() -> dict:
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no")  # "XY path" lines
     changed = [line[3:] for line in status.splitlines() if line.strip()] if status is not None else None
-    return {"commit": commit.strip() if commit else None, "dirty": None if changed is None else bool(changed),
+    info = {"commit": commit.strip() if commit else None, "dirty": None if changed is None else bool(changed),
             "dirty_files": changed or None}
+    if root != REPO_ROOT:
+        info["checkout"] = str(root)  # lookupdec came from there, not from the benchmark's checkout
+    return info
 
 
 def versions() -> dict:
