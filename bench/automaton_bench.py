@@ -244,12 +244,12 @@ def measure_stream(name: str, stream: np.ndarray, held_out: np.ndarray, small: i
 
 def run_metadata(argv: list[str]) -> dict:
     import lookupdec
+    from common import code_checkout  # the checkout whose lookupdec runs, wherever this script is
 
     def git(*args: str) -> str | None:
         try:
-            # the checkout whose lookupdec runs (an editable install's, wherever this script is)
-            return subprocess.run(["git", *args], cwd=Path(lookupdec.__file__).resolve().parent.parent,
-                                  capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+            return subprocess.run(["git", *args], cwd=code_checkout(), capture_output=True, text=True,
+                                  check=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 
