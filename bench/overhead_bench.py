@@ -9,7 +9,7 @@ the verify forward, in µs per step:
     merge    ``TokenTree.from_drafts`` with the calibrator, as ``StepCore.build_tree``: the fast paths'
              merge computes the calibration cells it reads from the calibrator's counts; the
              reference makes ``AcceptanceCalibrator.calibration()``'s whole table first
-    choose   ``SizeRecord.scales`` + ``choose_num_nodes`` (``CostModel``: a measured 150M-parameter curve,
+    choose   ``SizeRecord.scales`` + ``choose_tree_nodes`` (``CostModel``: a measured 150M-parameter curve,
              one per set of paths, observed every step) + ``prune``
              (timed; the verified tree stays the fixed budget's, as with ``budget="fixed"``)
     inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]; the
@@ -70,8 +70,8 @@ from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_re
 
 import torch  # noqa: E402
 
-from lookupdec.budget import (AcceptanceCalibrator, CostModel, SizeRecord, choose_num_nodes,  # noqa: E402
-                              choose_num_nodes_reference)
+from lookupdec.budget import (AcceptanceCalibrator, CostModel, SizeRecord, choose_num_nodes_reference,  # noqa: E402
+                              choose_tree_nodes)
 from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.engine import top_tokens, top_tokens_reference  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
@@ -117,7 +117,7 @@ class Paths:
     slot_cache: bool  # the engine's SlotCache, else a DynamicCache
     observe_draft: Callable  # the calibrator's per-draft count (tree.observe_draft or its reference)
     top_tokens: Callable  # engine.top_tokens(logits, rows, k)
-    choose: Callable  # budget.choose_num_nodes(gains, cost, overhead, max_nodes, scales) or its reference
+    choose: Callable  # budget.choose_tree_nodes(tree, cost, overhead, max_nodes, scales) or its reference
     partial: bool = False  # accept on PartialLogits (the likely nodes' rows), as the engine's greedy verify
     picked: bool = False  # ... with each row's best ids made by the output projection (FastHead.project)
 
@@ -126,13 +126,18 @@ def reference_paths() -> Paths:
     return Paths("reference", "reference", TokenTree.from_drafts_reference, TokenTree.prune_reference,
                  tree_inputs_reference, accept_reference, slot_cache=False,
                  observe_draft=observe_draft_reference, top_tokens=top_tokens_reference,
-                 choose=choose_num_nodes_reference)
+                 choose=choose_tree_nodes_reference)
+
+
+def choose_tree_nodes_reference(tree: TokenTree, cost: CostModel, overhead_s: float, max_nodes: int, scales) -> int:
+    """``choose_tree_nodes`` by its definition: the tree's gains in prune order, the numpy chooser."""
+    return choose_num_nodes_reference(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scales)
 
 
 def fast_paths() -> Paths:
     inputs = functools.partial(tree_inputs, buffers=InputBuffers())  # as TargetModel.verify
     return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, inputs, accept, slot_cache=True,
-                 observe_draft=observe_draft, top_tokens=top_tokens, choose=choose_num_nodes,
+                 observe_draft=observe_draft, top_tokens=top_tokens, choose=choose_tree_nodes,
                  partial=True, picked=True)
 
 
@@ -260,8 +265,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
                                calibration=calibrator)  # as StepCore.build_tree
             marks.append(_now())
-            gains = tree.expected_in_prune_order()
-            chosen = paths.choose(gains, cost, 0.0, MAX_NODES, mode.sizes.scales(min(len(gains), MAX_NODES), 1.0))
+            chosen = paths.choose(tree, cost, 0.0, MAX_NODES, mode.sizes.scales(min(tree.num_draft_nodes, MAX_NODES), 1.0))
             paths.prune(tree, chosen)
             marks.append(_now())
             paths.inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)

@@ -640,6 +640,23 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
     return choose_num_nodes_reference(sorted_scores, cost, overhead_s, max_nodes, scale)
 
 
+def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int,
+                      scale: float | Sequence[float] = 1.0) -> int:
+    """``choose_num_nodes(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale)``:
+    where the compiled core holds the tree (``TokenTree._from_core``) in one call that reads the
+    gains where they are and makes the optimistic cost curve only as far as it is read (at one
+    CPU thread the list of gains, the whole curve and their conversions cost more than the
+    choice: 20 µs a step, cold after the forward)."""
+    core = tree.__dict__.get("_core")
+    if core is None or not hasattr(core, "choose_num_nodes"):
+        return choose_num_nodes(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale)
+    count = min(len(core) - 1, max_nodes)
+    if count <= 0:
+        return 0
+    scales = [scale] * (count + 1) if isinstance(scale, (int, float)) else scale
+    return core.choose_num_nodes(cost.sizes, cost.seconds, cost.counts, COST_OPTIMISM, overhead_s, max_nodes, scales)
+
+
 def choose_num_nodes_reference(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int,
                                scale: float | Sequence[float] = 1.0) -> int:
     """``choose_num_nodes`` in numpy: the definition the compiled chooser repeats."""

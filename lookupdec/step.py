@@ -5,7 +5,7 @@
     merge    ``TokenTree.from_drafts``: one trie, scores scaled by the calibrator, the best
              ``max_nodes`` nodes kept (ancestors first), at most ``max_depth`` deep
     choose   with a cost model (``EngineConfig.budget == "auto"``): keep the node count that
-             maximises expected tokens per second (``budget.choose_num_nodes``), each count's
+             maximises expected tokens per second (``budget.choose_tree_nodes``), each count's
              gains corrected by what trees of that size accepted (``budget.SizeRecord``), and
              prune to it
     verdict  the caller's: the engine verifies the tree with the target and accepts exactly
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget, SizeRecord, choose_num_nodes
+from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget, SizeRecord, choose_tree_nodes
 from lookupdec.mixture import Mixture
 from lookupdec.tree import Draft, TokenTree
 
@@ -170,9 +170,8 @@ class StepCore:
         if self.chain_only:
             tree = tree.best_chain()
         if cost is not None and tree.num_draft_nodes:
-            gains = tree.expected_in_prune_order()
-            available = min(len(gains), max_nodes)
-            chosen = choose_num_nodes(gains, cost, overhead_s, max_nodes, self.sizes.scales(available, scale))
+            available = min(tree.num_draft_nodes, max_nodes)
+            chosen = choose_tree_nodes(tree, cost, overhead_s, max_nodes, self.sizes.scales(available, scale))
             tree = tree.prune(cost.explore(chosen, available))
             self.draft_budget.observe(tree.num_draft_nodes)
         return tree

@@ -449,12 +449,15 @@ class TokenTree:
         if isinstance(calibration, dict):
             calibration = Calibration.from_factors(calibration)
         packed = [d.packed() for d in drafts]
+        point_mass = bytes([d.samples is None for d in drafts])
         if counts is not None:
             rows_of, source_of, arrays = counts
             core, node_of = _core.merge_drafts_counts(
                 root_token, packed, [rows_of.get(calibration_row_key(d), -1) for d in drafts],
-                [source_of.get(d.source, -1) for d in drafts], bytes([d.samples is None for d in drafts]), *arrays,
+                [source_of.get(d.source, -1) for d in drafts], point_mass, *arrays,
                 [d.source for d in drafts] + [""], max_nodes, max_depth)
+            if 0 not in point_mass:  # no draft-model draft: no samples to map
+                return cls._from_core(core, {})
             return cls._with_samples(core, node_of, drafts, packed)
         if calibration is None:
             rows, fallback, table, probabilities = [-1] * len(drafts), [1.0] * len(drafts), b"", False
@@ -462,7 +465,7 @@ class TokenTree:
             rows = [calibration.row(d) for d in drafts]
             fallback = [calibration.fallback.get(d.source, 1.0) if r < 0 else 1.0 for d, r in zip(drafts, rows)]
             table, probabilities = calibration.packed_table(), calibration.probabilities
-        core, node_of = _core.merge_drafts(root_token, packed, rows, fallback, bytes([d.samples is None for d in drafts]),
+        core, node_of = _core.merge_drafts(root_token, packed, rows, fallback, point_mass,
                                            table, probabilities, [d.source for d in drafts] + [""], max_nodes,
                                            max_depth)
         return cls._with_samples(core, node_of, drafts, packed)

@@ -53,6 +53,62 @@ def test_compiled_chooser_equals_the_reference(seed):
 
 
 @pytest.mark.parametrize("seed", range(300))
+def test_choose_tree_nodes_equals_the_reference_on_the_trees_gains(seed):
+    """``choose_tree_nodes`` (one compiled call on the core's tree: its gains in prune order, the
+    optimistic curve made only as far as it is read) against ``choose_num_nodes_reference`` on
+    ``tree.expected_in_prune_order()``: the same n on random merged and pruned trees, random
+    estimates (one size or many, all below or above the tree's size, equal neighbours, counts
+    under 1), budgets, overheads and corrections, a scalar or one per node count."""
+    from lookupdec.budget import choose_num_nodes_reference, choose_tree_nodes
+    from lookupdec.tree import TokenTree, _core
+    from test_tree import random_drafts
+
+    rng = random.Random(seed)
+    drafts = random_drafts(rng, vocab=rng.choice((2, 4, 50)))
+    tree = TokenTree.from_drafts(rng.randrange(50), drafts, max_nodes=rng.choice((0, 3, 64, 64)),
+                                 max_depth=rng.choice((2, 64)))
+    if _core is not None:
+        assert tree.__dict__.get("_core") is not None  # the compiled path is the one tested
+    if rng.random() < 0.3 and tree.num_draft_nodes:
+        tree = tree.prune(rng.randint(0, tree.num_draft_nodes))
+    sizes = sorted(rng.sample(range(1, 80), rng.choice((1, 2, rng.randint(3, 30)))))
+    if rng.random() < 0.2:
+        seconds = [rng.choice((0.02, 0.03, 0.05)) for _ in sizes]  # equal neighbours, flat stretches
+    else:  # a forward's cost: fixed part + per token, noisy (the choice then turns on small differences)
+        base, per_token = rng.uniform(0.02, 0.05), rng.uniform(0.0, 0.0015)
+        seconds = [(base + per_token * n) * rng.uniform(0.98, 1.02) for n in sizes]
+    counts = [rng.choice((1, rng.uniform(0.0, 1.0), rng.uniform(0, 50), rng.randint(0, 9))) for _ in sizes]
+    cost = CostModel(sizes, seconds, counts)
+    overhead, max_nodes = rng.choice((0.0, rng.uniform(0, 0.05))), rng.choice((0, 1, 5, 64, 64, 100))
+    gains = tree.expected_in_prune_order()
+    assert len(gains) == tree.num_draft_nodes
+    scale = rng.uniform(0.2, 1.5)
+    if rng.random() < 0.5:  # a correction per node count (SizeRecord.scales)
+        scale = [rng.uniform(0.2, 1.5) for _ in range(min(len(gains), max_nodes) + 1)]
+    want = choose_num_nodes_reference(gains, cost, overhead, max_nodes, scale)
+    assert choose_tree_nodes(tree, cost, overhead, max_nodes, scale) == want
+    assert choose_num_nodes(gains, cost, overhead, max_nodes, scale) == want
+
+
+def test_choose_tree_nodes_reads_a_python_tree_and_checks_its_arguments():
+    from lookupdec.budget import choose_tree_nodes
+    from lookupdec.tree import Draft, TokenTree, _core
+
+    drafts = [Draft((5, 6, 7), (-1, 0, 1), (0.9, 0.8, 0.05), "a")]
+    cost = CostModel([1, 2, 4], [1.0, 1.1, 1.3])
+    reference = TokenTree.from_drafts_reference(1, drafts, max_nodes=8, max_depth=8)
+    assert choose_tree_nodes(reference, cost, 0.0, 3) == 2  # the third node is not worth 0.1
+    if _core is None:
+        pytest.skip("compiled core not built")
+    tree = TokenTree.from_drafts(1, drafts, max_nodes=8, max_depth=8)
+    assert choose_tree_nodes(tree, cost, 0.0, 3) == 2 and choose_tree_nodes(tree, cost, 0.0, 0) == 0
+    with pytest.raises(ValueError, match="a scale per node count"):
+        choose_tree_nodes(tree, cost, 0.0, 3, [1.0, 1.0])
+    with pytest.raises(ValueError, match="sizes must increase"):
+        tree._core.choose_num_nodes([2, 1], [1.0, 1.0], [1, 1], COST_OPTIMISM, 0.0, 3, [1.0] * 4)
+
+
+@pytest.mark.parametrize("seed", range(300))
 def test_compiled_cost_curve_equals_the_reference(seed):
     """``CostModel.dense`` (one compiled call) against ``dense_reference`` (numpy): the same
     float64 bits on random estimates (one size or many, gaps, curves that fall and rise, equal

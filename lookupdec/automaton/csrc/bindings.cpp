@@ -559,6 +559,21 @@ int64_t choose_num_nodes(const std::vector<double>& values, nb::ndarray<const do
   return lookupdec::choose_num_nodes(values.data(), count, curve.data(), overhead, scales.data());
 }
 
+// budget.choose_tree_nodes: budget.choose_num_nodes on the tree's gains in prune order, with the
+// cost model's estimates (sizes, seconds, counts; ints taken as floats) made into its optimistic,
+// unpadded curve only as far as it is read, in one call.
+int64_t choose_tree_nodes(const CoreTree& t, const std::vector<double>& sizes, const std::vector<double>& seconds,
+                          const std::vector<double>& counts, double optimism, double overhead, int64_t max_nodes,
+                          const std::vector<double>& scales) {
+  if (sizes.empty() || seconds.size() != sizes.size() || counts.size() != sizes.size())
+    throw std::invalid_argument("choose_num_nodes: sizes, seconds and counts need one entry each per size");
+  for (size_t i = 1; i < sizes.size(); ++i)
+    if (!(sizes[i - 1] < sizes[i])) throw std::invalid_argument("choose_num_nodes: sizes must increase");
+  return lookupdec::choose_tree_nodes(t.tree, sizes.data(), seconds.data(), counts.data(),
+                                      static_cast<int64_t>(sizes.size()), optimism, overhead, max_nodes,
+                                      scales.data(), static_cast<int64_t>(scales.size()));
+}
+
 // budget.CostModel.dense from its estimates (ints taken as floats): the curve as float64 bytes.
 nb::bytes cost_curve(const std::vector<double>& sizes, const std::vector<double>& seconds,
                      const std::vector<double>& counts, int64_t upto, double optimism, bool optimistic, bool padded) {
@@ -723,6 +738,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("parents_first", [](const CoreTree& t) { return t.tree.parents_first; })
       .def("children", [](const CoreTree& t) { return children_dicts(t.tree.token_ids, t.tree.parents); })
       .def("expected_in_prune_order", &expected_in_prune_order)
+      .def("choose_num_nodes", &choose_tree_nodes)
       .def("prune", [](const CoreTree& t, int32_t max_nodes) {
         return CoreTree{lookupdec::prune_prefix(t.tree, max_nodes), t.names};
       })

@@ -310,6 +310,7 @@ MergedTree merge_drafts(const MergeInput& in) {
   }
   std::vector<int32_t> remap(n, -1);
   MergedTree out;
+  out.reserve(chosen_order.size() + 1);
   for (int32_t i = 0; i < n; ++i) {
     if (!chosen[i]) continue;
     remap[i] = static_cast<int32_t>(out.token_ids.size());
@@ -325,7 +326,6 @@ MergedTree merge_drafts(const MergeInput& in) {
   }
   // the kept nodes in prune order: chosen_order restricted to them (all of it), renumbered
   std::vector<int32_t> position(out.token_ids.size(), -1);
-  out.order.reserve(chosen_order.size());
   for (int32_t i : chosen_order) {
     int32_t node = remap[i];
     int32_t parent = out.parents[node];
@@ -348,6 +348,7 @@ MergedTree prune_prefix(const MergedTree& tree, int32_t max_nodes) {
   keep.insert(keep.begin(), 0);
   std::vector<int32_t> remap(n, -1);
   MergedTree out;
+  out.reserve(keep.size());
   for (size_t k = 0; k < keep.size(); ++k) {
     int32_t i = keep[k];
     remap[i] = static_cast<int32_t>(k);
@@ -486,24 +487,35 @@ double tail_slope(const double* xs, const double* ys, int64_t n) {
   return cap < clipped ? cap : clipped;  // min(clipped, cap): clipped unless cap is smaller
 }
 
+// Each estimate of the curve: seconds, with `optimistic` times (1 - optimism / sqrt(max(count, 1))).
+std::vector<double> curve_estimates(const double* seconds, const double* counts, int64_t n, double optimism,
+                                    bool optimistic) {
+  std::vector<double> ys(seconds, seconds + n);
+  if (optimistic)
+    for (int64_t i = 0; i < n; ++i) ys[i] = ys[i] * (1.0 - optimism / std::sqrt(std::max(counts[i], 1.0)));
+  return ys;
+}
+
+// The unpadded curve at k tokens (k >= 1) from the estimates ys: interpolated, linear past the last
+// size (`slope`: tail_slope's, read only there and only with n > 1).
+inline double curve_at(int64_t k, const double* sizes, const double* ys, int64_t n, double slope) {
+  double x = static_cast<double>(k);
+  if (n > 1 && x > sizes[n - 1]) return ys[n - 1] + slope * (x - sizes[n - 1]);
+  return interp(x, sizes, ys, n);
+}
+
 }  // namespace
 
 void cost_curve(const double* sizes, const double* seconds, const double* counts, int64_t n, int64_t upto,
                 double optimism, bool optimistic, bool padded, std::vector<double>* out) {
   if (n < 1) throw std::invalid_argument("cost_curve: no sizes");
-  std::vector<double> ys(seconds, seconds + n);
-  if (optimistic)
-    for (int64_t i = 0; i < n; ++i) ys[i] = ys[i] * (1.0 - optimism / std::sqrt(std::max(counts[i], 1.0)));
+  std::vector<double> ys = curve_estimates(seconds, counts, n, optimism, optimistic);
   int64_t top = std::max<int64_t>(upto, static_cast<int64_t>(sizes[n - 1]));
   out->clear();
   if (top < 1) return;  // np.arange(1, top + 1) is empty: so is the reference's curve
   std::vector<double> curve(static_cast<size_t>(top));
-  for (int64_t k = 1; k <= top; ++k) curve[k - 1] = interp(static_cast<double>(k), sizes, ys.data(), n);
-  if (n > 1 && static_cast<double>(top) > sizes[n - 1]) {
-    double slope = tail_slope(sizes, ys.data(), n);
-    for (int64_t k = 1; k <= top; ++k)
-      if (static_cast<double>(k) > sizes[n - 1]) curve[k - 1] = ys[n - 1] + slope * (static_cast<double>(k) - sizes[n - 1]);
-  }
+  double slope = n > 1 && static_cast<double>(top) > sizes[n - 1] ? tail_slope(sizes, ys.data(), n) : 0.0;
+  for (int64_t k = 1; k <= top; ++k) curve[k - 1] = curve_at(k, sizes, ys.data(), n, slope);
   if (padded) {  // np.minimum.accumulate from the end, np.minimum(a, b) = a if a < b or a is NaN, else b
     for (int64_t k = top - 2; k >= 0; --k) {
       double a = curve[k + 1], b = curve[k];
@@ -512,6 +524,23 @@ void cost_curve(const double* sizes, const double* seconds, const double* counts
   }
   out->assign(1, curve[0]);
   out->insert(out->end(), curve.begin(), curve.end());
+}
+
+int64_t choose_tree_nodes(const MergedTree& tree, const double* sizes, const double* seconds, const double* counts,
+                          int64_t n, double optimism, double overhead, int64_t max_nodes, const double* scale,
+                          int64_t num_scales) {
+  if (n < 1) throw std::invalid_argument("choose_tree_nodes: no sizes");
+  int64_t count = std::min<int64_t>(static_cast<int64_t>(tree.order.size()), std::max<int64_t>(max_nodes, 0));
+  if (num_scales < count + 1) throw std::invalid_argument("choose_tree_nodes: a scale per node count 0 .. n");
+  if (count == 0) return 0;  // (the reference: no values, nothing chosen)
+  std::vector<double> ys = curve_estimates(seconds, counts, n, optimism, true);
+  // cost_curve takes its tail slope where its top, max(upto, last size), passes the last size:
+  // read only past the last size, where top does too
+  double slope = n > 1 && static_cast<double>(count + 1) > sizes[n - 1] ? tail_slope(sizes, ys.data(), n) : 0.0;
+  std::vector<double> values(static_cast<size_t>(count)), curve(static_cast<size_t>(count) + 2);
+  for (int64_t i = 0; i < count; ++i) values[i] = tree.expected[tree.order[i]];
+  for (int64_t k = 1; k <= count + 1; ++k) curve[k] = curve_at(k, sizes, ys.data(), n, slope);
+  return choose_num_nodes(values.data(), count, curve.data(), overhead, scale);
 }
 
 void ancestor_mask(const int32_t* parents, int64_t n, uint8_t* mask) {

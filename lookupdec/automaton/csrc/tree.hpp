@@ -68,6 +68,13 @@ struct MergedTree {  // the kept tree, node 0 = the root, parents before childre
   std::vector<int32_t> order;     // draft nodes in prune order: score desc, then index
   bool parents_first = true;      // every node's parent precedes it in `order` (prune = a prefix)
   std::vector<int32_t> node_of;   // [total] each draft node's node in the kept tree, -1 if none
+
+  void reserve(size_t n) {  // one allocation per list (grown node by node: ~7 each at 64 nodes)
+    for (auto* v : {&token_ids, &parents, &sources, &cells, &depth}) v->reserve(n);
+    for (auto* v : {&scores, &expected, &conds}) v->reserve(n);
+    point_mass.reserve(n);
+    order.reserve(n);
+  }
 };
 
 MergedTree merge_drafts(const MergeInput& in);
@@ -120,6 +127,15 @@ double calibration_cell(const CalibrationCounts& c, const std::vector<double>& b
 // (curve[1 + n] + overhead), the first of equal rates (the reference's numpy operations, in order).
 int64_t choose_num_nodes(const double* values, int64_t count, const double* curve, double overhead,
                          const double* scale);
+
+// budget.choose_num_nodes on a merged tree's own gains (its nodes' expected in prune order, the
+// first min(order size, max_nodes)) with the optimistic, unpadded cost curve of the estimates
+// (sizes increasing, seconds, counts: n >= 1 of each; cost_curve(..., optimistic, !padded)) read
+// at 1 .. count + 1 tokens only: without padding each size's cost is its own, so those entries
+// are cost_curve's, bit for bit. scale: count + 1 entries at least.
+int64_t choose_tree_nodes(const MergedTree& tree, const double* sizes, const double* seconds, const double* counts,
+                          int64_t n, double optimism, double overhead, int64_t max_nodes, const double* scale,
+                          int64_t num_scales);
 
 // budget.CostModel.dense: out[k] = the cost of k tokens, k = 0 .. max(upto, sizes[last]) (out[0] =
 // out[1]), from the estimates (sizes increasing, seconds, counts: n >= 1 of each): with
