@@ -122,6 +122,12 @@ def test_verify_rows_gives_the_full_forward_rows(family):
     torch.testing.assert_close(partial.dense(), full, rtol=1e-5, atol=1e-5)
     target.prefill(prompt)
     assert isinstance(target.verify(tree, list(range(len(tree)))), torch.Tensor)  # every row: a plain forward
+    if target.fast_head is not None:  # every row with picks: the same rows, each one's best ids with it
+        target.prefill(prompt)
+        every = target.verify(tree, list(range(len(tree))), picks=4)
+        assert isinstance(every, PartialLogits) and every.computed == len(tree)
+        torch.testing.assert_close(every.logits, full, rtol=1e-5, atol=1e-5)
+        assert every.tops.tolist() == top_tokens_reference(every.logits, range(len(tree)), 4)
     if target.fast_head is not None and "skinny" in target.fast_head.forms:  # the head picks as it writes
         key = (3, torch.get_num_threads())
         # (the head is the model's, shared with earlier tests that timed this bucket: with a best
@@ -152,6 +158,32 @@ def test_models_that_change_their_logits_after_the_projection_compute_every_row(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, vocab_size=96, final_logit_softcapping=30.0)).eval()
     assert not TargetModel(capped, verify="tree").partial_head  # named in its config
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_small_greedy_trees_compute_every_row_with_its_picks(family):
+    """A tree of at most ``HEAD_MIN_ROWS`` nodes: every row (as cheap as one) and, where the
+    head makes them, each row's best ids, so the walk reads no row of the vocabulary's width;
+    the output stays ``transformers``' greedy."""
+    from lookupdec.sampling import HEAD_MIN_ROWS
+
+    model = cached_tiny(family)
+    engine = Engine(model, FakeTokenizer(), EngineConfig(budget="fixed", max_nodes=4))
+    assert engine.target.partial_head and engine.target.fast_head is not None
+    seen = []
+    verify = engine.target.verify
+
+    def spy(tree, rows=None, picks=0):
+        out = verify(tree, rows, picks)
+        seen.append((len(tree), rows, picks, getattr(out, "tops", None) is not None))
+        return out
+
+    engine.target.verify = spy
+    prompt = [5, 6, 7, 8] * 6
+    gen = engine.generate(prompt, max_new_tokens=30)
+    assert gen.token_ids == hf_greedy(model, prompt, 30)[: len(gen.token_ids)]
+    assert seen and all(n <= HEAD_MIN_ROWS for n, _, _, _ in seen)
+    assert all(rows == list(range(n)) and picks >= 1 and tops for n, rows, picks, tops in seen), seen
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
