@@ -305,23 +305,16 @@ class FastHead(torch.nn.Module):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def project(self, flat: torch.Tensor, picks: int = 0) -> tuple[torch.Tensor, np.ndarray | None]:
-        """The logits of ``flat`` [m, d] in the form chosen for m rows; with ``picks`` > 0, each
-        row's ``picks`` best token ids too (int32 [m, picks], ``engine.top_tokens``' order),
-        picked while the row is in cache: by the skinny product as it writes the row, by one
-        compiled pass over the rows just written in the other forms (else None: no compiled
-        core). The greedy walk then reads those, not rows of the vocabulary's width that the
-        next forward's weights have pushed out of the caches (about 40 µs a row on SmolLM2 at
-        one CPU thread, against a few µs while it is warm). The picks are part of each form's
-        timed call, so the chooser compares forms at what they deliver."""
+        """The logits of ``flat`` [m, d] in the form chosen for m rows; with ``picks`` > 0 where
+        that form is the skinny product, each row's ``picks`` best token ids too (int32 [m,
+        picks], ``engine.top_tokens``' order), picked as the product writes the row, while it
+        is in cache (else None): the greedy walk then reads those, not the rows."""
         key = (_bucket(flat.shape[0]), torch.get_num_threads())
         form = self._chooser.pick(key)  # the chosen form, or one being tried (FormChooser)
         self.prepare(flat.shape[0])  # the copies are made before the clock (once; a seeded choice too)
         start = time.perf_counter()
         tops = np.empty((flat.shape[0], picks), dtype=np.int32) if picks > 0 and form == "skinny" else None
         out = self._form(form, flat, tops)
-        if picks > 0 and tops is None and _core is not None and out.dim() == 2:
-            out = out.contiguous()  # ("right" writes the rows transposed)
-            tops = np.asarray(_core.top_tokens(out.detach().numpy(), list(range(out.shape[0])), picks), dtype=np.int32)
         excess = self._chooser.record(key, form, time.perf_counter() - start)
         if excess:
             self.excess_s += excess  # what trying cost over the best form so far
