@@ -443,10 +443,10 @@ class Engine:
         if not (self.target.partial_head and params.greedy and not params.uses_prefix):
             return None
         if len(tree) <= HEAD_MIN_ROWS:
-            # every row (as cheap as one), and where the output projection is ours, each row's
-            # best tokens picked while it is in cache (FastHead.project): the walk reads those,
-            # not rows of the vocabulary's width pushed out of the caches by the forward (about
-            # 200 KB each on SmolLM2; 40 µs a row at one CPU thread, a step visits one or two)
+            # every row (as cheap as one), with picks asked: where the head's form is the skinny
+            # product it makes each row's best tokens as it writes the row (FastHead.project), and
+            # the walk reads those, not rows of the vocabulary's width that the forward pushed out
+            # of the caches (about 200 KB each on SmolLM2; a step visits one to four)
             return list(range(len(tree))) if self.target.fast_head is not None else None
         return head_rows(range(len(tree)), tree.expected)
 

@@ -193,7 +193,8 @@ class TargetModel:
         the rows (``FastHead.project``; ``PartialLogits.tops``).
         ``last_prepare_s``: time it spent in ``prepare`` (not the forward's cost)."""
         n = len(tree)
-        # (every row with picks: the same product, its rows' best tokens made as it writes them)
+        # (every row with picks asked: the same product, which in the skinny form makes the rows'
+        # best tokens as it writes them)
         partial = rows is not None and self.partial_head and (len(rows) < n or picks > 0)
         self.last_prepare_s = self.prepare(len(rows) if partial else n)
         # A chain gets no custom mask (tree_inputs): the model's own causal mask, and its fastest
