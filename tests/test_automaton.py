@@ -382,6 +382,42 @@ def test_memory_report():
     automaton = SuffixAutomaton(np.minimum(rng.zipf(1.3, size=200_000), 32_000))
     report = automaton.memory_report()
     assert set(report) == {"tokens", "states", "edges", "heavy_tables", "pending_leaves",
-                           "children_cache"}
+                           "children_cache", "tree_cache"}
     assert automaton.memory_bytes() == sum(report.values())
     assert automaton.memory_bytes() / len(automaton) < 150
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_expansions_again_without_an_extend_are_the_cached_trees_of_the_same_stream(seed):
+    """``expand_tree`` keeps its trees until the next extend (the global cache meets the same
+    states step after step): a second call is a cache hit and the same tree as the reference's;
+    after an extend every tree is the one a fresh automaton of the longer stream grows."""
+    rng = np.random.default_rng(seed)
+    stream = [int(t) for t in rng.integers(0, 6, size=300)]
+    compiled, reference = SuffixAutomaton(stream, backend="compiled"), SuffixAutomaton(stream, backend="reference")
+
+    def same_tree(a, b):
+        return (list(a.token_ids), list(a.parents), list(a.scores)) == (list(b.token_ids), list(b.parents), list(b.scores))
+
+    states = sorted({compiled.match(stream[: int(end)])[0] for end in rng.integers(5, len(stream), size=12)})
+    budgets = [(3, 3), (16, 16), (64, 8)]
+    for state in states:
+        for max_nodes, max_depth in budgets:
+            first = compiled.expand_tree(state, max_nodes=max_nodes, max_depth=max_depth)
+            assert same_tree(first, reference.expand_tree(state, max_nodes=max_nodes, max_depth=max_depth))
+    hits = compiled._core.tree_cache_hits()
+    for state in states:
+        for max_nodes, max_depth in budgets:
+            again = compiled.expand_tree(state, max_nodes=max_nodes, max_depth=max_depth)
+            assert same_tree(again, reference.expand_tree(state, max_nodes=max_nodes, max_depth=max_depth))
+    assert compiled._core.tree_cache_hits() == hits + len(states) * len(budgets)
+    assert compiled.memory_report()["tree_cache"] > 0
+    more = [int(t) for t in rng.integers(0, 6, size=40)]
+    compiled.extend(more)
+    fresh = SuffixAutomaton(stream + more, backend="reference")
+    hits = compiled._core.tree_cache_hits()
+    for state in states:  # the same state numbers name the same strings' states in the longer stream
+        for max_nodes, max_depth in budgets:
+            grown = compiled.expand_tree(state, max_nodes=max_nodes, max_depth=max_depth)
+            assert same_tree(grown, fresh.expand_tree(state, max_nodes=max_nodes, max_depth=max_depth))
+    assert compiled._core.tree_cache_hits() == hits  # the extend emptied the cache

@@ -20,6 +20,7 @@ constexpr size_t kPrefetchAhead = 8;          // children whose counts are prefe
 constexpr size_t kWalkLanes = 8;              // suffix-path walks interleaved by flush
 constexpr size_t kMinCachedChildren = 64;     // best children cached per heavy state, at least
 constexpr size_t kMaxCachedStates = 32768;    // the cache is emptied when it holds this many
+constexpr size_t kMaxCachedTrees = 1024;      // expand_tree's cache is emptied when it holds this many
 constexpr uint32_t kPrewarmDegree = 32;       // see prewarm_children_cache
 
 }  // namespace
@@ -72,6 +73,7 @@ void Automaton::extend(const int32_t* tokens, size_t num_tokens) {
     throw std::length_error("SuffixAutomaton holds at most 2^29 - 1 tokens");
   for (size_t i = 0; i < num_tokens; ++i)
     if (tokens[i] < 0) throw std::invalid_argument("token ids must be >= 0");
+  if (num_tokens && !tree_cache_.empty()) tree_cache_.clear();  // the trees change with the stream
   for (size_t i = 0; i < num_tokens; ++i) {
     append_token(tokens[i]);
     extend_one(tokens[i]);
@@ -584,6 +586,17 @@ TreeDraft Automaton::propose_tree(const int32_t* context, size_t n, int32_t max_
 
 TreeDraft Automaton::expand_tree(int32_t state, int32_t max_nodes, int32_t max_depth) {
   check_state(state);
+  // (budgets past 16 bits are not cached: the key holds 16 each)
+  bool cacheable = max_nodes >= 0 && max_nodes < (1 << 16) && max_depth >= 0 && max_depth < (1 << 16);
+  uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(state)) << 32) |
+                 (static_cast<uint64_t>(max_nodes) << 16) | static_cast<uint64_t>(max_depth);
+  if (cacheable) {
+    auto found = tree_cache_.find(key);
+    if (found != tree_cache_.end()) {
+      ++tree_cache_hits_;
+      return found->second;
+    }
+  }
   flush();
   TreeDraft tree;
   std::vector<Candidate> heap;
@@ -599,6 +612,10 @@ TreeDraft Automaton::expand_tree(int32_t state, int32_t max_nodes, int32_t max_d
     tree.parents.push_back(best.parent_node);
     tree.scores.push_back(best.score);
     if (best.depth < max_depth) push_children(best, node, max_nodes - node - 1, &heap, &seq);
+  }
+  if (cacheable) {
+    if (tree_cache_.size() >= kMaxCachedTrees) tree_cache_.clear();
+    tree_cache_.emplace(key, tree);
   }
   return tree;
 }
@@ -719,6 +736,15 @@ int64_t Automaton::children_cache_bytes() const {
   return bytes;
 }
 
+int64_t Automaton::tree_cache_bytes() const {
+  constexpr int64_t kEntryOverhead = 96;  // hash node, bucket and the TreeDraft's three vectors, roughly
+  int64_t bytes = static_cast<int64_t>(tree_cache_.bucket_count() * sizeof(void*));
+  for (const auto& entry : tree_cache_)
+    bytes += kEntryOverhead + static_cast<int64_t>(entry.second.token_ids.capacity() * 8 +
+                                                   entry.second.scores.capacity() * sizeof(double));
+  return bytes;
+}
+
 std::map<std::string, int64_t> Automaton::memory_report() const {
   return {
       {"tokens", static_cast<int64_t>(tokens_->capacity * sizeof(int32_t))},
@@ -727,6 +753,7 @@ std::map<std::string, int64_t> Automaton::memory_report() const {
       {"heavy_tables", heavy_tables_bytes()},
       {"pending_leaves", static_cast<int64_t>(pending_leaves_.capacity() * sizeof(int32_t))},
       {"children_cache", children_cache_bytes()},
+      {"tree_cache", tree_cache_bytes()},
   };
 }
 

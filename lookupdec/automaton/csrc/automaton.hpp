@@ -155,6 +155,7 @@ class Automaton {
   std::map<std::string, int64_t> memory_report() const;
   int64_t children_cache_bytes() const;
   int64_t heavy_tables_bytes() const;
+  int64_t tree_cache_hits() const { return tree_cache_hits_; }
 
  private:
   struct Candidate;
@@ -207,10 +208,16 @@ class Automaton {
   std::vector<int32_t> heavy_owners_;  // [heavy_tables_.size()] the state of each table
   int64_t num_edges_ = 0;
   int32_t last_ = kRoot;
+  int64_t tree_cache_hits_ = 0;
   std::vector<int32_t> pending_leaves_;  // leaves whose +1 is not yet on their suffix paths
   bool recount_all_ = false;             // pending_leaves_ overflowed: recount everything
   std::unordered_map<int32_t, CachedChildren> children_cache_;  // heavy states only
   std::vector<Child> scratch_children_;
+  // expand_tree's trees since the last extend, by (state, max_nodes, max_depth): a function of
+  // the stream and those three alone, and an automaton not extended between steps (the global
+  // cache of earlier outputs, fixed during a request) meets the same state again and again
+  std::unordered_map<uint64_t, TreeDraft> tree_cache_;
+  int64_t tree_cache_bytes() const;
 };
 
 }  // namespace lookupdec

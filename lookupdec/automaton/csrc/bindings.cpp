@@ -778,5 +778,6 @@ NB_MODULE(_core, m) {
       .def("propose_tree", &propose_tree)
       .def("suffix_drafts", &suffix_drafts)
       .def("check_invariants", &Automaton::check_invariants)
-      .def("memory_report", &Automaton::memory_report);
+      .def("memory_report", &Automaton::memory_report)
+      .def("tree_cache_hits", &Automaton::tree_cache_hits);
 }
