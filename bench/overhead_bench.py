@@ -70,8 +70,8 @@ from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_re
 
 import torch  # noqa: E402
 
-from lookupdec.budget import (AcceptanceCalibrator, CostModel, SizeRecord, choose_num_nodes_reference,  # noqa: E402
-                              choose_tree_nodes)
+from lookupdec.budget import (AcceptanceCalibrator, CostModel, SizeRecord, choose_tree_nodes,  # noqa: E402
+                              choose_tree_nodes_reference)
 from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.engine import top_tokens, top_tokens_reference  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
@@ -127,11 +127,6 @@ def reference_paths() -> Paths:
                  tree_inputs_reference, accept_reference, slot_cache=False,
                  observe_draft=observe_draft_reference, top_tokens=top_tokens_reference,
                  choose=choose_tree_nodes_reference)
-
-
-def choose_tree_nodes_reference(tree: TokenTree, cost: CostModel, overhead_s: float, max_nodes: int, scales) -> int:
-    """``choose_tree_nodes`` by its definition: the tree's gains in prune order, the numpy chooser."""
-    return choose_num_nodes_reference(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scales)
 
 
 def fast_paths() -> Paths:

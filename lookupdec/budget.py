@@ -657,6 +657,12 @@ def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int,
     return core.choose_num_nodes(cost.sizes, cost.seconds, cost.counts, COST_OPTIMISM, overhead_s, max_nodes, scales)
 
 
+def choose_tree_nodes_reference(tree, cost: CostModel, overhead_s: float, max_nodes: int,
+                                scale: float | Sequence[float] = 1.0) -> int:
+    """``choose_tree_nodes`` by its definition: the tree's gains in prune order, the numpy chooser."""
+    return choose_num_nodes_reference(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale)
+
+
 def choose_num_nodes_reference(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float, max_nodes: int,
                                scale: float | Sequence[float] = 1.0) -> int:
     """``choose_num_nodes`` in numpy: the definition the compiled chooser repeats."""

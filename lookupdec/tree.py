@@ -456,9 +456,7 @@ class TokenTree:
                 root_token, packed, [rows_of.get(calibration_row_key(d), -1) for d in drafts],
                 [source_of.get(d.source, -1) for d in drafts], point_mass, *arrays,
                 [d.source for d in drafts] + [""], max_nodes, max_depth)
-            if 0 not in point_mass:  # no draft-model draft: no samples to map
-                return cls._from_core(core, {})
-            return cls._with_samples(core, node_of, drafts, packed)
+            return cls._with_samples(core, node_of, drafts, packed, point_mass)
         if calibration is None:
             rows, fallback, table, probabilities = [-1] * len(drafts), [1.0] * len(drafts), b"", False
         else:
@@ -468,13 +466,15 @@ class TokenTree:
         core, node_of = _core.merge_drafts(root_token, packed, rows, fallback, point_mass,
                                            table, probabilities, [d.source for d in drafts] + [""], max_nodes,
                                            max_depth)
-        return cls._with_samples(core, node_of, drafts, packed)
+        return cls._with_samples(core, node_of, drafts, packed, point_mass)
 
     @classmethod
-    def _with_samples(cls, core, node_of: bytes, drafts: Sequence[Draft], packed: list) -> "TokenTree":
-        """The compiled merge's tree, each draft's ``samples`` mapped to the nodes kept."""
+    def _with_samples(cls, core, node_of: bytes, drafts: Sequence[Draft], packed: list,
+                      point_mass: bytes) -> "TokenTree":
+        """The compiled merge's tree, each draft's ``samples`` mapped to the nodes kept
+        (``point_mass``: a byte per draft, 1 where it has none: lookups only, nothing to map)."""
         samples = {}
-        if any(d.samples for d in drafts):
+        if 0 in point_mass and any(d.samples for d in drafts):
             node_of = np.frombuffer(node_of, np.int32)
             starts = accumulate((len(p[0]) // 4 for p in packed), initial=0)
             for draft, start in zip(drafts, starts):

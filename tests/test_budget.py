@@ -59,7 +59,7 @@ def test_choose_tree_nodes_equals_the_reference_on_the_trees_gains(seed):
     ``tree.expected_in_prune_order()``: the same n on random merged and pruned trees, random
     estimates (one size or many, all below or above the tree's size, equal neighbours, counts
     under 1), budgets, overheads and corrections, a scalar or one per node count."""
-    from lookupdec.budget import choose_num_nodes_reference, choose_tree_nodes
+    from lookupdec.budget import choose_num_nodes_reference, choose_tree_nodes, choose_tree_nodes_reference
     from lookupdec.tree import TokenTree, _core
     from test_tree import random_drafts
 
@@ -86,6 +86,7 @@ def test_choose_tree_nodes_equals_the_reference_on_the_trees_gains(seed):
     if rng.random() < 0.5:  # a correction per node count (SizeRecord.scales)
         scale = [rng.uniform(0.2, 1.5) for _ in range(min(len(gains), max_nodes) + 1)]
     want = choose_num_nodes_reference(gains, cost, overhead, max_nodes, scale)
+    assert choose_tree_nodes_reference(tree, cost, overhead, max_nodes, scale) == want
     assert choose_tree_nodes(tree, cost, overhead, max_nodes, scale) == want
     assert choose_num_nodes(gains, cost, overhead, max_nodes, scale) == want
 

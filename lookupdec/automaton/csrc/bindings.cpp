@@ -559,16 +559,22 @@ int64_t choose_num_nodes(const std::vector<double>& values, nb::ndarray<const do
   return lookupdec::choose_num_nodes(values.data(), count, curve.data(), overhead, scales.data());
 }
 
+// A cost model's estimates as the compiled curve takes them: one entry each per size, sizes increasing.
+void check_estimates(const std::vector<double>& sizes, const std::vector<double>& seconds,
+                     const std::vector<double>& counts, const std::string& name) {
+  if (sizes.empty() || seconds.size() != sizes.size() || counts.size() != sizes.size())
+    throw std::invalid_argument(name + ": sizes, seconds and counts need one entry each per size");
+  for (size_t i = 1; i < sizes.size(); ++i)
+    if (!(sizes[i - 1] < sizes[i])) throw std::invalid_argument(name + ": sizes must increase");
+}
+
 // budget.choose_tree_nodes: budget.choose_num_nodes on the tree's gains in prune order, with the
 // cost model's estimates (sizes, seconds, counts; ints taken as floats) made into its optimistic,
 // unpadded curve only as far as it is read, in one call.
 int64_t choose_tree_nodes(const CoreTree& t, const std::vector<double>& sizes, const std::vector<double>& seconds,
                           const std::vector<double>& counts, double optimism, double overhead, int64_t max_nodes,
                           const std::vector<double>& scales) {
-  if (sizes.empty() || seconds.size() != sizes.size() || counts.size() != sizes.size())
-    throw std::invalid_argument("choose_num_nodes: sizes, seconds and counts need one entry each per size");
-  for (size_t i = 1; i < sizes.size(); ++i)
-    if (!(sizes[i - 1] < sizes[i])) throw std::invalid_argument("choose_num_nodes: sizes must increase");
+  check_estimates(sizes, seconds, counts, "choose_num_nodes");
   return lookupdec::choose_tree_nodes(t.tree, sizes.data(), seconds.data(), counts.data(),
                                       static_cast<int64_t>(sizes.size()), optimism, overhead, max_nodes,
                                       scales.data(), static_cast<int64_t>(scales.size()));
@@ -577,10 +583,7 @@ int64_t choose_tree_nodes(const CoreTree& t, const std::vector<double>& sizes, c
 // budget.CostModel.dense from its estimates (ints taken as floats): the curve as float64 bytes.
 nb::bytes cost_curve(const std::vector<double>& sizes, const std::vector<double>& seconds,
                      const std::vector<double>& counts, int64_t upto, double optimism, bool optimistic, bool padded) {
-  if (sizes.empty() || seconds.size() != sizes.size() || counts.size() != sizes.size())
-    throw std::invalid_argument("cost_curve: sizes, seconds and counts need one entry each per size");
-  for (size_t i = 1; i < sizes.size(); ++i)
-    if (!(sizes[i - 1] < sizes[i])) throw std::invalid_argument("cost_curve: sizes must increase");
+  check_estimates(sizes, seconds, counts, "cost_curve");
   std::vector<double> out;
   lookupdec::cost_curve(sizes.data(), seconds.data(), counts.data(), static_cast<int64_t>(sizes.size()), upto,
                         optimism, optimistic, padded, &out);
