@@ -5,10 +5,11 @@ Llama-2 tokenizer, as ``bench/replay.py``) through the engine's step in ``StepCo
 with a fixed node budget (``max_nodes=64``, ``max_depth=64``) and times every phase of it but
 the verify forward, in µs per step:
 
-    propose  ``Mixture.propose`` over ``build_proposers(EngineConfig())`` (n-gram + suffix)
-    merge    ``TokenTree.from_drafts`` with the calibrator, as ``StepCore.build_tree``: the fast paths'
-             merge computes the calibration cells it reads from the calibrator's counts; the
-             reference makes ``AcceptanceCalibrator.calibration()``'s whole table first
+    propose  ``Mixture.propose`` over ``build_proposers(EngineConfig())`` (n-gram + suffix + recycling);
+             on the fast paths ``Mixture.plan``, as ``StepCore.plan`` calls it: the drafts and
+             their merge in one compiled call (merge then reads 0)
+    merge    ``TokenTree.from_drafts`` with the calibrator, as ``StepCore.build_tree`` (the
+             reference: ``AcceptanceCalibrator.calibration()``'s whole table first)
     choose   ``SizeRecord.scales`` + ``choose_tree_nodes`` (``CostModel``: a measured 150M-parameter curve,
              one per set of paths, observed every step) + ``prune``
              (timed; the verified tree stays the fixed budget's, as with ``budget="fixed"``)
@@ -119,6 +120,7 @@ class Paths:
     top_tokens: Callable  # engine.top_tokens(logits, rows, k)
     choose: Callable  # budget.choose_tree_nodes(tree, cost, overhead, max_nodes, scales) or its reference
     partial: bool = False  # accept on PartialLogits (the likely nodes' rows), as the engine's greedy verify
+    fused: bool = False  # propose and merge in one compiled call (Mixture.plan), as StepCore.plan
     picked: bool = False  # ... with each row's best ids made by the output projection (FastHead.project)
 
 
@@ -133,7 +135,7 @@ def fast_paths() -> Paths:
     inputs = functools.partial(tree_inputs, buffers=InputBuffers())  # as TargetModel.verify
     return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, inputs, accept, slot_cache=True,
                  observe_draft=observe_draft, top_tokens=top_tokens, choose=choose_tree_nodes,
-                 partial=True, picked=True)
+                 partial=True, picked=True, fused=True)
 
 
 @dataclass
@@ -255,11 +257,17 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             rest = response[len(context) - len(prompt):]
             n_cached = len(context) - 1
             marks = [_now()]
-            drafts = mixture.propose(rid, context, MAX_NODES)
-            marks.append(_now())
-            tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
-                               calibration=calibrator)  # as StepCore.build_tree
-            marks.append(_now())
+            fused = mixture.plan(rid, context, MAX_NODES, MAX_DEPTH, calibrator) if paths.fused else None
+            if fused is not None:  # as StepCore.plan: propose and merge in one call, timed as propose
+                tree, drafts = fused
+                marks.append(_now())
+                marks.append(marks[-1])
+            else:
+                drafts = mixture.propose(rid, context, MAX_NODES)
+                marks.append(_now())
+                tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
+                                   calibration=calibrator)  # as StepCore.build_tree
+                marks.append(_now())
             chosen = paths.choose(tree, cost, 0.0, MAX_NODES, mode.sizes.scales(min(tree.num_draft_nodes, MAX_NODES), 1.0))
             paths.prune(tree, chosen)
             marks.append(_now())

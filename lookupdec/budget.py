@@ -32,7 +32,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, Calibration, Draft, _core, calibration_row_key, observe_draft
+from lookupdec.tree import (CELLS_PER_ROW, COND_MIDS, MATCH_BUCKETS, Calibration, Draft, _core, calibration_row_key,
+                            observe_draft)
 
 
 log = logging.getLogger("lookupdec")
@@ -433,6 +434,7 @@ class AcceptanceCalibrator:
         self._matched = np.zeros((0, CELLS_PER_ROW))  # decayed counts of accepted nodes
         self._calibration: Calibration | None = None  # cached until the next learn
         self._rows_copy: dict | None = None  # the calibrations' copy of _rows (until a row is added)
+        self._row_tables: dict = {}  # source names -> (rows and sources known, row_table) (``row_table``)
 
     def _row(self, draft: Draft) -> int:
         key = calibration_row_key(draft)
@@ -505,6 +507,18 @@ class AcceptanceCalibrator:
         return self._rows, self._sources, (
             self._reached, self._predicted, self._matched, self._row_source_index, len(self._sources),
             _COND_MIDS_BYTES, SOURCE_PRIOR_WEIGHT, ROW_PRIOR_WEIGHT, CELL_PRIOR_WEIGHT, MAX_FACTOR, MAX_PRIOR_PROB)
+
+    def row_table(self, names: tuple[str, ...]) -> tuple[list[int], list[int]]:
+        """For the compiled lookups' fused plan (``Mixture.plan``): each of ``names``' row per
+        match bucket (``MATCH_BUCKETS``, -1 where none yet: the merge then takes the source's
+        factor, as ``from_drafts`` does for a draft whose row is unknown), flat, and each name's
+        source index (-1 unknown). Made again only when a row was added."""
+        known = (len(self._rows), len(self._sources))
+        cached = self._row_tables.get(names)
+        if cached is None or cached[0] != known:
+            rows = [self._rows.get((name, bucket), -1) for name in names for bucket in MATCH_BUCKETS]
+            cached = self._row_tables[names] = (known, (rows, [self._sources.get(name, -1) for name in names]))
+        return cached[1]
 
     def learn(self, drafts: Sequence[Draft], committed: Sequence[int]) -> None:
         """After a step: decay the history once, then count every reached node of every draft

@@ -15,7 +15,11 @@ from typing import Sequence
 from lookupdec.budget import AcceptanceCalibrator
 from lookupdec.config import DraftConfig
 from lookupdec.proposers.base import Proposer
-from lookupdec.tree import Draft
+from lookupdec.tree import Draft, TokenTree, _core
+
+# the fused plan's sources by code (``_core.Lookups``): NgramProposer, SuffixProposer's two
+# automata, RecycleProposer
+FUSED_SOURCES = ("ngram", "suffix", "suffix-global", "recycle")
 
 
 class Mixture:
@@ -29,6 +33,13 @@ class Mixture:
         # sources that learn from the target's own top tokens (token recycling): the engine
         # hands them ``observe_successors`` after each verify forward
         self.successor_sinks = [p for p in self.lookups if getattr(p, "wants_successors", False)]
+        # ``plan``: the lookups' drafts and their merge in one compiled call, where every lookup
+        # is one of the compiled kinds (each at most once) and no draft model joins them
+        kinds = [getattr(p, "fused_kind", None) for p in self.lookups]
+        self.fused = (_core is not None and hasattr(_core, "Lookups") and draft is None and None not in kinds
+                      and len(set(kinds)) == len(kinds))
+        self._fused: dict[str, tuple] = {}  # request id -> (its _core.Lookups, max_match)
+        self._suffix = next((p for p in self.lookups if getattr(p, "fused_kind", None) == "s"), None)
 
     @property
     def proposers(self) -> list:
@@ -39,6 +50,25 @@ class Mixture:
             p.start(request_id, prompt_ids)
         if self.draft is not None and params is not None:
             self.draft.set_sampling(request_id, params, seed)
+        if self.fused:
+            self._start_fused(request_id)
+
+    def _start_fused(self, request_id: str) -> None:
+        """The request's ``_core.Lookups`` (its lookups' compiled state and parameters), or none
+        where one of them is not compiled (``plan`` then returns None)."""
+        handles = {p.fused_kind: p.compiled_lookup(request_id) for p in self.lookups}
+        if None in handles.values():
+            return
+        none = (None, ())
+        ngram, ngram_params = handles.get("n", none)
+        recycle, recycle_params = handles.get("r", none)
+        suffix, suffix_params, max_match = handles.get("s", (None, (), 0))
+        ngram_params = ngram_params or (0, 0, 0.0, 0.0)
+        suffix_params = suffix_params or (0, 0, 0, 1, 0, 0.0, 0.0)
+        recycle_params = recycle_params or (0, 0)
+        order = "".join(p.fused_kind for p in self.lookups)
+        self._fused[request_id] = (_core.Lookups(ngram, *ngram_params, suffix, *suffix_params, recycle,
+                                                 *recycle_params, order, list(FUSED_SOURCES)), max_match)
 
     def propose(self, request_id: str, context: Sequence[int], max_nodes: int) -> list[Draft]:
         """Every source's drafts, each of at most ``max_nodes`` nodes (the merge keeps the best)."""
@@ -47,6 +77,44 @@ class Mixture:
             drafts += self.draft.propose(request_id, context, max_nodes)
             self.draft_steps += 1
         return drafts
+
+    def plan(self, request_id: str, context: Sequence[int], max_nodes: int, max_depth: int,
+             calibrator: AcceptanceCalibrator) -> tuple[TokenTree, list[Draft]] | None:
+        """``propose`` and ``TokenTree.from_drafts`` with ``calibrator`` in one compiled call
+        (``_core.Lookups.plan``): the same drafts, in the same order, and the same tree (the
+        proposers' own compiled functions, the merge's own; ``tests/test_fused_plan.py``), with
+        no Python between them. None where it does not apply (``fused`` off, a lookup not
+        compiled, the calibrator's reference backend, negative budgets): the caller then
+        proposes and merges apart."""
+        entry = self._fused.get(request_id)
+        if entry is None or max_nodes < 0 or max_depth < 0:
+            return None
+        counts = calibrator.merge_counts()
+        if counts is None:
+            return None
+        lookups, max_match = entry
+        row_table, source_index = calibrator.row_table(FUSED_SOURCES)
+        pending, certain_suffix, certain_global, global_core = (self._suffix.fused_inputs(request_id)
+                                                                if self._suffix is not None else (None, 0, 0, None))
+        ctx = context[-max_match:] if max_match else []
+        if type(ctx) is not list:
+            ctx = list(ctx)
+        n = len(context)
+        try:
+            out = lookups.plan(ctx, n, context[-2] if n > 1 else -1, context[-1], max_nodes, certain_suffix,
+                               certain_global, global_core, max_depth, row_table, source_index, *counts[2])
+        except TypeError:  # ids outside int32: the proposers' own calls name them
+            return None
+        if out is None:  # the n-gram index missed tokens: its own call says so
+            self.propose(request_id, context, max_nodes)
+            raise AssertionError("Mixture.plan: the n-gram index and the context disagree")
+        core, packed, chains = out
+        trusted = Draft._trusted
+        drafts = [trusted(None, None, None, FUSED_SOURCES[code], match, packed=(tokens, parents, scores))
+                  for code, match, tokens, parents, scores in packed]
+        for code, chain, certain in chains:
+            pending.setdefault(FUSED_SOURCES[code], (chain, certain))
+        return TokenTree._from_core(core, {}), drafts
 
     def _want_draft_model(self, drafts: Sequence[Draft]) -> bool:
         mode = self.config.mode
@@ -70,5 +138,6 @@ class Mixture:
             p.observe_successors(entries)
 
     def stop(self, request_id: str) -> None:
+        self._fused.pop(request_id, None)
         for p in self.proposers:
             p.stop(request_id)

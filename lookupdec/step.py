@@ -3,7 +3,9 @@
     propose  the mixture's drafts for the context (``Mixture.propose``), each of at most
              ``max_nodes`` nodes
     merge    ``TokenTree.from_drafts``: one trie, scores scaled by the calibrator, the best
-             ``max_nodes`` nodes kept (ancestors first), at most ``max_depth`` deep
+             ``max_nodes`` nodes kept (ancestors first), at most ``max_depth`` deep; where the
+             lookups are all compiled, propose and merge are one compiled call
+             (``Mixture.plan``: the same drafts and tree; ``propose_s`` then counts both)
     choose   with a cost model (``EngineConfig.budget == "auto"``): keep the node count that
              maximises expected tokens per second (``budget.choose_tree_nodes``), each count's
              gains corrected by what trees of that size accepted (``budget.SizeRecord``), and
@@ -129,6 +131,13 @@ class StepCore:
         scale = self.scale
         if max_nodes is None:
             max_nodes = self.draft_budget.nodes(self.max_nodes) if cost is not None else self.max_nodes
+        fused = (self.mixture.plan(request_id, context, max_nodes, max_depth, self.calibrator)
+                 if self.calibrator is not None and self.mixture.fused else None)
+        if fused is not None:  # drafts and merge in one compiled call: propose_s counts both
+            tree, drafts = fused
+            t1 = time.perf_counter()
+            tree = self.select(tree, max_nodes=max_nodes, cost=cost, overhead_s=overhead_s, scale=scale)
+            return Plan(tree, drafts, scale, propose_s=t1 - t0, tree_s=time.perf_counter() - t1)
         drafts = self.mixture.propose(request_id, context, max_nodes)
         t1 = time.perf_counter()
         tree = self.build_tree(context[-1], drafts, max_nodes=max_nodes, max_depth=max_depth, cost=cost,
@@ -167,6 +176,12 @@ class StepCore:
         # (the calibrator itself: the compiled merge computes only the cells it reads)
         tree = TokenTree.from_drafts(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
                                      calibration=self.calibrator)
+        return self.select(tree, max_nodes=max_nodes, cost=cost, overhead_s=overhead_s, scale=scale)
+
+    def select(self, tree: TokenTree, *, max_nodes: int, cost: CostModel | None, overhead_s: float,
+               scale: float = 1.0) -> TokenTree:
+        """The merged tree's nodes worth verifying: its best chain alone (``chain_only``), and
+        with ``cost`` the node count ``choose_tree_nodes`` picks."""
         if self.chain_only:
             tree = tree.best_chain()
         if cost is not None and tree.num_draft_nodes:

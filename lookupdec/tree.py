@@ -150,7 +150,8 @@ CELLS_PER_ROW = len(DEPTH_BUCKETS) * SIBLING_RANKS * len(COND_BUCKETS)
 COND_MIDS = np.tile(np.diff(np.append(COND_BUCKETS, 1.0)) / 2 + np.array(COND_BUCKETS), len(DEPTH_BUCKETS) * SIBLING_RANKS)
 if _core is not None and (tuple(getattr(_core, "DEPTH_BUCKETS", ())) != DEPTH_BUCKETS
                           or getattr(_core, "SIBLING_RANKS", None) != SIBLING_RANKS
-                          or tuple(getattr(_core, "COND_BUCKETS", ())) != COND_BUCKETS):
+                          or tuple(getattr(_core, "COND_BUCKETS", ())) != COND_BUCKETS
+                          or tuple(getattr(_core, "MATCH_BUCKETS", ())) != MATCH_BUCKETS):
     raise ImportError("lookupdec.automaton._core was built from other sources (calibration buckets differ, or no "
                       "tree merge): rebuild it with `pip install -e .`")
 

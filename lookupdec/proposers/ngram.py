@@ -45,6 +45,7 @@ class _NgramIndex:
 
 class NgramProposer:
     name = "ngram"
+    fused_kind = "n"  # Mixture.plan's code for it (compiled_lookup)
 
     def __init__(self, config: NgramConfig | None = None, *, backend: str = "auto") -> None:
         """``backend``: "auto" (the compiled index when built, else the reference), "compiled"
@@ -104,6 +105,15 @@ class NgramProposer:
                         [first * CONTINUE_PROB**d for d in range(n)], self.name, match_length=match_len)
             for (first, end, match_len), n in zip(found, lengths) if n
         ]
+
+    def compiled_lookup(self, request_id: str) -> tuple | None:
+        """For ``Mixture.plan`` (the lookups' drafts and their merge in one compiled call): the
+        request's compiled index and ``propose``'s parameters; None on the reference backend."""
+        if self.backend != "compiled":
+            return None
+        config = self.config
+        return self._requests.get(request_id), (config.max_draft_tokens, config.max_branches, BRANCH_DECAY,
+                                                CONTINUE_PROB)
 
     def _occurrences(self, state: _NgramIndex):
         """(match length, end position) of earlier occurrences, longest match then latest first."""

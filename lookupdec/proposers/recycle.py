@@ -36,6 +36,7 @@ TOKEN_MATCH = 1  # ... from the last token alone
 class RecycleProposer:
     name = "recycle"
     wants_successors = True  # the engine hands it the target's top tokens (``observe_successors``)
+    fused_kind = "r"  # Mixture.plan's code for it (compiled_lookup)
 
     def __init__(self, config: RecycleConfig | None = None, *, backend: str = "auto") -> None:
         """``backend``: "auto" (the compiled table when built, else the reference), "compiled"
@@ -82,6 +83,13 @@ class RecycleProposer:
             successors = tuple(successors[: self.config.successors])
             self.by_pair[(prev, token)] = successors
             self.by_token[token] = successors
+
+    def compiled_lookup(self, request_id: str) -> tuple | None:
+        """For ``Mixture.plan``: the compiled table and ``propose``'s limits (``max_nodes``,
+        ``max_depth``); None on the reference backend."""
+        if self._table is None:
+            return None
+        return self._table, (self.config.max_nodes, self.config.max_depth)
 
     def successors(self, prev: int, token: int) -> tuple[tuple[int, ...], int]:
         """(The reference's table.) The recorded successors of ``token`` after ``prev`` and the match length they rest on

@@ -116,6 +116,32 @@ class SuffixProposer:
                           self.certain_step["suffix-global"], request.pending)
         return out
 
+    # -- Mixture.plan: the drafts and their merge in one compiled call ---------------------------
+    fused_kind = "s"
+
+    def compiled_lookup(self, request_id: str) -> tuple | None:
+        """The request's compiled automaton and ``automaton_drafts``' fixed parameters
+        (``min_match``, ``global_min_match``, then ``suffix_drafts``' levels, divisor, separator,
+        empty confidence and match prior), and ``max_match``; None where drafting is not
+        compiled (``drafting="reference"``, or automata without the core)."""
+        request: _Request = self._requests.get(request_id)
+        if self.drafting != "auto" or request.automaton.backend != "compiled" or \
+                self.global_automaton.backend != "compiled":
+            return None
+        config = self.config
+        return request.automaton._core, (config.min_match, config.global_min_match, MATCH_LEVELS,
+                                         SHORTER_MATCH_NODES_DIVISOR, SEPARATOR, EMPTY_MATCH_CONFIDENCE,
+                                         MATCH_PRIOR), config.max_match
+
+    def fused_inputs(self, request_id: str) -> tuple:
+        """What a step's fused plan reads besides the context: (the request's pending chains,
+        each automaton's ``CertainStepEstimate.value``, the global automaton's core or None
+        while the global cache is empty)."""
+        pending = self._requests.get(request_id).pending
+        suffix, global_ = self.certain_step["suffix"], self.certain_step["suffix-global"]
+        core = self.global_automaton._core if self._global_tokens else None
+        return pending, suffix.hits / suffix.trials, global_.hits / global_.trials, core
+
     # -- the global cache -----------------------------------------------------------------------
     def add_to_global(self, output: Sequence[int]) -> None:
         """Append one finished output; trim the oldest and rebuild past the capacity."""

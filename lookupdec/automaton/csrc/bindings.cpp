@@ -17,6 +17,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -670,6 +671,141 @@ nb::tuple recycle_propose(const lookupdec::RecycleTable& table, int32_t prev, in
   return nb::make_tuple(to_bytes(tokens), to_bytes(parents), to_bytes(scores), match);
 }
 
+
+// Mixture.propose and TokenTree.from_drafts (over the calibrator's counts) in one call, for the
+// compiled lookups of one request: the n-gram index, the request's suffix automaton (and the
+// global one, given per call: it is rebuilt when trimmed), the recycling table, each optional,
+// in the mixture's order (`order`: 'n', 's', 'r'). The drafts are those the proposers' own calls
+// make (ngram_propose, suffix_drafts, recycle_propose: the same functions), merged as
+// merge_drafts_counts merges them, without a trip through Python between the two.
+struct Lookups {
+  nb::object ngram_owner, suffix_owner, recycle_owner;  // keep the Python objects alive
+  lookupdec::NgramIndex* ngram = nullptr;
+  Automaton* suffix = nullptr;
+  lookupdec::RecycleTable* recycle = nullptr;
+  std::string order;
+  int32_t ngram_max_draft_tokens = 0, ngram_max_branches = 0;
+  double branch_decay = 0, continue_prob = 0;
+  int32_t min_match = 0, global_min_match = 0, levels = 0, shorter_divisor = 0, separator = 0;
+  double empty_confidence = 0, match_prior = 0;
+  int32_t recycle_max_nodes = 0, recycle_max_depth = 0;
+  nb::list names;  // the four sources' names: ngram, suffix, suffix-global, recycle
+};
+
+constexpr int32_t kMatchBuckets[] = {0, 1, 2, 3, 5, 9, 17, 33};  // tree.MATCH_BUCKETS
+constexpr int32_t kNumMatchBuckets = 8;
+
+int32_t match_bucket_index(int32_t match_length) {
+  int32_t b = 0;
+  while (b + 1 < kNumMatchBuckets && kMatchBuckets[b + 1] <= match_length) ++b;
+  return b;
+}
+
+// (tree, drafts, chains) or None when the n-gram index has not seen `context_len` tokens (the
+// caller names the request). drafts: (source code 0-3, match length, token_ids, parents, scores
+// as bytes) in merge order; chains: (source code, best chain, certain-step flags) of each suffix
+// automaton's first draft. row_table: [4 * 8] calibration row per (source code, match bucket),
+// -1 none; source_index: [4] each source's index in the counts, -1 unknown.
+nb::object lookups_plan(const Lookups& L, const std::vector<int32_t>& ctx, int64_t context_len, int32_t prev,
+                        int32_t root, int32_t max_nodes, double certain_suffix, double certain_global,
+                        Automaton* global, int32_t max_depth, const std::vector<int32_t>& row_table,
+                        const std::vector<int32_t>& source_index, CountsIn reached, CountsIn predicted,
+                        CountsIn matched, nb::bytes row_source, int64_t sources, nb::bytes cond_mids,
+                        double source_prior, double row_prior, double cell_prior, double max_factor,
+                        double max_prior_prob) {
+  if (row_table.size() != 4 * kNumMatchBuckets || source_index.size() != 4)
+    throw std::invalid_argument("Lookups.plan: a row per source and match bucket, an index per source");
+  if (L.ngram != nullptr && L.ngram->size() != context_len) return nb::none();
+  lookupdec::CalibrationCounts counts = calibration_counts(
+      reached, predicted, matched, row_source, sources, cond_mids,
+      {source_prior, row_prior, cell_prior, max_factor, max_prior_prob}, "Lookups.plan");
+  PackedDrafts packed;
+  packed.offsets.assign(1, 0);
+  packed.tokens.reserve(512);
+  packed.parents.reserve(512);
+  packed.scores.reserve(512);
+  std::vector<int32_t> codes, matches;
+  nb::list chains;
+  auto add = [&](int32_t code, int32_t match, const std::vector<int32_t>& t, const std::vector<int32_t>& p,
+                 const std::vector<double>& s) {
+    packed.tokens.insert(packed.tokens.end(), t.begin(), t.end());
+    packed.parents.insert(packed.parents.end(), p.begin(), p.end());
+    packed.scores.insert(packed.scores.end(), s.begin(), s.end());
+    packed.offsets.push_back(packed.offsets.back() + static_cast<int64_t>(t.size()));
+    codes.push_back(code);
+    matches.push_back(match);
+  };
+  auto suffix = [&](Automaton& automaton, int32_t code, int32_t min_match, double certain) {
+    lookupdec::SuffixDraftParams params{max_nodes, min_match, L.levels, L.shorter_divisor, L.separator,
+                                        L.empty_confidence, L.match_prior, certain};
+    std::vector<lookupdec::SuffixDraft> drafts = lookupdec::suffix_drafts(automaton, ctx.data(), ctx.size(), params);
+    for (size_t i = 0; i < drafts.size(); ++i) {
+      const lookupdec::SuffixDraft& d = drafts[i];
+      add(code, d.match_length, d.token_ids, d.parents, d.scores);
+      if (i == 0) chains.append(nb::make_tuple(code, int_list(d.chain), bool_list(d.chain_certain)));
+    }
+  };
+  if (max_nodes > 0) {
+    for (char kind : L.order) {
+      if (kind == 'n' && L.ngram != nullptr) {
+        for (const lookupdec::NgramDraft& d : L.ngram->propose(L.ngram_max_draft_tokens, L.ngram_max_branches,
+                                                               max_nodes, L.branch_decay, L.continue_prob))
+          add(0, d.match_length, d.token_ids, d.parents, d.scores);
+      } else if (kind == 's' && L.suffix != nullptr) {
+        for (int32_t token : ctx)
+          if (token < 0) throw nb::value_error("token ids must be in [0, 2**31 - 1]");
+        suffix(*L.suffix, 1, L.min_match, certain_suffix);
+        if (global != nullptr) suffix(*global, 2, L.global_min_match, certain_global);
+      } else if (kind == 'r' && L.recycle != nullptr) {
+        int32_t limit = std::min(max_nodes, L.recycle_max_nodes);
+        if (limit <= 0 || context_len <= 0) continue;
+        std::vector<int32_t> tokens, parents;
+        std::vector<double> scores;
+        int32_t match = 0;
+        L.recycle->propose(prev, root, limit, L.recycle_max_depth, &tokens, &parents, &scores, &match);
+        if (!tokens.empty()) add(3, match, tokens, parents, scores);
+      }
+    }
+  }
+  size_t num_drafts = codes.size();
+  std::vector<int32_t> rows(num_drafts), draft_sources(num_drafts);
+  nb::list names, drafts;
+  for (size_t d = 0; d < num_drafts; ++d) {
+    rows[d] = row_table[codes[d] * kNumMatchBuckets + match_bucket_index(matches[d])];
+    if (rows[d] >= counts.rows) throw std::invalid_argument("Lookups.plan: a draft's row is out of range");
+    draft_sources[d] = source_index[codes[d]];
+    names.append(L.names[codes[d]]);
+    int64_t a = packed.offsets[d], b = packed.offsets[d + 1];
+    auto span = [&](const auto& v) {
+      using T = typename std::decay_t<decltype(v)>::value_type;
+      return nb::bytes(reinterpret_cast<const char*>(v.data() + a), static_cast<size_t>(b - a) * sizeof(T));
+    };
+    drafts.append(nb::make_tuple(codes[d], matches[d], span(packed.tokens), span(packed.parents), span(packed.scores)));
+  }
+  names.append(nb::str(""));
+  std::vector<uint8_t> point_mass(num_drafts, 1);
+  lookupdec::MergeInput in;
+  in.root_token = root;
+  in.tokens = packed.tokens.data();
+  in.parents = packed.parents.data();
+  in.scores = packed.scores.data();
+  in.offsets = packed.offsets.data();
+  in.num_drafts = static_cast<int64_t>(num_drafts);
+  in.rows = rows.data();
+  in.point_mass = point_mass.data();
+  in.max_nodes = max_nodes;
+  in.max_depth = max_depth;
+  in.fallback = nullptr;
+  in.table = nullptr;
+  in.table_size = counts.rows * lookupdec::kCellsPerRow;
+  in.probabilities = true;
+  in.counts = &counts;
+  in.draft_sources = draft_sources.data();
+  CoreTree tree{lookupdec::merge_drafts(in), names};
+  tree.tree.node_of.clear();
+  return nb::make_tuple(std::move(tree), drafts, chains);
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -681,6 +817,51 @@ NB_MODULE(_core, m) {
   m.attr("DEPTH_BUCKETS") = nb::make_tuple(1, 2, 3, 5, 9, 17);
   m.attr("COND_BUCKETS") = nb::make_tuple(0.0, 0.25, 0.5, 0.75, 0.95);
   m.def("merge_drafts", &merge_drafts);
+  m.attr("MATCH_BUCKETS") = nb::make_tuple(0, 1, 2, 3, 5, 9, 17, 33);
+  nb::class_<Lookups>(m, "Lookups")
+      .def("__init__",
+           [](Lookups* self, nb::object ngram, int32_t ngram_max_draft_tokens, int32_t ngram_max_branches,
+              double branch_decay, double continue_prob, nb::object suffix, int32_t min_match,
+              int32_t global_min_match, int32_t levels, int32_t shorter_divisor, int32_t separator,
+              double empty_confidence, double match_prior, nb::object recycle, int32_t recycle_max_nodes,
+              int32_t recycle_max_depth, const std::string& order, nb::list names) {
+             if (nb::len(names) != 4) throw std::invalid_argument("Lookups: four source names");
+             for (char kind : order)
+               if (kind != 'n' && kind != 's' && kind != 'r') throw std::invalid_argument("Lookups: order of 'n', 's', 'r'");
+             Lookups* L = new (self) Lookups();
+             L->ngram_owner = ngram;
+             L->suffix_owner = suffix;
+             L->recycle_owner = recycle;
+             if (!ngram.is_none()) L->ngram = nb::cast<lookupdec::NgramIndex*>(ngram);
+             if (!suffix.is_none()) L->suffix = nb::cast<Automaton*>(suffix);
+             if (!recycle.is_none()) L->recycle = nb::cast<lookupdec::RecycleTable*>(recycle);
+             L->order = order;
+             L->ngram_max_draft_tokens = ngram_max_draft_tokens;
+             L->ngram_max_branches = ngram_max_branches;
+             L->branch_decay = branch_decay;
+             L->continue_prob = continue_prob;
+             L->min_match = min_match;
+             L->global_min_match = global_min_match;
+             L->levels = levels;
+             L->shorter_divisor = shorter_divisor;
+             L->separator = separator;
+             L->empty_confidence = empty_confidence;
+             L->match_prior = match_prior;
+             L->recycle_max_nodes = recycle_max_nodes;
+             L->recycle_max_depth = recycle_max_depth;
+             L->names = names;
+           },
+           nb::arg("ngram").none(), nb::arg("ngram_max_draft_tokens"), nb::arg("ngram_max_branches"),
+           nb::arg("branch_decay"), nb::arg("continue_prob"), nb::arg("suffix").none(), nb::arg("min_match"),
+           nb::arg("global_min_match"), nb::arg("levels"), nb::arg("shorter_divisor"), nb::arg("separator"),
+           nb::arg("empty_confidence"), nb::arg("match_prior"), nb::arg("recycle").none(),
+           nb::arg("recycle_max_nodes"), nb::arg("recycle_max_depth"), nb::arg("order"), nb::arg("names"))
+      .def("plan", &lookups_plan, nb::arg("ctx"), nb::arg("context_len"), nb::arg("prev"), nb::arg("root"),
+           nb::arg("max_nodes"), nb::arg("certain_suffix"), nb::arg("certain_global"), nb::arg("global_").none(),
+           nb::arg("max_depth"), nb::arg("row_table"), nb::arg("source_index"), nb::arg("reached"),
+           nb::arg("predicted"), nb::arg("matched"), nb::arg("row_source"), nb::arg("sources"), nb::arg("cond_mids"),
+           nb::arg("source_prior"), nb::arg("row_prior"), nb::arg("cell_prior"), nb::arg("max_factor"),
+           nb::arg("max_prior_prob"));
   m.def("merge_drafts_counts", &merge_drafts_counts);
   nb::class_<lookupdec::NgramIndex>(m, "NgramIndex")
       .def(nb::init<int32_t, int32_t>())

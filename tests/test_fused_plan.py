@@ -1,0 +1,191 @@
+"""``Mixture.plan``: the compiled lookups' drafts and their merge in one call (``_core.Lookups``)
+must give, step after step, exactly what ``Mixture.propose`` and ``TokenTree.from_drafts`` give
+apart: the same drafts in the same order, the same tree (tokens, parents, sources, scores,
+expected gains, prune order), the same pending chains for the suffix proposer's certain-step
+estimates. Two twins (the fused path and the one apart) are driven through the same records,
+each learning from its own steps, with the global suffix cache and the recycling table filled
+as the engine fills them."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from lookupdec import EngineConfig
+from lookupdec.automaton import compiled_available
+from lookupdec.budget import AcceptanceCalibrator
+from lookupdec.mixture import FUSED_SOURCES, Mixture
+from lookupdec.proposers import build_proposers
+from lookupdec.proposers.ngram import NgramProposer
+from lookupdec.proposers.recycle import RecycleProposer
+from lookupdec.proposers.suffix import SuffixProposer
+from lookupdec.simulate import recorded_verdict
+from lookupdec.step import StepCore
+from lookupdec.tree import TokenTree
+
+pytestmark = pytest.mark.skipif(not compiled_available(), reason="the compiled core is not built")
+
+CONFIG = EngineConfig()  # the default lookups: n-gram, suffix, recycling
+
+
+def record(rng: random.Random, vocab: int, length: int) -> list[int]:
+    """Tokens that repeat as logs and edits do: fresh runs and copies of earlier spans, some
+    with a token changed."""
+    out = [rng.randrange(vocab) for _ in range(8)]
+    while len(out) < length:
+        if rng.random() < 0.35:
+            out += [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+        else:
+            start = rng.randrange(len(out))
+            span = out[start:start + rng.randrange(3, 25)]
+            if span and rng.random() < 0.3:
+                span[rng.randrange(len(span))] = rng.randrange(vocab)
+            out += span
+    return out[:length]
+
+
+def tree_state(tree: TokenTree) -> tuple:
+    return (list(tree.token_ids), list(tree.parents), list(tree.sources), list(tree.scores), list(tree.expected),
+            list(tree.cells), list(tree.conds), list(tree.point_mass), list(tree.depth), list(tree.prune_order()))
+
+
+def draft_state(drafts) -> list[tuple]:
+    return [(d.source, d.match_length, d.packed()) for d in drafts]
+
+
+class Twin:
+    def __init__(self, fused: bool, config: EngineConfig = CONFIG) -> None:
+        self.calibrator = AcceptanceCalibrator()
+        self.mixture = Mixture(build_proposers(config), calibrator=self.calibrator)
+        self.mixture.fused = fused and self.mixture.fused
+        self.core = StepCore(self.mixture, max_nodes=CONFIG.max_nodes, calibrator=self.calibrator)
+        self.suffix = next((p for p in self.mixture.lookups if isinstance(p, SuffixProposer)), None)
+
+    def pending(self, rid: str) -> dict:
+        return dict(self.suffix._requests.get(rid).pending) if self.suffix is not None else {}
+
+
+def drive(seed: int, records: int = 4, vocab: int = 60, length: int = 220, max_nodes: int = 64,
+          max_depth: int = 64, config: EngineConfig = CONFIG) -> int:
+    """Both twins through ``records`` prompt/response pairs; every step compared. Returns the
+    steps compared."""
+    rng = random.Random(seed)
+    fused, apart = Twin(True, config), Twin(False, config)
+    assert fused.mixture.fused and not apart.mixture.fused
+    steps = 0
+    for r in range(records):
+        stream = record(rng, vocab, length)
+        cut = rng.randrange(20, length // 2)
+        prompt, response = stream[:cut], stream[cut:]
+        rid = f"r{r}"
+        for twin in (fused, apart):
+            twin.core.start(rid, prompt)
+            twin.core.first(rid, response[:1])
+        context = prompt + response[:1]
+        while len(context) - len(prompt) < len(response):
+            rest = response[len(context) - len(prompt):]
+            nodes = rng.choice([0, 1, 3, 8, 24, max_nodes])
+            plans = [twin.core.plan(rid, context, max_depth=max_depth, max_nodes=nodes) for twin in (fused, apart)]
+            assert draft_state(plans[0].drafts) == draft_state(plans[1].drafts), f"seed {seed} step {steps}: drafts"
+            assert tree_state(plans[0].tree) == tree_state(plans[1].tree), f"seed {seed} step {steps}: tree"
+            assert fused.pending(rid) == apart.pending(rid), f"seed {seed} step {steps}: pending chains"
+            verdicts = [recorded_verdict(plan.tree, rest) for plan in plans]
+            for twin, plan, verdict in zip((fused, apart), plans, verdicts):
+                twin.core.finish(rid, plan, verdict)
+            # the recycling table learns the "target's" top tokens at the visited nodes (as
+            # Engine._verdict hands them over), the same for both twins
+            visited = [0, *verdicts[0].accepted]
+            tokens = [plans[0].tree.token_ids[u] for u in visited]
+            previous = [context[-2] if len(context) > 1 else -1, *tokens[:-1]]
+            tops = [[rng.randrange(vocab) for _ in range(CONFIG.recycle.successors)] for _ in visited]
+            for twin in (fused, apart):
+                twin.mixture.observe_successors(list(zip(previous, tokens, tops)))
+            context += verdicts[0].new_tokens
+            steps += 1
+        for twin in (fused, apart):
+            twin.core.stop(rid)  # the output joins the global suffix cache
+    assert fused.suffix is None or fused.suffix.global_tokens > 0
+    return steps
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fused_plan_equals_propose_and_merge(seed):
+    assert drive(seed) > 50
+
+
+def test_fused_plan_with_small_budgets_and_depths():
+    assert drive(11, records=2, max_nodes=5, max_depth=2) > 20
+
+
+@pytest.mark.parametrize("proposers", [("ngram", "suffix"), ("suffix", "recycle", "ngram"), ("recycle",),
+                                       ("ngram",), ("suffix",)])
+def test_fused_plan_with_other_lookups_in_any_order(proposers):
+    assert drive(21, records=3, config=EngineConfig(proposers=proposers)) > 30
+
+
+def test_the_step_takes_the_fused_plan():
+    """With the default lookups the step never calls ``propose`` (a mutant StepCore that ignores
+    ``Mixture.plan`` fails here); with ``fused`` off it does."""
+    for fused in (True, False):
+        twin = Twin(fused)
+        calls = []
+        propose = twin.mixture.propose
+        twin.mixture.propose = lambda *a, **k: calls.append(1) or propose(*a, **k)
+        twin.core.start("r", [1, 2, 3, 1, 2])
+        twin.core.plan("r", [1, 2, 3, 1, 2], max_depth=8)
+        assert (len(calls) == 0) == fused
+
+
+def test_plan_applies_only_where_every_part_is_compiled():
+    calibrator = AcceptanceCalibrator()
+    context = [1, 2, 3, 1, 2]
+    # a lookup on its reference backend: no fused plan for the request
+    mixture = Mixture([NgramProposer(CONFIG.ngram, backend="reference"), SuffixProposer(CONFIG.suffix)])
+    mixture.start("r", context)
+    assert mixture.plan("r", context, 8, 8, calibrator) is None
+    # the calibrator's reference backend, negative budgets
+    mixture = Mixture(build_proposers(CONFIG))
+    mixture.start("r", context)
+    assert mixture.plan("r", context, 8, 8, AcceptanceCalibrator(backend="reference")) is None
+    assert mixture.plan("r", context, -1, 8, calibrator) is None
+    assert mixture.plan("r", context, 8, 8, calibrator) is not None
+    # a draft model joins: off for the mixture
+    assert not Mixture(build_proposers(CONFIG), draft=object()).fused
+    # a request stopped is forgotten
+    mixture.stop("r")
+    assert mixture.plan("r", context, 8, 8, calibrator) is None
+
+
+def test_plan_reports_misuse_as_the_proposers_do():
+    mixture = Mixture([NgramProposer(CONFIG.ngram), SuffixProposer(CONFIG.suffix), RecycleProposer(CONFIG.recycle)])
+    calibrator = AcceptanceCalibrator()
+    mixture.start("r", [1, 2, 3])
+    with pytest.raises(ValueError, match="'r' saw 3 tokens, context has 4"):
+        mixture.plan("r", [1, 2, 3, 4], 8, 8, calibrator)  # observe() missed
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*31 - 1\]"):
+        mixture.observe("r", [2**31])  # rejected: nothing kept
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*31 - 1\]"):
+        mixture.plan("r", [1, 2, 2**31], 8, 8, calibrator) or mixture.propose("r", [1, 2, 2**31], 8)
+
+
+def test_fused_sources_are_the_proposers_names():
+    """The compiled plan names its drafts' sources by code: the proposers' own names."""
+    assert FUSED_SOURCES == (NgramProposer.name, SuffixProposer.name, "suffix-global", RecycleProposer.name)
+    suffix = SuffixProposer()
+    assert set(suffix.certain_step) == {"suffix", "suffix-global"}
+
+
+def test_row_table_follows_new_rows():
+    calibrator = AcceptanceCalibrator()
+    rows, sources = calibrator.row_table(FUSED_SOURCES)
+    assert rows == [-1] * 32 and sources == [-1] * 4
+    mixture = Mixture(build_proposers(CONFIG), calibrator=calibrator)
+    core = StepCore(mixture, max_nodes=16, calibrator=calibrator)
+    context = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    core.start("r", context)
+    plan = core.plan("r", context, max_depth=8)
+    core.finish("r", plan, recorded_verdict(plan.tree, [7, 8, 5]))
+    rows, sources = calibrator.row_table(FUSED_SOURCES)
+    assert rows != [-1] * 32 and np.count_nonzero(np.array(rows) >= 0) == len(calibrator._rows)
+    assert sources[:2] == [calibrator._sources.get("ngram", -1), calibrator._sources.get("suffix", -1)]
