@@ -434,6 +434,7 @@ class AcceptanceCalibrator:
         self._matched = np.zeros((0, CELLS_PER_ROW))  # decayed counts of accepted nodes
         self._calibration: Calibration | None = None  # cached until the next learn
         self._rows_copy: dict | None = None  # the calibrations' copy of _rows (until a row is added)
+        self._row_by_match: dict = {}  # (source, match length) -> row (``_row`` without the bucket's bisect)
         self._row_tables: dict = {}  # source names -> (rows and sources known, row_table) (``row_table``)
 
     def _row(self, draft: Draft) -> int:
@@ -527,7 +528,13 @@ class AcceptanceCalibrator:
         self._calibration = None
         committed = list(committed)
         if self.compiled:
-            rows = [self._row(draft) for draft in drafts]  # first: a new row grows the arrays
+            rows = []  # first: a new row grows the arrays
+            row_by_match = self._row_by_match
+            for draft in drafts:
+                row = row_by_match.get((draft.source, draft.match_length))
+                if row is None:
+                    row = row_by_match[draft.source, draft.match_length] = self._row(draft)
+                rows.append(row)
             _core.learn_drafts(self._reached, self._predicted, self._matched, HISTORY_DECAY, rows,
                                [draft.packed() for draft in drafts], committed)
             return

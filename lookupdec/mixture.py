@@ -55,7 +55,9 @@ class Mixture:
 
     def _start_fused(self, request_id: str) -> None:
         """The request's ``_core.Lookups`` (its lookups' compiled state and parameters), or none
-        where one of them is not compiled (``plan`` then returns None)."""
+        where one of them is not compiled (``plan`` then returns None, and ``observe`` asks each
+        proposer). With one, ``observe`` extends the n-gram index and the request's automaton
+        in one call, then hands each proposer ``observe_fused`` for the rest of its ``observe``."""
         handles = {p.fused_kind: p.compiled_lookup(request_id) for p in self.lookups}
         if None in handles.values():
             return
@@ -129,6 +131,16 @@ class Mixture:
         return best < self.config.threshold
 
     def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
+        entry = self._fused.get(request_id)
+        if entry is not None and type(new_ids) is list:
+            try:  # the n-gram index and the request's automaton in one compiled call
+                entry[0].observe(new_ids)
+            except TypeError:
+                pass  # ids outside int32: the proposers' own calls name them
+            else:
+                for p in self.lookups:
+                    p.observe_fused(request_id, new_ids)
+                return
         for p in self.proposers:
             p.observe(request_id, new_ids)
 

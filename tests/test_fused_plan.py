@@ -166,6 +166,10 @@ def test_plan_reports_misuse_as_the_proposers_do():
     with pytest.raises(ValueError, match=r"\[0, 2\*\*31 - 1\]"):
         mixture.observe("r", [2**31])  # rejected: nothing kept
     with pytest.raises(ValueError, match=r"\[0, 2\*\*31 - 1\]"):
+        mixture.observe("r", [4, -1])  # the compiled observe checks every id first
+    assert [p.compiled_lookup("r")[0].size() for p in mixture.lookups[:2]] == [3, 3]
+    assert mixture.plan("r", [1, 2, 3], 8, 8, calibrator) is not None
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*31 - 1\]"):
         mixture.plan("r", [1, 2, 2**31], 8, 8, calibrator) or mixture.propose("r", [1, 2, 2**31], 8)
 
 

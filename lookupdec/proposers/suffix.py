@@ -98,6 +98,12 @@ class SuffixProposer:
         request.output.extend(new_ids)
         settle_pending(request.pending, self.certain_step, new_ids)
 
+    def observe_fused(self, request_id: str, new_ids: Sequence[int]) -> None:
+        """``observe`` less the automaton's extend, which ``Mixture.observe``'s compiled call made."""
+        request: _Request = self._requests.get(request_id)
+        request.output.extend(new_ids)
+        settle_pending(request.pending, self.certain_step, new_ids)
+
     def stop(self, request_id: str) -> None:
         request: _Request = self._requests.pop(request_id)
         if request.output and self.config.global_capacity:

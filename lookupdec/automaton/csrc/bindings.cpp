@@ -856,6 +856,14 @@ NB_MODULE(_core, m) {
            nb::arg("global_min_match"), nb::arg("levels"), nb::arg("shorter_divisor"), nb::arg("separator"),
            nb::arg("empty_confidence"), nb::arg("match_prior"), nb::arg("recycle").none(),
            nb::arg("recycle_max_nodes"), nb::arg("recycle_max_depth"), nb::arg("order"), nb::arg("names"))
+      .def("observe", [](Lookups& L, const std::vector<int32_t>& t) {
+        // Mixture.observe's compiled part: the n-gram index and the request's automaton extend
+        // (ids checked first: a rejected call keeps nothing)
+        for (int32_t token : t)
+          if (token < 0) throw nb::value_error("token ids must be in [0, 2**31 - 1]");
+        if (L.ngram != nullptr) L.ngram->extend(t.data(), t.size());
+        if (L.suffix != nullptr) L.suffix->extend(t.data(), t.size());
+      })
       .def("plan", &lookups_plan, nb::arg("ctx"), nb::arg("context_len"), nb::arg("prev"), nb::arg("root"),
            nb::arg("max_nodes"), nb::arg("certain_suffix"), nb::arg("certain_global"), nb::arg("global_").none(),
            nb::arg("max_depth"), nb::arg("row_table"), nb::arg("source_index"), nb::arg("reached"),
