@@ -521,6 +521,10 @@ class AcceptanceCalibrator:
             cached = self._row_tables[names] = (known, (rows, [self._sources.get(name, -1) for name in names]))
         return cached[1]
 
+    def learn_arrays(self) -> tuple:
+        """What a compiled learn writes: the three count arrays and the decay (``learn``)."""
+        return self._reached, self._predicted, self._matched, HISTORY_DECAY
+
     def learn(self, drafts: Sequence[Draft], committed: Sequence[int]) -> None:
         """After a step: decay the history once, then count every reached node of every draft
         against the ``committed`` tokens (the verified tree needs no pass of its own: every
@@ -528,6 +532,9 @@ class AcceptanceCalibrator:
         self._calibration = None
         committed = list(committed)
         if self.compiled:
+            in_core = getattr(drafts, "learn", None)  # a fused plan's drafts (mixture.PlannedDrafts)
+            if in_core is not None and in_core(self, committed):
+                return
             rows = []  # first: a new row grows the arrays
             row_by_match = self._row_by_match
             for draft in drafts:

@@ -10,7 +10,9 @@ gets fewer of the nodes.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+
+import numpy as np
 
 from lookupdec.budget import AcceptanceCalibrator
 from lookupdec.config import DraftConfig
@@ -81,13 +83,14 @@ class Mixture:
         return drafts
 
     def plan(self, request_id: str, context: Sequence[int], max_nodes: int, max_depth: int,
-             calibrator: AcceptanceCalibrator) -> tuple[TokenTree, list[Draft]] | None:
+             calibrator: AcceptanceCalibrator) -> tuple[TokenTree, "PlannedDrafts"] | None:
         """``propose`` and ``TokenTree.from_drafts`` with ``calibrator`` in one compiled call
         (``_core.Lookups.plan``): the same drafts, in the same order, and the same tree (the
         proposers' own compiled functions, the merge's own; ``tests/test_fused_plan.py``), with
         no Python between them. None where it does not apply (``fused`` off, a lookup not
         compiled, the calibrator's reference backend, negative budgets): the caller then
-        proposes and merges apart."""
+        proposes and merges apart. The drafts come as ``PlannedDrafts``: ``Draft`` objects made
+        only if something reads them (``AcceptanceCalibrator.learn`` counts them in the core)."""
         entry = self._fused.get(request_id)
         if entry is None or max_nodes < 0 or max_depth < 0:
             return None
@@ -110,13 +113,10 @@ class Mixture:
         if out is None:  # the n-gram index missed tokens: its own call says so
             self.propose(request_id, context, max_nodes)
             raise AssertionError("Mixture.plan: the n-gram index and the context disagree")
-        core, packed, chains = out
-        trusted = Draft._trusted
-        drafts = [trusted(None, None, None, FUSED_SOURCES[code], match, packed=(tokens, parents, scores))
-                  for code, match, tokens, parents, scores in packed]
+        core, packed, chains, serial = out
         for code, chain, certain in chains:
             pending.setdefault(FUSED_SOURCES[code], (chain, certain))
-        return TokenTree._from_core(core, {}), drafts
+        return TokenTree._from_core(core, {}), PlannedDrafts(packed, lookups, serial)
 
     def _want_draft_model(self, drafts: Sequence[Draft]) -> bool:
         mode = self.config.mode
@@ -153,3 +153,45 @@ class Mixture:
         self._fused.pop(request_id, None)
         for p in self.proposers:
             p.stop(request_id)
+
+
+class PlannedDrafts(Sequence):
+    """A fused plan's drafts (``Mixture.plan``), in merge order: the ``Draft`` objects are made
+    on first read; ``AcceptanceCalibrator.learn`` counts them from the core's copy (``learn``)
+    while they are the request's last plan."""
+
+    def __init__(self, packed: tuple, lookups, serial: int) -> None:
+        self._packed = packed  # bytes: source codes, match lengths (int32), offsets (int64), tokens, parents, scores
+        self._drafts: list[Draft] | None = None
+        self.lookups, self.serial = lookups, serial
+
+    def learn(self, calibrator: AcceptanceCalibrator, committed: list[int]) -> bool:
+        """Count these drafts into ``calibrator``'s arrays in the core, as ``learn_drafts``
+        would; False (nothing done) where they are not the request's last plan or a draft's
+        row is new (the caller then learns from the drafts themselves)."""
+        rows, _ = calibrator.row_table(FUSED_SOURCES)
+        return self.lookups.learn(self.serial, *calibrator.learn_arrays(), rows, committed)
+
+    def _made(self) -> list[Draft]:
+        if self._drafts is None:
+            codes, matches, offsets, tokens, parents, scores = self._packed
+            starts = np.frombuffer(offsets, np.int64).tolist()
+            trusted = Draft._trusted
+            self._drafts = [
+                trusted(None, None, None, FUSED_SOURCES[code], match,
+                        packed=(tokens[4 * a:4 * b], parents[4 * a:4 * b], scores[8 * a:8 * b]))
+                for code, match, a, b in zip(np.frombuffer(codes, np.int32).tolist(),
+                                             np.frombuffer(matches, np.int32).tolist(), starts, starts[1:])]
+        return self._drafts
+
+    def __len__(self) -> int:
+        return len(self._packed[0]) // 4
+
+    def __getitem__(self, i):
+        return self._made()[i]
+
+    def __iter__(self):
+        return iter(self._made())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)

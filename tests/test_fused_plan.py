@@ -7,6 +7,7 @@ each learning from its own steps, with the global suffix cache and the recycling
 as the engine fills them."""
 from __future__ import annotations
 
+import copy
 import random
 
 import numpy as np
@@ -193,3 +194,28 @@ def test_row_table_follows_new_rows():
     rows, sources = calibrator.row_table(FUSED_SOURCES)
     assert rows != [-1] * 32 and np.count_nonzero(np.array(rows) >= 0) == len(calibrator._rows)
     assert sources[:2] == [calibrator._sources.get("ngram", -1), calibrator._sources.get("suffix", -1)]
+
+
+def test_planned_drafts_learn_in_the_core_as_the_drafts_do():
+    """``AcceptanceCalibrator.learn`` of a fused plan's drafts counts them in the core
+    (``Lookups.learn``): the same arrays, bit for bit, as learning from the ``Draft`` objects;
+    a plan that is no longer the request's last, or a draft whose row is new, is learnt from
+    the drafts themselves."""
+    twin = Twin(True)
+    rng = random.Random(3)
+    stream = record(rng, 40, 200)
+    context, committed = stream[:150], stream[150:160]
+    twin.core.start("r", context)
+    first = twin.core.plan("r", context, max_depth=64).drafts
+    assert first.learn(twin.calibrator, committed) is False  # rows not made yet
+    twin.calibrator.learn(first, committed)  # makes them (from the drafts)
+    stale = twin.core.plan("r", context, max_depth=64).drafts
+    drafts = twin.core.plan("r", context, max_depth=64).drafts
+    assert len(drafts) >= 3 and {d.source for d in drafts} >= {"ngram", "suffix"}
+    assert stale.learn(twin.calibrator, committed) is False  # not the last plan
+    clone = copy.deepcopy(twin.calibrator)
+    assert drafts.learn(twin.calibrator, committed) is True
+    clone.learn(list(drafts), committed)
+    for a, b in zip(twin.calibrator.learn_arrays()[:3], clone.learn_arrays()[:3]):
+        assert a.tobytes() == b.tobytes()
+    assert np.count_nonzero(twin.calibrator.learn_arrays()[2]) > 0

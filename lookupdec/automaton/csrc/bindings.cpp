@@ -690,6 +690,10 @@ struct Lookups {
   double empty_confidence = 0, match_prior = 0;
   int32_t recycle_max_nodes = 0, recycle_max_depth = 0;
   nb::list names;  // the four sources' names: ngram, suffix, suffix-global, recycle
+  // the last plan's drafts (learn counts them once the step's tokens are known)
+  PackedDrafts last;
+  std::vector<int32_t> last_codes, last_matches;
+  int64_t serial = 0;  // plans made
 };
 
 constexpr int32_t kMatchBuckets[] = {0, 1, 2, 3, 5, 9, 17, 33};  // tree.MATCH_BUCKETS
@@ -701,12 +705,13 @@ int32_t match_bucket_index(int32_t match_length) {
   return b;
 }
 
-// (tree, drafts, chains) or None when the n-gram index has not seen `context_len` tokens (the
-// caller names the request). drafts: (source code 0-3, match length, token_ids, parents, scores
-// as bytes) in merge order; chains: (source code, best chain, certain-step flags) of each suffix
-// automaton's first draft. row_table: [4 * 8] calibration row per (source code, match bucket),
+// (tree, drafts, chains, serial) or None when the n-gram index has not seen `context_len`
+// tokens (the caller names the request). drafts, in merge order, as int32 bytes of source codes
+// (0-3) and match lengths, int64 bytes of offsets, and every draft's token_ids, parents and
+// scores concatenated (bytes); chains: (source code, best chain, certain-step flags) of each
+// suffix automaton's first draft; serial: this plan's number (Lookups.learn counts its drafts). row_table: [4 * 8] calibration row per (source code, match bucket),
 // -1 none; source_index: [4] each source's index in the counts, -1 unknown.
-nb::object lookups_plan(const Lookups& L, const std::vector<int32_t>& ctx, int64_t context_len, int32_t prev,
+nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t context_len, int32_t prev,
                         int32_t root, int32_t max_nodes, double certain_suffix, double certain_global,
                         Automaton* global, int32_t max_depth, const std::vector<int32_t>& row_table,
                         const std::vector<int32_t>& source_index, CountsIn reached, CountsIn predicted,
@@ -769,20 +774,16 @@ nb::object lookups_plan(const Lookups& L, const std::vector<int32_t>& ctx, int64
   }
   size_t num_drafts = codes.size();
   std::vector<int32_t> rows(num_drafts), draft_sources(num_drafts);
-  nb::list names, drafts;
+  nb::list names;
   for (size_t d = 0; d < num_drafts; ++d) {
     rows[d] = row_table[codes[d] * kNumMatchBuckets + match_bucket_index(matches[d])];
     if (rows[d] >= counts.rows) throw std::invalid_argument("Lookups.plan: a draft's row is out of range");
     draft_sources[d] = source_index[codes[d]];
     names.append(L.names[codes[d]]);
-    int64_t a = packed.offsets[d], b = packed.offsets[d + 1];
-    auto span = [&](const auto& v) {
-      using T = typename std::decay_t<decltype(v)>::value_type;
-      return nb::bytes(reinterpret_cast<const char*>(v.data() + a), static_cast<size_t>(b - a) * sizeof(T));
-    };
-    drafts.append(nb::make_tuple(codes[d], matches[d], span(packed.tokens), span(packed.parents), span(packed.scores)));
   }
   names.append(nb::str(""));
+  nb::tuple drafts = nb::make_tuple(to_bytes(codes), to_bytes(matches), to_bytes(packed.offsets),
+                                    to_bytes(packed.tokens), to_bytes(packed.parents), to_bytes(packed.scores));
   std::vector<uint8_t> point_mass(num_drafts, 1);
   lookupdec::MergeInput in;
   in.root_token = root;
@@ -803,7 +804,44 @@ nb::object lookups_plan(const Lookups& L, const std::vector<int32_t>& ctx, int64
   in.draft_sources = draft_sources.data();
   CoreTree tree{lookupdec::merge_drafts(in), names};
   tree.tree.node_of.clear();
-  return nb::make_tuple(std::move(tree), drafts, chains);
+  L.last = std::move(packed);
+  L.last_codes = std::move(codes);
+  L.last_matches = std::move(matches);
+  return nb::make_tuple(std::move(tree), drafts, chains, ++L.serial);
+}
+
+// AcceptanceCalibrator.learn of the plan numbered `serial`, as learn_drafts does it: every count
+// decayed once, then each draft counted into its row (row_table as Lookups.plan reads it).
+// False, with nothing changed, where that plan is not the last one or a draft has no row yet
+// (the calibrator then learns from the drafts themselves, adding their rows).
+bool lookups_learn(const Lookups& L, int64_t serial, CountsOut reached, CountsOut predicted, CountsOut matched,
+                   double decay, const std::vector<int32_t>& row_table, const std::vector<int64_t>& committed) {
+  if (serial != L.serial) return false;
+  if (row_table.size() != 4 * kNumMatchBuckets)
+    throw std::invalid_argument("Lookups.learn: a row per source and match bucket");
+  size_t nrows = reached.shape(0);
+  check_counts(nrows, {predicted.shape(0), matched.shape(0)}, {reached.shape(1), predicted.shape(1), matched.shape(1)},
+               "Lookups.learn");
+  size_t num_drafts = L.last_codes.size();
+  std::vector<int64_t> rows(num_drafts);
+  for (size_t d = 0; d < num_drafts; ++d) {
+    rows[d] = row_table[L.last_codes[d] * kNumMatchBuckets + match_bucket_index(L.last_matches[d])];
+    if (rows[d] < 0) return false;
+    if (static_cast<size_t>(rows[d]) >= nrows) throw std::invalid_argument("Lookups.learn: a draft's row is out of range");
+  }
+  size_t total = nrows * lookupdec::kCellsPerRow;
+  for (CountsOut* a : {&reached, &predicted, &matched}) {
+    double* x = a->data();
+    for (size_t k = 0; k < total; ++k) x[k] *= decay;
+  }
+  const int64_t C = lookupdec::kCellsPerRow;
+  for (size_t d = 0; d < num_drafts; ++d) {
+    int64_t a = L.last.offsets[d], n = L.last.offsets[d + 1] - a;
+    int64_t at = rows[d] * C;
+    lookupdec::observe_draft(L.last.tokens.data() + a, L.last.parents.data() + a, L.last.scores.data() + a, n,
+                             committed, reached.data() + at, predicted.data() + at, matched.data() + at, 1);
+  }
+  return true;
 }
 
 }  // namespace
@@ -864,6 +902,7 @@ NB_MODULE(_core, m) {
         if (L.ngram != nullptr) L.ngram->extend(t.data(), t.size());
         if (L.suffix != nullptr) L.suffix->extend(t.data(), t.size());
       })
+      .def("learn", &lookups_learn)
       .def("plan", &lookups_plan, nb::arg("ctx"), nb::arg("context_len"), nb::arg("prev"), nb::arg("root"),
            nb::arg("max_nodes"), nb::arg("certain_suffix"), nb::arg("certain_global"), nb::arg("global_").none(),
            nb::arg("max_depth"), nb::arg("row_table"), nb::arg("source_index"), nb::arg("reached"),
