@@ -434,6 +434,7 @@ class AcceptanceCalibrator:
         self._matched = np.zeros((0, CELLS_PER_ROW))  # decayed counts of accepted nodes
         self._calibration: Calibration | None = None  # cached until the next learn
         self._rows_copy: dict | None = None  # the calibrations' copy of _rows (until a row is added)
+        self.rows_version = 0  # rows added (each replaces the count arrays: Mixture.plan's copy follows it)
         self._row_by_match: dict = {}  # (source, match length) -> row (``_row`` without the bucket's bisect)
         self._row_tables: dict = {}  # source names -> (rows and sources known, row_table) (``row_table``)
 
@@ -442,6 +443,7 @@ class AcceptanceCalibrator:
         row = self._rows.get(key)
         if row is None:
             row = self._rows[key] = len(self._row_source)
+            self.rows_version += 1
             self._row_source.append(draft.source)
             self._row_source_index += np.int32(self._sources.setdefault(draft.source, len(self._sources))).tobytes()
             self._rows_copy = None
@@ -514,7 +516,7 @@ class AcceptanceCalibrator:
         match bucket (``MATCH_BUCKETS``, -1 where none yet: the merge then takes the source's
         factor, as ``from_drafts`` does for a draft whose row is unknown), flat, and each name's
         source index (-1 unknown). Made again only when a row was added."""
-        known = (len(self._rows), len(self._sources))
+        known = self.rows_version
         cached = self._row_tables.get(names)
         if cached is None or cached[0] != known:
             rows = [self._rows.get((name, bucket), -1) for name in names for bucket in MATCH_BUCKETS]

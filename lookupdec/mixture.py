@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lookupdec.budget import AcceptanceCalibrator
+from lookupdec.budget import HISTORY_DECAY, AcceptanceCalibrator
 from lookupdec.config import DraftConfig
 from lookupdec.proposers.base import Proposer
 from lookupdec.tree import Draft, TokenTree, _core
@@ -71,8 +71,9 @@ class Mixture:
         suffix_params = suffix_params or (0, 0, 0, 1, 0, 0.0, 0.0)
         recycle_params = recycle_params or (0, 0)
         order = "".join(p.fused_kind for p in self.lookups)
-        self._fused[request_id] = (_core.Lookups(ngram, *ngram_params, suffix, *suffix_params, recycle,
-                                                 *recycle_params, order, list(FUSED_SOURCES)), max_match)
+        lookups = _core.Lookups(ngram, *ngram_params, suffix, *suffix_params, recycle, *recycle_params, order,
+                                list(FUSED_SOURCES))
+        self._fused[request_id] = FusedRequest(lookups, max_match)
 
     def propose(self, request_id: str, context: Sequence[int], max_nodes: int) -> list[Draft]:
         """Every source's drafts, each of at most ``max_nodes`` nodes (the merge keeps the best)."""
@@ -92,13 +93,9 @@ class Mixture:
         proposes and merges apart. The drafts come as ``PlannedDrafts``: ``Draft`` objects made
         only if something reads them (``AcceptanceCalibrator.learn`` counts them in the core)."""
         entry = self._fused.get(request_id)
-        if entry is None or max_nodes < 0 or max_depth < 0:
+        if entry is None or max_nodes < 0 or max_depth < 0 or not entry.sync(calibrator):
             return None
-        counts = calibrator.merge_counts()
-        if counts is None:
-            return None
-        lookups, max_match = entry
-        row_table, source_index = calibrator.row_table(FUSED_SOURCES)
+        lookups, max_match = entry.lookups, entry.max_match
         pending, certain_suffix, certain_global, global_core = (self._suffix.fused_inputs(request_id)
                                                                 if self._suffix is not None else (None, 0, 0, None))
         ctx = context[-max_match:] if max_match else []
@@ -107,7 +104,7 @@ class Mixture:
         n = len(context)
         try:
             out = lookups.plan(ctx, n, context[-2] if n > 1 else -1, context[-1], max_nodes, certain_suffix,
-                               certain_global, global_core, max_depth, row_table, source_index, *counts[2])
+                               certain_global, global_core, max_depth)
         except TypeError:  # ids outside int32: the proposers' own calls name them
             return None
         if out is None:  # the n-gram index missed tokens: its own call says so
@@ -116,7 +113,7 @@ class Mixture:
         core, packed, chains, serial = out
         for code, chain, certain in chains:
             pending.setdefault(FUSED_SOURCES[code], (chain, certain))
-        return TokenTree._from_core(core, {}), PlannedDrafts(packed, lookups, serial)
+        return TokenTree._from_core(core, {}), PlannedDrafts(packed, entry, serial)
 
     def _want_draft_model(self, drafts: Sequence[Draft]) -> bool:
         mode = self.config.mode
@@ -134,7 +131,7 @@ class Mixture:
         entry = self._fused.get(request_id)
         if entry is not None and type(new_ids) is list:
             try:  # the n-gram index and the request's automaton in one compiled call
-                entry[0].observe(new_ids)
+                entry.lookups.observe(new_ids)
             except TypeError:
                 pass  # ids outside int32: the proposers' own calls name them
             else:
@@ -155,22 +152,45 @@ class Mixture:
             p.stop(request_id)
 
 
+class FusedRequest:
+    """A request's ``_core.Lookups`` and what it was last given of a calibrator: its count
+    arrays, row table and weights (``set_calibration``), given again when the calibrator has
+    added a row (which replaces its arrays) or is another one."""
+
+    __slots__ = ("lookups", "max_match", "calibrator", "version")
+
+    def __init__(self, lookups, max_match: int) -> None:
+        self.lookups, self.max_match = lookups, max_match
+        self.calibrator, self.version = None, -1
+
+    def sync(self, calibrator: AcceptanceCalibrator) -> bool:
+        """Give the core ``calibrator``'s current arrays if they changed; False where it has no
+        compiled counts (its reference backend)."""
+        if calibrator is self.calibrator and calibrator.rows_version == self.version:
+            return True
+        counts = calibrator.merge_counts()
+        if counts is None:
+            return False
+        self.lookups.set_calibration(*counts[2], *calibrator.row_table(FUSED_SOURCES))
+        self.calibrator, self.version = calibrator, calibrator.rows_version
+        return True
+
+
 class PlannedDrafts(Sequence):
     """A fused plan's drafts (``Mixture.plan``), in merge order: the ``Draft`` objects are made
     on first read; ``AcceptanceCalibrator.learn`` counts them from the core's copy (``learn``)
     while they are the request's last plan."""
 
-    def __init__(self, packed: tuple, lookups, serial: int) -> None:
+    def __init__(self, packed: tuple, request: FusedRequest, serial: int) -> None:
         self._packed = packed  # bytes: source codes, match lengths (int32), offsets (int64), tokens, parents, scores
         self._drafts: list[Draft] | None = None
-        self.lookups, self.serial = lookups, serial
+        self.request, self.serial = request, serial
 
     def learn(self, calibrator: AcceptanceCalibrator, committed: list[int]) -> bool:
         """Count these drafts into ``calibrator``'s arrays in the core, as ``learn_drafts``
         would; False (nothing done) where they are not the request's last plan or a draft's
         row is new (the caller then learns from the drafts themselves)."""
-        rows, _ = calibrator.row_table(FUSED_SOURCES)
-        return self.lookups.learn(self.serial, *calibrator.learn_arrays(), rows, committed)
+        return self.request.sync(calibrator) and self.request.lookups.learn(self.serial, HISTORY_DECAY, committed)
 
     def _made(self) -> list[Draft]:
         if self._drafts is None:

@@ -125,17 +125,24 @@ def test_fused_plan_with_other_lookups_in_any_order(proposers):
     assert drive(21, records=3, config=EngineConfig(proposers=proposers)) > 30
 
 
-def test_the_step_takes_the_fused_plan():
-    """With the default lookups the step never calls ``propose`` (a mutant StepCore that ignores
-    ``Mixture.plan`` fails here); with ``fused`` off it does."""
+def test_the_step_takes_the_fused_plan(monkeypatch):
+    """With the default lookups the step never calls ``propose`` nor the proposers' own
+    ``observe`` (a mutant StepCore that ignores ``Mixture.plan``, or a Mixture.observe that falls
+    back, fails here); with ``fused`` off it does."""
+    observed = []
+    for cls in (NgramProposer, SuffixProposer):
+        monkeypatch.setattr(cls, "observe", lambda self, rid, ids, f=cls.observe: observed.append(1) or f(self, rid, ids))
     for fused in (True, False):
         twin = Twin(fused)
         calls = []
+        observed.clear()
         propose = twin.mixture.propose
         twin.mixture.propose = lambda *a, **k: calls.append(1) or propose(*a, **k)
         twin.core.start("r", [1, 2, 3, 1, 2])
-        twin.core.plan("r", [1, 2, 3, 1, 2], max_depth=8)
+        plan = twin.core.plan("r", [1, 2, 3, 1, 2], max_depth=8)
+        twin.core.finish("r", plan, recorded_verdict(plan.tree, [3, 1]))
         assert (len(calls) == 0) == fused
+        assert (len(observed) == 0) == fused
 
 
 def test_plan_applies_only_where_every_part_is_compiled():
@@ -219,3 +226,33 @@ def test_planned_drafts_learn_in_the_core_as_the_drafts_do():
     for a, b in zip(twin.calibrator.learn_arrays()[:3], clone.learn_arrays()[:3]):
         assert a.tobytes() == b.tobytes()
     assert np.count_nonzero(twin.calibrator.learn_arrays()[2]) > 0
+
+
+def test_interleaved_requests_share_the_calibrator():
+    """Two requests stepped in turn, as a batch steps its rows: a row one request's learn adds
+    replaces the calibrator's arrays under the other's plan (``FusedRequest.sync`` gives the core
+    the new ones); trees and drafts stay those of the path apart."""
+    rng = random.Random(7)
+    fused, apart = Twin(True), Twin(False)
+    streams = {rid: record(rng, 50, 200) for rid in ("a", "b")}
+    contexts, responses = {}, {}
+    for rid, stream in streams.items():
+        contexts[rid], responses[rid] = stream[:60], stream[60:]
+        for twin in (fused, apart):
+            twin.core.start(rid, contexts[rid])
+    steps = 0
+    while all(len(contexts[r]) < len(streams[r]) for r in streams):
+        plans = {rid: [twin.core.plan(rid, contexts[rid], max_depth=64) for twin in (fused, apart)] for rid in streams}
+        for rid, (p_fused, p_apart) in plans.items():
+            assert draft_state(p_fused.drafts) == draft_state(p_apart.drafts), f"step {steps} {rid}: drafts"
+            assert tree_state(p_fused.tree) == tree_state(p_apart.tree), f"step {steps} {rid}: tree"
+        for rid, pair in plans.items():
+            rest = streams[rid][len(contexts[rid]):]
+            verdict = recorded_verdict(pair[0].tree, rest)
+            for twin, plan in zip((fused, apart), pair):
+                twin.core.finish(rid, plan, verdict)
+            contexts[rid] = contexts[rid] + verdict.new_tokens
+        steps += 1
+    assert steps > 10 and fused.calibrator.rows_version >= 4
+    for a, b in zip(fused.calibrator.learn_arrays()[:3], apart.calibrator.learn_arrays()[:3]):
+        assert a.tobytes() == b.tobytes()

@@ -690,6 +690,13 @@ struct Lookups {
   double empty_confidence = 0, match_prior = 0;
   int32_t recycle_max_nodes = 0, recycle_max_depth = 0;
   nb::list names;  // the four sources' names: ngram, suffix, suffix-global, recycle
+  // the calibrator's counts as plan and learn read them (set_calibration: set again whenever the
+  // calibrator adds a row, which replaces its arrays); the arrays are held, not copied
+  std::optional<CountsOut> reached, predicted, matched;
+  std::vector<int32_t> row_source, row_table, source_index;
+  std::vector<double> cond_mids;
+  int64_t sources = 0;
+  lookupdec::CalibrationWeights weights{};
   // the last plan's drafts (learn counts them once the step's tokens are known)
   PackedDrafts last;
   std::vector<int32_t> last_codes, last_matches;
@@ -713,17 +720,14 @@ int32_t match_bucket_index(int32_t match_length) {
 // -1 none; source_index: [4] each source's index in the counts, -1 unknown.
 nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t context_len, int32_t prev,
                         int32_t root, int32_t max_nodes, double certain_suffix, double certain_global,
-                        Automaton* global, int32_t max_depth, const std::vector<int32_t>& row_table,
-                        const std::vector<int32_t>& source_index, CountsIn reached, CountsIn predicted,
-                        CountsIn matched, nb::bytes row_source, int64_t sources, nb::bytes cond_mids,
-                        double source_prior, double row_prior, double cell_prior, double max_factor,
-                        double max_prior_prob) {
-  if (row_table.size() != 4 * kNumMatchBuckets || source_index.size() != 4)
-    throw std::invalid_argument("Lookups.plan: a row per source and match bucket, an index per source");
+                        Automaton* global, int32_t max_depth) {
+  if (!L.reached) throw std::invalid_argument("Lookups.plan: set_calibration first");
   if (L.ngram != nullptr && L.ngram->size() != context_len) return nb::none();
-  lookupdec::CalibrationCounts counts = calibration_counts(
-      reached, predicted, matched, row_source, sources, cond_mids,
-      {source_prior, row_prior, cell_prior, max_factor, max_prior_prob}, "Lookups.plan");
+  const std::vector<int32_t>& row_table = L.row_table;
+  const std::vector<int32_t>& source_index = L.source_index;
+  lookupdec::CalibrationCounts counts{L.reached->data(), L.predicted->data(), L.matched->data(),
+                                      static_cast<int64_t>(L.reached->shape(0)), L.row_source.data(), L.sources,
+                                      L.cond_mids.data(), L.weights};
   PackedDrafts packed;
   packed.offsets.assign(1, 0);
   packed.tokens.reserve(512);
@@ -814,14 +818,12 @@ nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t con
 // decayed once, then each draft counted into its row (row_table as Lookups.plan reads it).
 // False, with nothing changed, where that plan is not the last one or a draft has no row yet
 // (the calibrator then learns from the drafts themselves, adding their rows).
-bool lookups_learn(const Lookups& L, int64_t serial, CountsOut reached, CountsOut predicted, CountsOut matched,
-                   double decay, const std::vector<int32_t>& row_table, const std::vector<int64_t>& committed) {
+bool lookups_learn(Lookups& L, int64_t serial, double decay, const std::vector<int64_t>& committed) {
   if (serial != L.serial) return false;
-  if (row_table.size() != 4 * kNumMatchBuckets)
-    throw std::invalid_argument("Lookups.learn: a row per source and match bucket");
+  if (!L.reached) throw std::invalid_argument("Lookups.learn: set_calibration first");
+  CountsOut &reached = *L.reached, &predicted = *L.predicted, &matched = *L.matched;
+  const std::vector<int32_t>& row_table = L.row_table;
   size_t nrows = reached.shape(0);
-  check_counts(nrows, {predicted.shape(0), matched.shape(0)}, {reached.shape(1), predicted.shape(1), matched.shape(1)},
-               "Lookups.learn");
   size_t num_drafts = L.last_codes.size();
   std::vector<int64_t> rows(num_drafts);
   for (size_t d = 0; d < num_drafts; ++d) {
@@ -902,13 +904,38 @@ NB_MODULE(_core, m) {
         if (L.ngram != nullptr) L.ngram->extend(t.data(), t.size());
         if (L.suffix != nullptr) L.suffix->extend(t.data(), t.size());
       })
+      .def("set_calibration",
+           [](Lookups& L, CountsOut reached, CountsOut predicted, CountsOut matched, nb::bytes row_source,
+              int64_t sources, nb::bytes cond_mids, double source_prior, double row_prior, double cell_prior,
+              double max_factor, double max_prior_prob, const std::vector<int32_t>& row_table,
+              const std::vector<int32_t>& source_index) {
+             // the checks calibration_counts makes, once
+             size_t rows = reached.shape(0);
+             check_counts(rows, {predicted.shape(0), matched.shape(0)},
+                          {reached.shape(1), predicted.shape(1), matched.shape(1)}, "Lookups.set_calibration");
+             int64_t n = static_cast<int64_t>(rows), cells = lookupdec::kCellsPerRow;
+             const int32_t* src = bytes_array<int32_t>(row_source, &n, "row_source");
+             const double* mids = bytes_array<double>(cond_mids, &cells, "cond_mids");
+             lookupdec::CalibrationCounts c{nullptr, nullptr, nullptr, n, src, sources, mids,
+                                            {source_prior, row_prior, cell_prior, max_factor, max_prior_prob}};
+             if (row_table.size() != 4 * kNumMatchBuckets || source_index.size() != 4)
+               throw std::invalid_argument("Lookups.set_calibration: a row per source and match bucket, an index per source");
+             for (int32_t r : row_table)
+               if (r >= c.rows) throw std::invalid_argument("Lookups.set_calibration: a row out of range");
+             L.reached = reached;
+             L.predicted = predicted;
+             L.matched = matched;
+             L.row_source.assign(c.row_source, c.row_source + c.rows);
+             L.cond_mids.assign(c.cond_mids, c.cond_mids + lookupdec::kCellsPerRow);
+             L.sources = sources;
+             L.weights = c.w;
+             L.row_table = row_table;
+             L.source_index = source_index;
+           })
       .def("learn", &lookups_learn)
       .def("plan", &lookups_plan, nb::arg("ctx"), nb::arg("context_len"), nb::arg("prev"), nb::arg("root"),
            nb::arg("max_nodes"), nb::arg("certain_suffix"), nb::arg("certain_global"), nb::arg("global_").none(),
-           nb::arg("max_depth"), nb::arg("row_table"), nb::arg("source_index"), nb::arg("reached"),
-           nb::arg("predicted"), nb::arg("matched"), nb::arg("row_source"), nb::arg("sources"), nb::arg("cond_mids"),
-           nb::arg("source_prior"), nb::arg("row_prior"), nb::arg("cell_prior"), nb::arg("max_factor"),
-           nb::arg("max_prior_prob"));
+           nb::arg("max_depth"));
   m.def("merge_drafts_counts", &merge_drafts_counts);
   nb::class_<lookupdec::NgramIndex>(m, "NgramIndex")
       .def(nb::init<int32_t, int32_t>())
