@@ -10,7 +10,7 @@ the verify forward, in µs per step:
              their merge in one compiled call (merge then reads 0)
     merge    ``TokenTree.from_drafts`` with the calibrator, as ``StepCore.build_tree`` (the
              reference: ``AcceptanceCalibrator.calibration()``'s whole table first)
-    choose   ``SizeRecord.scales`` + ``choose_tree_nodes`` (``CostModel``: a measured 150M-parameter curve,
+    choose   ``choose_tree_nodes`` with the ``SizeRecord`` (its scales) (``CostModel``: a measured 150M-parameter curve,
              one per set of paths, observed every step) + ``prune``
              (timed; the verified tree stays the fixed budget's, as with ``budget="fixed"``)
     inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]; the
@@ -268,7 +268,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
                 tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
                                    calibration=calibrator)  # as StepCore.build_tree
                 marks.append(_now())
-            chosen = paths.choose(tree, cost, 0.0, MAX_NODES, mode.sizes.scales(min(tree.num_draft_nodes, MAX_NODES), 1.0))
+            chosen = paths.choose(tree, cost, 0.0, MAX_NODES, 1.0, record=mode.sizes)
             paths.prune(tree, chosen)
             marks.append(_now())
             paths.inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)

@@ -581,28 +581,36 @@ class SizeRecord:
     """
 
     def __init__(self) -> None:
-        # size -> [promised, accepted, steps, step of the last update], decayed to that step
-        self._record: dict[int, list[float]] = {}
-        self._steps = 0  # steps observed, at any size
+        # row size - 1: [promised, accepted, steps, step of the last update], decayed to that step
+        # (a row never observed is all 0); float64, as the compiled chooser reads it
+        # (``choose_tree_nodes(..., record=)``)
+        self.table = np.zeros((0, 4))
+        self.steps = 0  # steps observed, at any size
 
     def observe(self, size: int, *, promised: float, accepted: float) -> None:
-        self._steps += 1
-        r = self._record.setdefault(size, [0.0, 0.0, 0.0, self._steps])
-        keep = SIZE_DECAY ** (self._steps - r[3])
-        r[0] = keep * r[0] + promised
-        r[1] = keep * r[1] + accepted
-        r[2] = keep * r[2] + 1.0
-        r[3] = self._steps
+        self.steps += 1
+        if size < 1:
+            return
+        if size > len(self.table):
+            grown = np.zeros((max(size, 2 * len(self.table), 16), 4))
+            grown[: len(self.table)] = self.table
+            self.table = grown
+        promised_was, accepted_was, steps_was, last = self.table[size - 1].tolist()
+        if not steps_was:
+            last = self.steps
+        keep = SIZE_DECAY ** (self.steps - last)
+        self.table[size - 1] = (keep * promised_was + promised, keep * accepted_was + accepted, keep * steps_was + 1.0,
+                                self.steps)
 
     def scales(self, longest: int, scale: float) -> list[float]:
         """``out[k]``, k = 0 .. ``longest``: the correction of the gains of size ``k + 1`` (``k``
-        draft nodes)."""
+        draft nodes). (The compiled chooser makes the same from ``table``: ``choose_tree_nodes``.)"""
         out = [scale] * (longest + 1)
-        for size, (promised, accepted, steps, last) in self._record.items():
-            if 1 <= size <= longest + 1 and promised > 0:
+        for row, (promised, accepted, steps, last) in enumerate(self.table[: longest + 1].tolist()):
+            if promised > 0:
                 prior = SIZE_PRIOR_STEPS * promised / steps  # that many mean steps' gains at the overall correction
-                age = SIZE_DECAY ** (self._steps - last)  # the record's weight now
-                out[size - 1] = (age * accepted + prior * scale) / (age * promised + prior)
+                age = SIZE_DECAY ** (self.steps - last)  # the record's weight now
+                out[row] = (age * accepted + prior * scale) / (age * promised + prior)
         return out
 
 
@@ -671,25 +679,35 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
 
 
 def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int,
-                      scale: float | Sequence[float] = 1.0) -> int:
+                      scale: float | Sequence[float] = 1.0, record: SizeRecord | None = None) -> int:
     """``choose_num_nodes(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale)``:
     where the compiled core holds the tree (``TokenTree._from_core``) in one call that reads the
     gains where they are and makes the optimistic cost curve only as far as it is read (at one
     CPU thread the list of gains, the whole curve and their conversions cost more than the
-    choice: 20 µs a step, cold after the forward)."""
+    choice: 20 µs a step, cold after the forward). With ``record`` (a ``SizeRecord``; ``scale``
+    then a number, the overall correction) each size's gains are corrected by
+    ``record.scales(..., scale)``, which the core makes from ``record.table`` as it reads them."""
     core = tree.__dict__.get("_core")
     if core is None or not hasattr(core, "choose_num_nodes"):
+        if record is not None:
+            scale = record.scales(max(min(len(tree) - 1, max_nodes), 0), scale)
         return choose_num_nodes(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale)
     count = min(len(core) - 1, max_nodes)
     if count <= 0:
         return 0
+    if record is not None:
+        return core.choose_num_nodes_record(cost.sizes, cost.seconds, cost.counts, COST_OPTIMISM, overhead_s,
+                                            max_nodes, record.table, record.steps, scale, SIZE_PRIOR_STEPS,
+                                            SIZE_DECAY)
     scales = [scale] * (count + 1) if isinstance(scale, (int, float)) else scale
     return core.choose_num_nodes(cost.sizes, cost.seconds, cost.counts, COST_OPTIMISM, overhead_s, max_nodes, scales)
 
 
 def choose_tree_nodes_reference(tree, cost: CostModel, overhead_s: float, max_nodes: int,
-                                scale: float | Sequence[float] = 1.0) -> int:
+                                scale: float | Sequence[float] = 1.0, record: SizeRecord | None = None) -> int:
     """``choose_tree_nodes`` by its definition: the tree's gains in prune order, the numpy chooser."""
+    if record is not None:
+        scale = record.scales(max(min(len(tree) - 1, max_nodes), 0), scale)
     return choose_num_nodes_reference(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale)
 
 

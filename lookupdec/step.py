@@ -186,7 +186,7 @@ class StepCore:
             tree = tree.best_chain()
         if cost is not None and tree.num_draft_nodes:
             available = min(tree.num_draft_nodes, max_nodes)
-            chosen = choose_tree_nodes(tree, cost, overhead_s, max_nodes, self.sizes.scales(available, scale))
+            chosen = choose_tree_nodes(tree, cost, overhead_s, max_nodes, scale, record=self.sizes)
             tree = tree.prune(cost.explore(chosen, available))
             self.draft_budget.observe(tree.num_draft_nodes)
         return tree

@@ -12,7 +12,7 @@ from helpers import FakeTokenizer, SpyProposer
 from lookupdec import Engine, EngineConfig
 from lookupdec.proposers import build_proposers
 from lookupdec.budget import (COUNT_DECAY, EXPLORE_EVERY, EXPLORE_MIN_COUNT, COST_LEARNING_RATE, COST_OPTIMISM, COST_SPIKE, DRAFT_BUDGET_MIN, CostModel, DraftBudget,
-                              choose_num_nodes)
+                              SIZE_DECAY, SIZE_PRIOR_STEPS, SizeRecord, choose_num_nodes)
 
 
 def _rate(values, n, cost, overhead):
@@ -89,6 +89,64 @@ def test_choose_tree_nodes_equals_the_reference_on_the_trees_gains(seed):
     assert choose_tree_nodes_reference(tree, cost, overhead, max_nodes, scale) == want
     assert choose_tree_nodes(tree, cost, overhead, max_nodes, scale) == want
     assert choose_num_nodes(gains, cost, overhead, max_nodes, scale) == want
+    # with a SizeRecord: its scales made in the core from its table (StepCore.select's call)
+    record, overall = random_size_record(rng), rng.uniform(0.2, 1.5)
+    want = choose_num_nodes_reference(gains, cost, overhead, max_nodes,
+                                      record.scales(min(len(gains), max_nodes), overall))
+    assert choose_tree_nodes_reference(tree, cost, overhead, max_nodes, overall, record=record) == want
+    assert choose_tree_nodes(tree, cost, overhead, max_nodes, overall, record=record) == want
+
+
+def random_size_record(rng: random.Random) -> SizeRecord:
+    record = SizeRecord()
+    for _ in range(rng.choice((0, 1, 5, 40, 300))):
+        size = rng.choice((rng.randint(0, 80), rng.randint(1, 6)))
+        record.observe(size, promised=rng.choice((0.0, rng.uniform(0, 9))), accepted=rng.choice((0, rng.uniform(0, 6))))
+    return record
+
+
+class DictSizeRecord:
+    """SizeRecord as it was defined before its table (a dict of lists per size): the table's
+    scales must be the same, bit for bit."""
+
+    def __init__(self) -> None:
+        self._record, self._steps = {}, 0
+
+    def observe(self, size, *, promised, accepted):
+        self._steps += 1
+        r = self._record.setdefault(size, [0.0, 0.0, 0.0, self._steps])
+        keep = SIZE_DECAY ** (self._steps - r[3])
+        r[0], r[1], r[2], r[3] = keep * r[0] + promised, keep * r[1] + accepted, keep * r[2] + 1.0, self._steps
+
+    def scales(self, longest, scale):
+        out = [scale] * (longest + 1)
+        for size, (promised, accepted, steps, last) in self._record.items():
+            if 1 <= size <= longest + 1 and promised > 0:
+                prior = SIZE_PRIOR_STEPS * promised / steps
+                age = SIZE_DECAY ** (self._steps - last)
+                out[size - 1] = (age * accepted + prior * scale) / (age * promised + prior)
+        return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_size_record_scales_compiled_and_as_defined(seed):
+    """``SizeRecord.scales`` from its table equals the dict definition it replaced, and the core's
+    ``size_scales`` (what ``choose_tree_nodes(record=)`` reads) equals both, bit for bit."""
+    from lookupdec.tree import _core
+
+    rng = random.Random(seed)
+    record, defined = SizeRecord(), DictSizeRecord()
+    for _ in range(rng.choice((0, 3, 50, 400))):
+        size = rng.choice((rng.randint(-1, 90), rng.randint(1, 6), rng.randint(1, 6)))
+        promised, accepted = rng.choice((0.0, rng.uniform(0, 9))), rng.choice((0, rng.uniform(0, 6)))
+        record.observe(size, promised=promised, accepted=accepted)
+        defined.observe(size, promised=promised, accepted=accepted)
+    for longest in (0, 1, 5, 64, 100):
+        scale = rng.uniform(0.2, 1.5)
+        want = defined.scales(longest, scale)
+        assert record.scales(longest, scale) == want
+        if _core is not None:
+            assert _core.size_scales(record.table, record.steps, scale, SIZE_PRIOR_STEPS, SIZE_DECAY, longest) == want
 
 
 def test_choose_tree_nodes_reads_a_python_tree_and_checks_its_arguments():

@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -581,6 +582,39 @@ int64_t choose_tree_nodes(const CoreTree& t, const std::vector<double>& sizes, c
                                       scales.data(), static_cast<int64_t>(scales.size()));
 }
 
+// budget.SizeRecord.scales(longest, scale) from its table [rows, 4] (promised, accepted, steps,
+// last step; row = size - 1) and step count: the same operations in the same order.
+using RecordIn = nb::ndarray<const double, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+std::vector<double> size_scales(RecordIn record, double steps, double scale, double prior_steps, double decay,
+                                int64_t longest) {
+  if (record.shape(1) != 4) throw std::invalid_argument("size_scales: a record row is (promised, accepted, steps, last)");
+  std::vector<double> out(static_cast<size_t>(std::max<int64_t>(longest, 0)) + 1, scale);
+  int64_t rows = std::min<int64_t>(static_cast<int64_t>(record.shape(0)), longest + 1);
+  const double* r = record.data();
+  for (int64_t k = 0; k < rows; ++k) {
+    double promised = r[4 * k], accepted = r[4 * k + 1], count = r[4 * k + 2], last = r[4 * k + 3];
+    if (promised > 0) {
+      double prior = prior_steps * promised / count;
+      double age = std::pow(decay, steps - last);
+      out[k] = (age * accepted + prior * scale) / (age * promised + prior);
+    }
+  }
+  return out;
+}
+
+// choose_tree_nodes with each size's correction made from a SizeRecord's table (size_scales).
+int64_t choose_tree_nodes_record(const CoreTree& t, const std::vector<double>& sizes,
+                                 const std::vector<double>& seconds, const std::vector<double>& counts,
+                                 double optimism, double overhead, int64_t max_nodes, RecordIn record, double steps,
+                                 double scale, double prior_steps, double decay) {
+  check_estimates(sizes, seconds, counts, "choose_num_nodes");
+  int64_t count = std::min<int64_t>(static_cast<int64_t>(t.tree.order.size()), std::max<int64_t>(max_nodes, 0));
+  std::vector<double> scales = size_scales(record, steps, scale, prior_steps, decay, count);
+  return lookupdec::choose_tree_nodes(t.tree, sizes.data(), seconds.data(), counts.data(),
+                                      static_cast<int64_t>(sizes.size()), optimism, overhead, max_nodes,
+                                      scales.data(), static_cast<int64_t>(scales.size()));
+}
+
 // budget.CostModel.dense from its estimates (ints taken as floats): the curve as float64 bytes.
 nb::bytes cost_curve(const std::vector<double>& sizes, const std::vector<double>& seconds,
                      const std::vector<double>& counts, int64_t upto, double optimism, bool optimistic, bool padded) {
@@ -962,6 +996,7 @@ NB_MODULE(_core, m) {
   m.def("calibration_table", &calibration_table);
   m.def("learn_drafts", &learn_drafts);
   m.def("choose_num_nodes", &choose_num_nodes);
+  m.def("size_scales", &size_scales);
   m.def("cost_curve", &cost_curve);
   m.def("top_tokens", &top_tokens);
   m.def("gather_slots", &gather_slots);
@@ -997,6 +1032,7 @@ NB_MODULE(_core, m) {
       .def("children", [](const CoreTree& t) { return children_dicts(t.tree.token_ids, t.tree.parents); })
       .def("expected_in_prune_order", &expected_in_prune_order)
       .def("choose_num_nodes", &choose_tree_nodes)
+      .def("choose_num_nodes_record", &choose_tree_nodes_record)
       .def("prune", [](const CoreTree& t, int32_t max_nodes) {
         return CoreTree{lookupdec::prune_prefix(t.tree, max_nodes), t.names};
       })
