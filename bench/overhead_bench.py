@@ -292,16 +292,16 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             result = (paths.accept(tree, verified, greedy, top_k=fused) if fused
                       else paths.accept(tree, verified, greedy))
             projected_ns = int(verified.extra_s * 1e9) if paths.partial else 0  # rows the walk asked for: the forward's
-            new_tokens = ([tree.token_ids[i] for i in result.accepted] + [result.next_token])[: len(rest)]
+            path = tree.tokens_of([0, *result.accepted])  # as Engine._accept
+            new_tokens = (path[1:] + [result.next_token])[: len(rest)]
             accepted = result.accepted[: len(new_tokens)]
             marks.append(_now())
             if mixture.successor_sinks:  # as Engine._verdict
                 visited = [0, *result.accepted]
                 tops = result.tops if result.tops is not None else paths.top_tokens(logits, visited,
                                                                                      RECYCLE_SUCCESSORS)
-                tokens = [tree.token_ids[u] for u in visited]
                 prev = context[-2] if len(context) > 1 else -1
-                mixture.observe_successors(list(zip([prev, *tokens[:-1]], tokens, tops)))
+                mixture.observe_path(prev, path, tops)
             marks.append(_now())
             commit_accepted(cache, n_cached, accepted)
             cost.observe(len(tree), forward_s)  # as Engine._verdict does after every verify forward
@@ -310,7 +310,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             marks.append(_now())
             calibrator.learn(drafts, new_tokens)
             marks.append(_now())
-            mode.sizes.observe(len(tree), promised=sum(tree.expected[1:]), accepted=len(accepted))  # (untimed: a few µs)
+            mode.sizes.observe(len(tree), promised=tree.expected_total(), accepted=len(accepted))  # (untimed: a few µs)
             walk.restore()
             if new_tokens != rest[: len(new_tokens)]:
                 raise AssertionError(f"{rid}: greedy acceptance left the recorded response")

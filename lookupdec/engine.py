@@ -463,13 +463,11 @@ class Engine:
         recycle = self._recycle_successors()
         result = accept(tree, logits, params, generator=generator,
                         context_ids=self._seen_ids(seen) if params.uses_prefix else None, top_k=recycle)
+        visited = tree.tokens_of([0, *result.accepted])  # the root's token, then each accepted node's
         if recycle:
-            visited = [0, *result.accepted]
-            tops = result.tops if result.tops is not None else top_tokens(logits, visited, recycle)
-            tokens = [tree.token_ids[u] for u in visited]
-            self.mixture.observe_successors(list(zip([prev, *tokens[:-1]], tokens, tops)))
-        new = [tree.token_ids[i] for i in result.accepted] + [result.next_token]
-        return result.accepted, self._clip(new, limit)
+            tops = result.tops if result.tops is not None else top_tokens(logits, [0, *result.accepted], recycle)
+            self.mixture.observe_path(prev, visited, tops)
+        return result.accepted, self._clip(visited[1:] + [result.next_token], limit)
 
     def _cost_bucket(self, context_tokens: int) -> int:
         """The context-length bucket of a request (a power of 2, at least 64, at most half the

@@ -146,6 +146,15 @@ class Mixture:
         for p in self.successor_sinks:
             p.observe_successors(entries)
 
+    def observe_path(self, prev: int, tokens: Sequence[int], successors) -> None:
+        """``observe_successors`` of the path a step's walk visited: ``tokens`` (the root's, then
+        each accepted node's) with the target's top tokens after each, ``prev`` before the first."""
+        for p in self.successor_sinks:
+            if hasattr(p, "observe_path"):
+                p.observe_path(prev, tokens, successors)
+            else:
+                p.observe_successors(list(zip([prev, *tokens[:-1]], tokens, successors)))
+
     def stop(self, request_id: str) -> None:
         self._fused.pop(request_id, None)
         for p in self.proposers:

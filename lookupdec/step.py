@@ -151,7 +151,7 @@ class StepCore:
         self.mixture.observe(request_id, judged.new_tokens)
         if self.calibrator is not None:
             self.calibrator.learn(plan.drafts, judged.new_tokens)
-        promised = sum(tree.expected[1:]) if tree.num_draft_nodes else 0.0
+        promised = tree.expected_total() if tree.num_draft_nodes else 0.0
         if tree.num_draft_nodes:
             self._promised = SCALE_DECAY * self._promised + promised
             self._accepted = SCALE_DECAY * self._accepted + len(judged.accepted)

@@ -676,6 +676,26 @@ class TokenTree:
             return None
         return _core.greedy_walk(logits, self.token_ids, self.parents, top_k, row_of, start, choices)
 
+    def tokens_of(self, nodes: Sequence[int]) -> list[int]:
+        """The token ids of ``nodes``, without making the whole ``token_ids`` list of a core-held
+        tree."""
+        core = self.__dict__.get("_core")
+        if core is not None and "token_ids" not in self.__dict__:
+            return core.tokens_of(nodes)
+        token_ids = self.token_ids
+        return [token_ids[u] for u in nodes]
+
+    def expected_total(self) -> float:
+        """The draft nodes' expected gains added up left to right (the root's excluded): what the
+        tree promised the chooser."""
+        core = self.__dict__.get("_core")
+        if core is not None:
+            return core.expected_total()
+        total = 0.0
+        for gain in self.expected[1:]:
+            total += gain
+        return total
+
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""
         if _core is None:

@@ -64,8 +64,13 @@ def test_compiled_table_drafts_equal_the_reference(seed):
         visits = [(int(rng.integers(-1, vocab)), int(rng.integers(0, vocab)),
                    [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(0, 8)))])
                   for _ in range(int(rng.integers(0, 6)))]
-        ref.observe_successors(visits)
-        fast.observe_successors(visits)
+        if visits and rng.random() < 0.5:  # a walked path (Engine._accept's hand-off): each token's previous is the one before
+            prev, tokens, tops = visits[0][0], [v[1] for v in visits], [v[2] for v in visits]
+            ref.observe_path(prev, tokens, tops)
+            fast.observe_path(prev, tokens, tops)
+        else:
+            ref.observe_successors(visits)
+            fast.observe_successors(visits)
         assert fast.num_pairs == ref.num_pairs
         context = [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(1, 4)))]
         budget = int(rng.integers(0, 48))
@@ -121,3 +126,17 @@ def test_engine_with_recycling_is_exact_and_uses_it():
     gen = engine.generate(prompt, max_new_tokens=40)
     assert gen.token_ids == ref.token_ids
     assert gen.stats.accepted_by_source.get("recycle", 0) > 0  # the second time, its drafts are accepted
+
+
+def test_observe_path_is_observe_successors_of_the_path():
+    """``observe_path(prev, tokens, tops)`` records (prev, t0), (t0, t1), ...: the same table as
+    ``observe_successors`` of those entries, on both backends."""
+    for backend in (["reference", "compiled"] if compiled_available() else ["reference"]):
+        by_path, by_entries = RecycleProposer(backend=backend), RecycleProposer(backend=backend)
+        tokens, tops = [5, 6, 7], [[6, 1], [7, 2], [8, 3]]
+        by_path.observe_path(4, tokens, tops)
+        by_entries.observe_successors([(4, 5, [6, 1]), (5, 6, [7, 2]), (6, 7, [8, 3])])
+        for context in ([4, 5], [5, 6], [6, 7], [9, 7]):
+            want = by_entries.propose("r", context, 8)
+            assert [(d.token_ids, d.scores, d.match_length) for d in by_path.propose("r", context, 8)] == \
+                   [(d.token_ids, d.scores, d.match_length) for d in want] and want

@@ -65,6 +65,13 @@ def random_case(seed: int):
 
 
 def assert_same_tree(fast: TokenTree, ref: TokenTree) -> None:
+    # first, while a core-held tree has made no lists: its own tokens_of and expected_total
+    nodes = list(range(len(ref.token_ids)))[::-1]
+    assert fast.tokens_of(nodes) == ref.tokens_of(nodes) == [ref.token_ids[u] for u in nodes]
+    total = 0.0
+    for gain in ref.expected[1:]:
+        total += gain
+    assert fast.expected_total() == ref.expected_total() == total
     assert fast.token_ids == ref.token_ids
     assert fast.parents == ref.parents
     assert fast.sources == ref.sources

@@ -94,6 +94,14 @@ class RecycleProposer:
             return None
         return self._table, (self.config.max_nodes, self.config.max_depth)
 
+    def observe_path(self, prev: int, tokens: Sequence[int], successors: Sequence[Sequence[int]]) -> None:
+        """``observe_successors`` of a walked path: ``tokens`` (the root's, then each accepted
+        node's), each preceded by the one before it (``prev`` before the first)."""
+        if self._table is not None:
+            self._table.observe_path(prev, tokens, successors)
+            return
+        self.observe_successors(list(zip([prev, *tokens[:-1]], tokens, successors)))
+
     def successors(self, prev: int, token: int) -> tuple[tuple[int, ...], int]:
         """(The reference's table.) The recorded successors of ``token`` after ``prev`` and the match length they rest on
         (``PAIR_MATCH``, ``TOKEN_MATCH``, or 0 with none)."""

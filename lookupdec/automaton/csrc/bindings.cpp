@@ -984,6 +984,13 @@ NB_MODULE(_core, m) {
   nb::class_<lookupdec::RecycleTable>(m, "RecycleTable")
       .def(nb::init<int32_t, int64_t, std::vector<double>>())
       .def("observe", &lookupdec::RecycleTable::observe)
+      .def("observe_path", [](lookupdec::RecycleTable& table, int32_t prev, const std::vector<int32_t>& tokens,
+                              const std::vector<std::vector<int32_t>>& successors) {
+        // observe() of a walked path: each token's previous is the token before it (prev first)
+        std::vector<int32_t> previous(tokens.size());
+        for (size_t i = 0; i < tokens.size(); ++i) previous[i] = i == 0 ? prev : tokens[i - 1];
+        table.observe(previous, tokens, successors);
+      })
       .def("propose", &recycle_propose)
       .def("num_pairs", &lookupdec::RecycleTable::num_pairs)
       .def("num_tokens", &lookupdec::RecycleTable::num_tokens);
@@ -1031,6 +1038,20 @@ NB_MODULE(_core, m) {
       .def_prop_ro("parents_first", [](const CoreTree& t) { return t.tree.parents_first; })
       .def("children", [](const CoreTree& t) { return children_dicts(t.tree.token_ids, t.tree.parents); })
       .def("expected_in_prune_order", &expected_in_prune_order)
+      .def("tokens_of", [](const CoreTree& t, const std::vector<int32_t>& nodes) {
+        std::vector<int32_t> out(nodes.size());
+        int64_t n = static_cast<int64_t>(t.tree.token_ids.size());
+        for (size_t i = 0; i < nodes.size(); ++i) {
+          if (nodes[i] < 0 || nodes[i] >= n) throw std::out_of_range("tokens_of: node out of range");
+          out[i] = t.tree.token_ids[nodes[i]];
+        }
+        return int_list(out);
+      })
+      .def("expected_total", [](const CoreTree& t) {
+        double total = 0.0;  // left to right, as the reference's loop
+        for (size_t i = 1; i < t.tree.expected.size(); ++i) total += t.tree.expected[i];
+        return total;
+      })
       .def("choose_num_nodes", &choose_tree_nodes)
       .def("choose_num_nodes_record", &choose_tree_nodes_record)
       .def("prune", [](const CoreTree& t, int32_t max_nodes) {
