@@ -16,6 +16,7 @@ import numpy as np
 
 from lookupdec.budget import HISTORY_DECAY, AcceptanceCalibrator
 from lookupdec.config import DraftConfig
+from lookupdec.proposers.suffix import CERTAIN_DECAY
 from lookupdec.proposers.base import Proposer
 from lookupdec.tree import Draft, TokenTree, _core
 
@@ -59,20 +60,22 @@ class Mixture:
         """The request's ``_core.Lookups`` (its lookups' compiled state and parameters), or none
         where one of them is not compiled (``plan`` then returns None, and ``observe`` asks each
         proposer). With one, ``observe`` extends the n-gram index and the request's automaton
-        in one call, then hands each proposer ``observe_fused`` for the rest of its ``observe``."""
+        in one call, settling the suffix automata's pending chains into the suffix proposer's
+        certain-step estimates, then hands each proposer ``observe_fused`` for the rest of its
+        ``observe``."""
         handles = {p.fused_kind: p.compiled_lookup(request_id) for p in self.lookups}
         if None in handles.values():
             return
         none = (None, ())
         ngram, ngram_params = handles.get("n", none)
         recycle, recycle_params = handles.get("r", none)
-        suffix, suffix_params, max_match = handles.get("s", (None, (), 0))
+        suffix, suffix_params, max_match, certain = handles.get("s", (None, (), 0, None))
         ngram_params = ngram_params or (0, 0, 0.0, 0.0)
         suffix_params = suffix_params or (0, 0, 0, 1, 0, 0.0, 0.0)
         recycle_params = recycle_params or (0, 0)
         order = "".join(p.fused_kind for p in self.lookups)
         lookups = _core.Lookups(ngram, *ngram_params, suffix, *suffix_params, recycle, *recycle_params, order,
-                                list(FUSED_SOURCES))
+                                list(FUSED_SOURCES), certain, CERTAIN_DECAY)
         self._fused[request_id] = FusedRequest(lookups, max_match)
 
     def propose(self, request_id: str, context: Sequence[int], max_nodes: int) -> list[Draft]:
@@ -96,23 +99,19 @@ class Mixture:
         if entry is None or max_nodes < 0 or max_depth < 0 or not entry.sync(calibrator):
             return None
         lookups, max_match = entry.lookups, entry.max_match
-        pending, certain_suffix, certain_global, global_core = (self._suffix.fused_inputs(request_id)
-                                                                if self._suffix is not None else (None, 0, 0, None))
+        global_core = self._suffix.global_core() if self._suffix is not None else None
         ctx = context[-max_match:] if max_match else []
         if type(ctx) is not list:
             ctx = list(ctx)
         n = len(context)
         try:
-            out = lookups.plan(ctx, n, context[-2] if n > 1 else -1, context[-1], max_nodes, certain_suffix,
-                               certain_global, global_core, max_depth)
+            out = lookups.plan(ctx, n, context[-2] if n > 1 else -1, context[-1], max_nodes, global_core, max_depth)
         except TypeError:  # ids outside int32: the proposers' own calls name them
             return None
         if out is None:  # the n-gram index missed tokens: its own call says so
             self.propose(request_id, context, max_nodes)
             raise AssertionError("Mixture.plan: the n-gram index and the context disagree")
-        core, packed, chains, serial = out
-        for code, chain, certain in chains:
-            pending.setdefault(FUSED_SOURCES[code], (chain, certain))
+        core, packed, serial = out
         return TokenTree._from_core(core, {}), PlannedDrafts(packed, entry, serial)
 
     def _want_draft_model(self, drafts: Sequence[Draft]) -> bool:

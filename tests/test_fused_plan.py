@@ -64,7 +64,16 @@ class Twin:
         self.suffix = next((p for p in self.mixture.lookups if isinstance(p, SuffixProposer)), None)
 
     def pending(self, rid: str) -> dict:
-        return dict(self.suffix._requests.get(rid).pending) if self.suffix is not None else {}
+        """The chains waiting for the step's tokens (the suffix proposer's ``pending``, or for a
+        fused request the core's), and the certain-step estimates, bit for bit."""
+        if self.suffix is None:
+            return {}
+        pending = dict(self.suffix._requests.get(rid).pending)
+        fused = self.mixture._fused.get(rid)
+        if fused is not None:
+            assert not pending  # the fused steps leave theirs in the core
+            pending = {FUSED_SOURCES[code]: (chain, certain) for code, chain, certain in fused.lookups.pending()}
+        return {**pending, "estimates": self.suffix._certain.tobytes()}
 
 
 def drive(seed: int, records: int = 4, vocab: int = 60, length: int = 220, max_nodes: int = 64,
@@ -94,6 +103,7 @@ def drive(seed: int, records: int = 4, vocab: int = 60, length: int = 220, max_n
             verdicts = [recorded_verdict(plan.tree, rest) for plan in plans]
             for twin, plan, verdict in zip((fused, apart), plans, verdicts):
                 twin.core.finish(rid, plan, verdict)
+            assert fused.pending(rid) == apart.pending(rid), f"seed {seed} step {steps}: settled estimates"
             # the recycling table learns the "target's" top tokens at the visited nodes (as
             # Engine._verdict hands them over), the same for both twins
             visited = [0, *verdicts[0].accepted]

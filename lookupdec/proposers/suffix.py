@@ -55,21 +55,34 @@ class CertainStepEstimate:
     the workload, starting from ``CERTAIN_STEP`` worth ``CERTAIN_PRIOR_WEIGHT`` observations.
     """
 
-    def __init__(self) -> None:
-        self.trials = CERTAIN_PRIOR_WEIGHT
-        self.hits = CERTAIN_PRIOR_WEIGHT * CERTAIN_STEP
+    def __init__(self, state: np.ndarray | None = None) -> None:
+        """``state``: where (trials, hits) live, a float64 pair (a row of ``SuffixProposer``'s
+        table, which the compiled lookups read and update in place: ``_core.Lookups``)."""
+        self.state = np.zeros(2) if state is None else state
+        self.state[:] = (CERTAIN_PRIOR_WEIGHT, CERTAIN_PRIOR_WEIGHT * CERTAIN_STEP)
+
+    @property
+    def trials(self) -> float:
+        return float(self.state[0])
+
+    @property
+    def hits(self) -> float:
+        return float(self.state[1])
 
     @property
     def value(self) -> float:
-        return self.hits / self.trials
+        trials, hits = self.state.tolist()
+        return hits / trials
 
     def update(self, chain: Sequence[int], certain: Sequence[bool], committed: Sequence[int]) -> None:
+        trials, hits = self.state.tolist()
         for token, is_certain, actual in zip(chain, certain, committed):
             if is_certain:
-                self.trials = self.trials * CERTAIN_DECAY + 1
-                self.hits = self.hits * CERTAIN_DECAY + (token == actual)
+                trials = trials * CERTAIN_DECAY + 1
+                hits = hits * CERTAIN_DECAY + (token == actual)
             if token != actual:
                 break
+        self.state[:] = (trials, hits)
 
 
 class SuffixProposer:
@@ -86,7 +99,10 @@ class SuffixProposer:
         self._outputs: deque[np.ndarray] = deque()  # earlier outputs in the global cache, oldest first
         self._global_tokens = 0
         self.global_automaton = SuffixAutomaton()
-        self.certain_step = {"suffix": CertainStepEstimate(), "suffix-global": CertainStepEstimate()}
+        # (trials, hits) of each automaton's estimate: rows of one table the compiled lookups share
+        self._certain = np.zeros((2, 2))
+        self.certain_step = {"suffix": CertainStepEstimate(self._certain[0]),
+                             "suffix-global": CertainStepEstimate(self._certain[1])}
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
@@ -99,10 +115,12 @@ class SuffixProposer:
         settle_pending(request.pending, self.certain_step, new_ids)
 
     def observe_fused(self, request_id: str, new_ids: Sequence[int]) -> None:
-        """``observe`` less the automaton's extend, which ``Mixture.observe``'s compiled call made."""
+        """``observe`` less what ``Mixture.observe``'s compiled call did (the automaton's extend,
+        the fused plans' pending chains settled)."""
         request: _Request = self._requests.get(request_id)
         request.output.extend(new_ids)
-        settle_pending(request.pending, self.certain_step, new_ids)
+        if request.pending:  # (left by a step that proposed apart)
+            settle_pending(request.pending, self.certain_step, new_ids)
 
     def stop(self, request_id: str) -> None:
         request: _Request = self._requests.pop(request_id)
@@ -126,10 +144,12 @@ class SuffixProposer:
     fused_kind = "s"
 
     def compiled_lookup(self, request_id: str) -> tuple | None:
-        """The request's compiled automaton and ``automaton_drafts``' fixed parameters
+        """The request's compiled automaton, ``automaton_drafts``' fixed parameters
         (``min_match``, ``global_min_match``, then ``suffix_drafts``' levels, divisor, separator,
-        empty confidence and match prior), and ``max_match``; None where drafting is not
-        compiled (``drafting="reference"``, or automata without the core)."""
+        empty confidence and match prior), ``max_match`` and the certain-step estimates' table
+        (the core reads each value and settles each pending chain into it, as ``observe`` does
+        with ``settle_pending``); None where drafting is not compiled (``drafting="reference"``,
+        or automata without the core)."""
         request: _Request = self._requests.get(request_id)
         if self.drafting != "auto" or request.automaton.backend != "compiled" or \
                 self.global_automaton.backend != "compiled":
@@ -137,16 +157,12 @@ class SuffixProposer:
         config = self.config
         return request.automaton._core, (config.min_match, config.global_min_match, MATCH_LEVELS,
                                          SHORTER_MATCH_NODES_DIVISOR, SEPARATOR, EMPTY_MATCH_CONFIDENCE,
-                                         MATCH_PRIOR), config.max_match
+                                         MATCH_PRIOR), config.max_match, self._certain
 
-    def fused_inputs(self, request_id: str) -> tuple:
-        """What a step's fused plan reads besides the context: (the request's pending chains,
-        each automaton's ``CertainStepEstimate.value``, the global automaton's core or None
-        while the global cache is empty)."""
-        pending = self._requests.get(request_id).pending
-        suffix, global_ = self.certain_step["suffix"], self.certain_step["suffix-global"]
-        core = self.global_automaton._core if self._global_tokens else None
-        return pending, suffix.hits / suffix.trials, global_.hits / global_.trials, core
+    def global_core(self):
+        """The global automaton's compiled core for a step's fused plan, None while the global
+        cache is empty."""
+        return self.global_automaton._core if self._global_tokens else None
 
     # -- the global cache -----------------------------------------------------------------------
     def add_to_global(self, output: Sequence[int]) -> None:

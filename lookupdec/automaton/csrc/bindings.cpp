@@ -706,6 +706,8 @@ nb::tuple recycle_propose(const lookupdec::RecycleTable& table, int32_t prev, in
 }
 
 
+using CertainTable = nb::ndarray<double, nb::shape<2, 2>, nb::c_contig, nb::device::cpu>;
+
 // Mixture.propose and TokenTree.from_drafts (over the calibrator's counts) in one call, for the
 // compiled lookups of one request: the n-gram index, the request's suffix automaton (and the
 // global one, given per call: it is rebuilt when trimmed), the recycling table, each optional,
@@ -724,6 +726,13 @@ struct Lookups {
   double empty_confidence = 0, match_prior = 0;
   int32_t recycle_max_nodes = 0, recycle_max_depth = 0;
   nb::list names;  // the four sources' names: ngram, suffix, suffix-global, recycle
+  // the suffix proposer's certain-step estimates, (trials, hits) per automaton (its table, held),
+  // and each automaton's pending best chain (the first plan's since the last observe: settled then)
+  std::optional<CertainTable> certain;
+  double certain_decay = 1.0;
+  std::vector<int32_t> pending_chain[2];
+  std::vector<uint8_t> pending_certain[2];
+  bool pending[2] = {false, false};
   // the calibrator's counts as plan and learn read them (set_calibration: set again whenever the
   // calibrator adds a row, which replaces its arrays); the arrays are held, not copied
   std::optional<CountsOut> reached, predicted, matched;
@@ -746,15 +755,14 @@ int32_t match_bucket_index(int32_t match_length) {
   return b;
 }
 
-// (tree, drafts, chains, serial) or None when the n-gram index has not seen `context_len`
-// tokens (the caller names the request). drafts, in merge order, as int32 bytes of source codes
-// (0-3) and match lengths, int64 bytes of offsets, and every draft's token_ids, parents and
-// scores concatenated (bytes); chains: (source code, best chain, certain-step flags) of each
-// suffix automaton's first draft; serial: this plan's number (Lookups.learn counts its drafts). row_table: [4 * 8] calibration row per (source code, match bucket),
+// (tree, drafts, serial) or None when the n-gram index has not seen `context_len` tokens (the
+// caller names the request). drafts, in merge order, as int32 bytes of source codes (0-3) and
+// match lengths, int64 bytes of offsets, and every draft's token_ids, parents and scores
+// concatenated (bytes); serial: this plan's number (Lookups.learn counts its drafts). Each suffix
+// automaton's first draft leaves its best chain pending (Lookups.observe settles it). row_table: [4 * 8] calibration row per (source code, match bucket),
 // -1 none; source_index: [4] each source's index in the counts, -1 unknown.
 nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t context_len, int32_t prev,
-                        int32_t root, int32_t max_nodes, double certain_suffix, double certain_global,
-                        Automaton* global, int32_t max_depth) {
+                        int32_t root, int32_t max_nodes, Automaton* global, int32_t max_depth) {
   if (!L.reached) throw std::invalid_argument("Lookups.plan: set_calibration first");
   if (L.ngram != nullptr && L.ngram->size() != context_len) return nb::none();
   const std::vector<int32_t>& row_table = L.row_table;
@@ -768,7 +776,6 @@ nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t con
   packed.parents.reserve(512);
   packed.scores.reserve(512);
   std::vector<int32_t> codes, matches;
-  nb::list chains;
   auto add = [&](int32_t code, int32_t match, const std::vector<int32_t>& t, const std::vector<int32_t>& p,
                  const std::vector<double>& s) {
     packed.tokens.insert(packed.tokens.end(), t.begin(), t.end());
@@ -785,8 +792,17 @@ nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t con
     for (size_t i = 0; i < drafts.size(); ++i) {
       const lookupdec::SuffixDraft& d = drafts[i];
       add(code, d.match_length, d.token_ids, d.parents, d.scores);
-      if (i == 0) chains.append(nb::make_tuple(code, int_list(d.chain), bool_list(d.chain_certain)));
+      if (i == 0 && !L.pending[code - 1]) {  // (settle_pending's input: the first chain since the last observe)
+        L.pending[code - 1] = true;
+        L.pending_chain[code - 1] = d.chain;
+        L.pending_certain[code - 1] = d.chain_certain;
+      }
     }
+  };
+  // CertainStepEstimate.value of each automaton's estimate
+  auto certain_value = [&](int row) {
+    const double* c = L.certain->data();
+    return c[2 * row + 1] / c[2 * row];
   };
   if (max_nodes > 0) {
     for (char kind : L.order) {
@@ -797,8 +813,8 @@ nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t con
       } else if (kind == 's' && L.suffix != nullptr) {
         for (int32_t token : ctx)
           if (token < 0) throw nb::value_error("token ids must be in [0, 2**31 - 1]");
-        suffix(*L.suffix, 1, L.min_match, certain_suffix);
-        if (global != nullptr) suffix(*global, 2, L.global_min_match, certain_global);
+        suffix(*L.suffix, 1, L.min_match, certain_value(0));
+        if (global != nullptr) suffix(*global, 2, L.global_min_match, certain_value(1));
       } else if (kind == 'r' && L.recycle != nullptr) {
         int32_t limit = std::min(max_nodes, L.recycle_max_nodes);
         if (limit <= 0 || context_len <= 0) continue;
@@ -845,7 +861,7 @@ nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t con
   L.last = std::move(packed);
   L.last_codes = std::move(codes);
   L.last_matches = std::move(matches);
-  return nb::make_tuple(std::move(tree), drafts, chains, ++L.serial);
+  return nb::make_tuple(std::move(tree), drafts, ++L.serial);
 }
 
 // AcceptanceCalibrator.learn of the plan numbered `serial`, as learn_drafts does it: every count
@@ -898,7 +914,8 @@ NB_MODULE(_core, m) {
               double branch_decay, double continue_prob, nb::object suffix, int32_t min_match,
               int32_t global_min_match, int32_t levels, int32_t shorter_divisor, int32_t separator,
               double empty_confidence, double match_prior, nb::object recycle, int32_t recycle_max_nodes,
-              int32_t recycle_max_depth, const std::string& order, nb::list names) {
+              int32_t recycle_max_depth, const std::string& order, nb::list names,
+              std::optional<CertainTable> certain, double certain_decay) {
              if (nb::len(names) != 4) throw std::invalid_argument("Lookups: four source names");
              for (char kind : order)
                if (kind != 'n' && kind != 's' && kind != 'r') throw std::invalid_argument("Lookups: order of 'n', 's', 'r'");
@@ -924,12 +941,16 @@ NB_MODULE(_core, m) {
              L->recycle_max_nodes = recycle_max_nodes;
              L->recycle_max_depth = recycle_max_depth;
              L->names = names;
+             if (L->suffix != nullptr && !certain) throw std::invalid_argument("Lookups: the suffix proposer's certain-step table");
+             L->certain = certain;
+             L->certain_decay = certain_decay;
            },
            nb::arg("ngram").none(), nb::arg("ngram_max_draft_tokens"), nb::arg("ngram_max_branches"),
            nb::arg("branch_decay"), nb::arg("continue_prob"), nb::arg("suffix").none(), nb::arg("min_match"),
            nb::arg("global_min_match"), nb::arg("levels"), nb::arg("shorter_divisor"), nb::arg("separator"),
            nb::arg("empty_confidence"), nb::arg("match_prior"), nb::arg("recycle").none(),
-           nb::arg("recycle_max_nodes"), nb::arg("recycle_max_depth"), nb::arg("order"), nb::arg("names"))
+           nb::arg("recycle_max_nodes"), nb::arg("recycle_max_depth"), nb::arg("order"), nb::arg("names"),
+           nb::arg("certain").none(), nb::arg("certain_decay"))
       .def("observe", [](Lookups& L, const std::vector<int32_t>& t) {
         // Mixture.observe's compiled part: the n-gram index and the request's automaton extend
         // (ids checked first: a rejected call keeps nothing)
@@ -937,6 +958,32 @@ NB_MODULE(_core, m) {
           if (token < 0) throw nb::value_error("token ids must be in [0, 2**31 - 1]");
         if (L.ngram != nullptr) L.ngram->extend(t.data(), t.size());
         if (L.suffix != nullptr) L.suffix->extend(t.data(), t.size());
+        // settle_pending: each pending chain against the new tokens (CertainStepEstimate.update)
+        for (int row = 0; row < 2; ++row) {
+          if (!L.pending[row]) continue;
+          double* c = L.certain->data() + 2 * row;
+          double trials = c[0], hits = c[1];
+          const std::vector<int32_t>& chain = L.pending_chain[row];
+          size_t n = std::min({chain.size(), L.pending_certain[row].size(), t.size()});
+          for (size_t i = 0; i < n; ++i) {
+            if (L.pending_certain[row][i]) {
+              trials = trials * L.certain_decay + 1;
+              hits = hits * L.certain_decay + (chain[i] == t[i] ? 1.0 : 0.0);
+            }
+            if (chain[i] != t[i]) break;
+          }
+          c[0] = trials;
+          c[1] = hits;
+          L.pending[row] = false;
+        }
+      })
+      .def("pending", [](const Lookups& L) {
+        // (source code, chain, certain flags) of each pending chain (tests: settle_pending's dict)
+        nb::list out;
+        for (int row = 0; row < 2; ++row)
+          if (L.pending[row])
+            out.append(nb::make_tuple(row + 1, int_list(L.pending_chain[row]), bool_list(L.pending_certain[row])));
+        return out;
       })
       .def("set_calibration",
            [](Lookups& L, CountsOut reached, CountsOut predicted, CountsOut matched, nb::bytes row_source,
@@ -968,8 +1015,7 @@ NB_MODULE(_core, m) {
            })
       .def("learn", &lookups_learn)
       .def("plan", &lookups_plan, nb::arg("ctx"), nb::arg("context_len"), nb::arg("prev"), nb::arg("root"),
-           nb::arg("max_nodes"), nb::arg("certain_suffix"), nb::arg("certain_global"), nb::arg("global_").none(),
-           nb::arg("max_depth"));
+           nb::arg("max_nodes"), nb::arg("global_").none(), nb::arg("max_depth"));
   m.def("merge_drafts_counts", &merge_drafts_counts);
   nb::class_<lookupdec::NgramIndex>(m, "NgramIndex")
       .def(nb::init<int32_t, int32_t>())
