@@ -193,7 +193,7 @@ PackedDrafts pack_drafts(nb::list drafts) {
 }
 
 lookupdec::MergeInput merge_input(int32_t root_token, const PackedDrafts& packed, const std::vector<int32_t>& rows,
-                                  nb::bytes point_mass, int32_t max_nodes, int32_t max_depth) {
+                                  const uint8_t* point_mass, int32_t max_nodes, int32_t max_depth) {
   lookupdec::MergeInput in;
   in.root_token = root_token;
   in.tokens = packed.tokens.data();
@@ -202,10 +202,22 @@ lookupdec::MergeInput merge_input(int32_t root_token, const PackedDrafts& packed
   in.offsets = packed.offsets.data();
   in.num_drafts = static_cast<int64_t>(packed.offsets.size()) - 1;
   in.rows = rows.data();
-  in.point_mass = reinterpret_cast<const uint8_t*>(point_mass.c_str());
+  in.point_mass = point_mass;
   in.max_nodes = max_nodes;
   in.max_depth = max_depth;
   return in;
+}
+
+// A merge input's calibration from the calibrator's counts (each cell read computed from them)
+// instead of a table; draft_sources: each draft's source index in the counts, -1 unknown.
+void with_counts(lookupdec::MergeInput* in, const lookupdec::CalibrationCounts& counts,
+                 const std::vector<int32_t>& draft_sources) {
+  in->fallback = nullptr;
+  in->table = nullptr;
+  in->table_size = counts.rows * lookupdec::kCellsPerRow;
+  in->probabilities = true;
+  in->counts = &counts;
+  in->draft_sources = draft_sources.data();
 }
 
 nb::tuple merged(const lookupdec::MergeInput& in, nb::list names) {
@@ -223,7 +235,8 @@ nb::tuple merge_drafts(int32_t root_token, nb::list drafts, const std::vector<in
       nb::len(names) != num_drafts + 1)
     throw std::invalid_argument("merge_drafts: rows, fallback, point_mass and names must match the drafts");
   PackedDrafts packed = pack_drafts(drafts);
-  lookupdec::MergeInput in = merge_input(root_token, packed, rows, point_mass, max_nodes, max_depth);
+  lookupdec::MergeInput in = merge_input(root_token, packed, rows, reinterpret_cast<const uint8_t*>(point_mass.c_str()),
+                                             max_nodes, max_depth);
   int64_t table_size = -1;
   in.fallback = fallback.data();
   in.table = bytes_array<double>(table, &table_size, "table");
@@ -511,14 +524,19 @@ nb::tuple merge_drafts_counts(int32_t root_token, nb::list drafts, const std::ve
   for (int32_t r : rows)
     if (r >= counts.rows) throw std::invalid_argument("merge_drafts: a draft's row is out of range");
   PackedDrafts packed = pack_drafts(drafts);
-  lookupdec::MergeInput in = merge_input(root_token, packed, rows, point_mass, max_nodes, max_depth);
-  in.fallback = nullptr;
-  in.table = nullptr;
-  in.table_size = counts.rows * lookupdec::kCellsPerRow;
-  in.probabilities = true;
-  in.counts = &counts;
-  in.draft_sources = draft_sources.data();
+  lookupdec::MergeInput in = merge_input(root_token, packed, rows, reinterpret_cast<const uint8_t*>(point_mass.c_str()),
+                                             max_nodes, max_depth);
+  with_counts(&in, counts, draft_sources);
   return merged(in, names);
+}
+
+// Every count of the calibrator's arrays decayed once (x *= decay, as numpy's).
+void decay_counts(std::initializer_list<CountsOut*> arrays, size_t rows, double decay) {
+  size_t total = rows * lookupdec::kCellsPerRow;
+  for (CountsOut* a : arrays) {
+    double* x = a->data();
+    for (size_t k = 0; k < total; ++k) x[k] *= decay;
+  }
 }
 
 // budget.AcceptanceCalibrator.learn: every count decayed once (x *= decay, as numpy's), then each
@@ -532,11 +550,7 @@ void learn_drafts(CountsOut reached, CountsOut predicted, CountsOut matched, dou
   if (rows.size() != drafts.size()) throw std::invalid_argument("learn_drafts: a row per draft");
   for (int64_t r : rows)
     if (r < 0 || static_cast<size_t>(r) >= nrows) throw std::invalid_argument("learn_drafts: a draft's row is out of range");
-  size_t total = nrows * lookupdec::kCellsPerRow;
-  for (CountsOut* a : {&reached, &predicted, &matched}) {
-    double* x = a->data();
-    for (size_t k = 0; k < total; ++k) x[k] *= decay;
-  }
+  decay_counts({&reached, &predicted, &matched}, nrows, decay);
   const int64_t C = lookupdec::kCellsPerRow;
   for (size_t d = 0; d < drafts.size(); ++d) {
     int64_t n = -1;
@@ -839,23 +853,8 @@ nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t con
   nb::tuple drafts = nb::make_tuple(to_bytes(codes), to_bytes(matches), to_bytes(packed.offsets),
                                     to_bytes(packed.tokens), to_bytes(packed.parents), to_bytes(packed.scores));
   std::vector<uint8_t> point_mass(num_drafts, 1);
-  lookupdec::MergeInput in;
-  in.root_token = root;
-  in.tokens = packed.tokens.data();
-  in.parents = packed.parents.data();
-  in.scores = packed.scores.data();
-  in.offsets = packed.offsets.data();
-  in.num_drafts = static_cast<int64_t>(num_drafts);
-  in.rows = rows.data();
-  in.point_mass = point_mass.data();
-  in.max_nodes = max_nodes;
-  in.max_depth = max_depth;
-  in.fallback = nullptr;
-  in.table = nullptr;
-  in.table_size = counts.rows * lookupdec::kCellsPerRow;
-  in.probabilities = true;
-  in.counts = &counts;
-  in.draft_sources = draft_sources.data();
+  lookupdec::MergeInput in = merge_input(root, packed, rows, point_mass.data(), max_nodes, max_depth);
+  with_counts(&in, counts, draft_sources);
   CoreTree tree{lookupdec::merge_drafts(in), names};
   tree.tree.node_of.clear();
   L.last = std::move(packed);
@@ -881,11 +880,7 @@ bool lookups_learn(Lookups& L, int64_t serial, double decay, const std::vector<i
     if (rows[d] < 0) return false;
     if (static_cast<size_t>(rows[d]) >= nrows) throw std::invalid_argument("Lookups.learn: a draft's row is out of range");
   }
-  size_t total = nrows * lookupdec::kCellsPerRow;
-  for (CountsOut* a : {&reached, &predicted, &matched}) {
-    double* x = a->data();
-    for (size_t k = 0; k < total; ++k) x[k] *= decay;
-  }
+  decay_counts({&reached, &predicted, &matched}, nrows, decay);
   const int64_t C = lookupdec::kCellsPerRow;
   for (size_t d = 0; d < num_drafts; ++d) {
     int64_t a = L.last.offsets[d], n = L.last.offsets[d + 1] - a;
