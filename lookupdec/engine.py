@@ -40,7 +40,7 @@ class GenerationStats:
     mean_tree_nodes: float = 0.0  # draft nodes verified per step (root not counted)
     predicted_accepted: float = 0.0  # per step: draft tokens the calibrated tree promised ...
     realised_accepted: float = 0.0  # ... and draft tokens accepted (mean_accepted - 1 unless cut)
-    draft_us: float = 0.0  # per step: proposers' time
+    draft_us: float = 0.0  # per step: proposers' time (with the merge where the lookups are fused: Mixture.plan)
     overhead_us: float = 0.0  # per step: drafting + tree + acceptance + KV commit + observe
     forward_ms: float = 0.0  # per step: the verify forward
     logit_rows: float = 0.0  # per step: tree nodes whose logits the forward computed (greedy: the likely ones)
