@@ -8,7 +8,7 @@ the verify forward, in µs per step:
     propose  ``Mixture.propose`` over ``build_proposers(EngineConfig())`` (n-gram + suffix + recycling);
              on the fast paths ``Mixture.plan``, as ``StepCore.plan`` calls it: the drafts and
              their merge in one compiled call (merge then reads 0)
-    merge    ``TokenTree.from_drafts`` with the calibrator, as ``StepCore.build_tree`` (the
+    merge    ``TokenTree.from_drafts`` with the calibrator, as ``StepCore.plan`` (the
              reference: ``AcceptanceCalibrator.calibration()``'s whole table first)
     choose   ``choose_tree_nodes`` with the ``SizeRecord`` (its scales) (``CostModel``: a measured 150M-parameter curve,
              one per set of paths, observed every step) + ``prune``
@@ -257,16 +257,16 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             rest = response[len(context) - len(prompt):]
             n_cached = len(context) - 1
             marks = [_now()]
-            fused = mixture.plan(rid, context, MAX_NODES, MAX_DEPTH, calibrator) if paths.fused else None
-            if fused is not None:  # as StepCore.plan: propose and merge in one call, timed as propose
-                tree, drafts = fused
+            planned = mixture.plan(rid, context, MAX_NODES, MAX_DEPTH, calibrator) if paths.fused else None
+            if planned is not None:  # as StepCore.plan: propose and merge in one call, timed as propose
+                tree, drafts = planned
                 marks.append(_now())
                 marks.append(marks[-1])
             else:
                 drafts = mixture.propose(rid, context, MAX_NODES)
                 marks.append(_now())
                 tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
-                                   calibration=calibrator)  # as StepCore.build_tree
+                                   calibration=calibrator)  # as StepCore.plan
                 marks.append(_now())
             chosen = paths.choose(tree, cost, 0.0, MAX_NODES, 1.0, record=mode.sizes)
             paths.prune(tree, chosen)

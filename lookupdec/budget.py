@@ -434,16 +434,13 @@ class AcceptanceCalibrator:
         self._matched = np.zeros((0, CELLS_PER_ROW))  # decayed counts of accepted nodes
         self._calibration: Calibration | None = None  # cached until the next learn
         self._rows_copy: dict | None = None  # the calibrations' copy of _rows (until a row is added)
-        self.rows_version = 0  # rows added (each replaces the count arrays: Mixture.plan's copy follows it)
         self._row_by_match: dict = {}  # (source, match length) -> row (``_row`` without the bucket's bisect)
-        self._row_tables: dict = {}  # source names -> (rows and sources known, row_table) (``row_table``)
 
     def _row(self, draft: Draft) -> int:
         key = calibration_row_key(draft)
         row = self._rows.get(key)
         if row is None:
             row = self._rows[key] = len(self._row_source)
-            self.rows_version += 1
             self._row_source.append(draft.source)
             self._row_source_index += np.int32(self._sources.setdefault(draft.source, len(self._sources))).tobytes()
             self._rows_copy = None
@@ -511,21 +508,19 @@ class AcceptanceCalibrator:
             self._reached, self._predicted, self._matched, self._row_source_index, len(self._sources),
             _COND_MIDS_BYTES, SOURCE_PRIOR_WEIGHT, ROW_PRIOR_WEIGHT, CELL_PRIOR_WEIGHT, MAX_FACTOR, MAX_PRIOR_PROB)
 
+    @property
+    def rows_version(self) -> int:
+        """Rows made so far: each new one replaces the count arrays (a fused request hands the
+        core the new ones when this moves: ``mixture.FusedRequest.sync``)."""
+        return len(self._row_source)
+
     def row_table(self, names: tuple[str, ...]) -> tuple[list[int], list[int]]:
         """For the compiled lookups' fused plan (``Mixture.plan``): each of ``names``' row per
         match bucket (``MATCH_BUCKETS``, -1 where none yet: the merge then takes the source's
         factor, as ``from_drafts`` does for a draft whose row is unknown), flat, and each name's
-        source index (-1 unknown). Made again only when a row was added."""
-        known = self.rows_version
-        cached = self._row_tables.get(names)
-        if cached is None or cached[0] != known:
-            rows = [self._rows.get((name, bucket), -1) for name in names for bucket in MATCH_BUCKETS]
-            cached = self._row_tables[names] = (known, (rows, [self._sources.get(name, -1) for name in names]))
-        return cached[1]
-
-    def learn_arrays(self) -> tuple:
-        """What a compiled learn writes: the three count arrays and the decay (``learn``)."""
-        return self._reached, self._predicted, self._matched, HISTORY_DECAY
+        source index (-1 unknown)."""
+        rows = [self._rows.get((name, bucket), -1) for name in names for bucket in MATCH_BUCKETS]
+        return rows, [self._sources.get(name, -1) for name in names]
 
     def learn(self, drafts: Sequence[Draft], committed: Sequence[int]) -> None:
         """After a step: decay the history once, then count every reached node of every draft

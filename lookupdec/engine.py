@@ -463,9 +463,10 @@ class Engine:
         recycle = self._recycle_successors()
         result = accept(tree, logits, params, generator=generator,
                         context_ids=self._seen_ids(seen) if params.uses_prefix else None, top_k=recycle)
-        visited = tree.tokens_of([0, *result.accepted])  # the root's token, then each accepted node's
+        nodes = [0, *result.accepted]  # the root, then each accepted node
+        visited = tree.tokens_of(nodes)
         if recycle:
-            tops = result.tops if result.tops is not None else top_tokens(logits, [0, *result.accepted], recycle)
+            tops = result.tops if result.tops is not None else top_tokens(logits, nodes, recycle)
             self.mixture.observe_path(prev, visited, tops)
         return result.accepted, self._clip(visited[1:] + [result.next_token], limit)
 

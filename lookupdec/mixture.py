@@ -41,8 +41,10 @@ class Mixture:
         kinds = [getattr(p, "fused_kind", None) for p in self.lookups]
         self.fused = (_core is not None and hasattr(_core, "Lookups") and draft is None and None not in kinds
                       and len(set(kinds)) == len(kinds))
-        self._fused: dict[str, tuple] = {}  # request id -> (its _core.Lookups, max_match)
+        self._fused: dict[str, FusedRequest] = {}  # request id -> its _core.Lookups and what they were given
         self._suffix = next((p for p in self.lookups if getattr(p, "fused_kind", None) == "s"), None)
+        # after a fused observe: the proposers with more to do than the core's extends (observe_fused)
+        self._observe_fused = [p.observe_fused for p in self.lookups if hasattr(p, "observe_fused")]
 
     @property
     def proposers(self) -> list:
@@ -61,18 +63,14 @@ class Mixture:
         where one of them is not compiled (``plan`` then returns None, and ``observe`` asks each
         proposer). With one, ``observe`` extends the n-gram index and the request's automaton
         in one call, settling the suffix automata's pending chains into the suffix proposer's
-        certain-step estimates, then hands each proposer ``observe_fused`` for the rest of its
-        ``observe``."""
+        certain-step estimates, then hands the proposers that define ``observe_fused`` the rest of
+        their ``observe``."""
         handles = {p.fused_kind: p.compiled_lookup(request_id) for p in self.lookups}
         if None in handles.values():
             return
-        none = (None, ())
-        ngram, ngram_params = handles.get("n", none)
-        recycle, recycle_params = handles.get("r", none)
-        suffix, suffix_params, max_match, certain = handles.get("s", (None, (), 0, None))
-        ngram_params = ngram_params or (0, 0, 0.0, 0.0)
-        suffix_params = suffix_params or (0, 0, 0, 1, 0, 0.0, 0.0)
-        recycle_params = recycle_params or (0, 0)
+        ngram, ngram_params = handles.get("n", (None, (0, 0, 0.0, 0.0)))
+        recycle, recycle_params = handles.get("r", (None, (0, 0)))
+        suffix, suffix_params, max_match, certain = handles.get("s", (None, (0, 0, 0, 1, 0, 0.0, 0.0), 0, None))
         order = "".join(p.fused_kind for p in self.lookups)
         lookups = _core.Lookups(ngram, *ngram_params, suffix, *suffix_params, recycle, *recycle_params, order,
                                 list(FUSED_SOURCES), certain, CERTAIN_DECAY)
@@ -134,8 +132,8 @@ class Mixture:
             except TypeError:
                 pass  # ids outside int32: the proposers' own calls name them
             else:
-                for p in self.lookups:
-                    p.observe_fused(request_id, new_ids)
+                for observe_fused in self._observe_fused:
+                    observe_fused(request_id, new_ids)
                 return
         for p in self.proposers:
             p.observe(request_id, new_ids)
@@ -220,6 +218,3 @@ class PlannedDrafts(Sequence):
 
     def __iter__(self):
         return iter(self._made())
-
-    def __eq__(self, other) -> bool:
-        return list(self) == list(other)

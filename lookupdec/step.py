@@ -134,14 +134,15 @@ class StepCore:
         fused = (self.mixture.plan(request_id, context, max_nodes, max_depth, self.calibrator)
                  if self.calibrator is not None and self.mixture.fused else None)
         if fused is not None:  # drafts and merge in one compiled call: propose_s counts both
-            tree, drafts = fused
+            merged, drafts = fused
             t1 = time.perf_counter()
-            tree = self.select(tree, max_nodes=max_nodes, cost=cost, overhead_s=overhead_s, scale=scale)
-            return Plan(tree, drafts, scale, propose_s=t1 - t0, tree_s=time.perf_counter() - t1)
-        drafts = self.mixture.propose(request_id, context, max_nodes)
-        t1 = time.perf_counter()
-        tree = self.build_tree(context[-1], drafts, max_nodes=max_nodes, max_depth=max_depth, cost=cost,
-                               overhead_s=overhead_s, scale=scale)
+        else:
+            drafts = self.mixture.propose(request_id, context, max_nodes)
+            t1 = time.perf_counter()
+            # (the calibrator itself: the compiled merge computes only the cells it reads)
+            merged = TokenTree.from_drafts(context[-1], drafts, max_nodes=max_nodes, max_depth=max_depth,
+                                           calibration=self.calibrator)
+        tree = self.select(merged, max_nodes=max_nodes, cost=cost, overhead_s=overhead_s, scale=scale)
         return Plan(tree, drafts, scale, propose_s=t1 - t0, tree_s=time.perf_counter() - t1)
 
     def finish(self, request_id: str, plan: "Plan", judged: Verdict) -> StepResult:
@@ -169,14 +170,6 @@ class StepCore:
         node alone; this corrects what they miss together (sources that disagree at a position
         are each right less often than their own record says)."""
         return min(SCALE_MAX, max(SCALE_MIN, self._accepted / self._promised))
-
-    def build_tree(self, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
-                   cost: CostModel | None, overhead_s: float, scale: float = 1.0) -> TokenTree:
-        """Merge the drafts into one trie and keep the nodes worth verifying."""
-        # (the calibrator itself: the compiled merge computes only the cells it reads)
-        tree = TokenTree.from_drafts(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
-                                     calibration=self.calibrator)
-        return self.select(tree, max_nodes=max_nodes, cost=cost, overhead_s=overhead_s, scale=scale)
 
     def select(self, tree: TokenTree, *, max_nodes: int, cost: CostModel | None, overhead_s: float,
                scale: float = 1.0) -> TokenTree:

@@ -73,9 +73,6 @@ class NgramProposer:
     def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
         self._extend(self._requests.get(request_id), new_ids)
 
-    def observe_fused(self, request_id: str, new_ids: Sequence[int]) -> None:
-        """``observe`` less what ``Mixture.observe``'s compiled call did (the index's extend): nothing."""
-
     def stop(self, request_id: str) -> None:
         self._requests.pop(request_id)
 

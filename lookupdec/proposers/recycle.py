@@ -67,9 +67,6 @@ class RecycleProposer:
     def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
         pass
 
-    def observe_fused(self, request_id: str, new_ids: Sequence[int]) -> None:
-        pass
-
     def stop(self, request_id: str) -> None:
         pass
 

@@ -227,7 +227,7 @@ def automaton_drafts(automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: 
         return automaton_drafts_reference(automaton, ctx, max_nodes, min_match, source, certain_step, pending)
     # SuffixAutomaton.suffix_drafts's arguments in its core's order
     args = (max_nodes, min_match, MATCH_LEVELS, SHORTER_MATCH_NODES_DIVISOR, SEPARATOR, EMPTY_MATCH_CONFIDENCE,
-            MATCH_PRIOR, certain_step.hits / certain_step.trials)  # (CertainStepEstimate.value)
+            MATCH_PRIOR, certain_step.value)
     levels = None
     if type(ctx) is list and max_nodes >= 0:  # the step's call: straight to the core, past the wrapper's checks
         try:

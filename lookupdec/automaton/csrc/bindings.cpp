@@ -773,8 +773,9 @@ int32_t match_bucket_index(int32_t match_length) {
 // caller names the request). drafts, in merge order, as int32 bytes of source codes (0-3) and
 // match lengths, int64 bytes of offsets, and every draft's token_ids, parents and scores
 // concatenated (bytes); serial: this plan's number (Lookups.learn counts its drafts). Each suffix
-// automaton's first draft leaves its best chain pending (Lookups.observe settles it). row_table: [4 * 8] calibration row per (source code, match bucket),
-// -1 none; source_index: [4] each source's index in the counts, -1 unknown.
+// automaton's first draft leaves its best chain pending (Lookups.observe settles it). The
+// calibrator's counts, row table ([4 * 8]: a row per source code and match bucket, -1 none) and
+// source indexes are those set_calibration gave.
 nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t context_len, int32_t prev,
                         int32_t root, int32_t max_nodes, Automaton* global, int32_t max_depth) {
   if (!L.reached) throw std::invalid_argument("Lookups.plan: set_calibration first");
