@@ -28,13 +28,18 @@ the verify forward, in µs per step:
              as in the engine, and not counted here); the reference reads every row where the
              KV writes left it
     recycle  the engine's hand-off to the token-recycling proposer: the reference's
-             ``top_tokens_reference`` of the visited rows, and ``Mixture.observe_successors``
+             ``top_tokens_reference`` of the visited rows, and ``Mixture.observe_path``; on the
+             fast paths only the hand-off's tuple (``Verdict.successors``): the table takes it
+             with the observe
     commit   ``model.commit_accepted`` on a KV cache of SmolLM2-135M's shape (30 layers of
              [1, 3, ctx+1+n, 64] float32 keys and values): the engine's ``SlotCache`` (fast) or
              transformers' ``DynamicCache`` (reference); and ``CostModel.observe`` of the
              forward's time (the curve's own estimate for that size), as the engine records every
              verify forward: the next step's choice reads the curve computed again
-    observe  ``Mixture.observe`` (every proposer sees the new tokens)
+    observe  ``Mixture.observe`` (every proposer sees the new tokens); on the fast paths
+             ``Mixture.finish``, as ``StepCore.finish`` calls it: the recycling table's
+             hand-off, the observe and the calibrator's learn in one compiled call (learn then
+             reads 0; a step whose drafts add a calibrator row learns apart, inside it)
     learn    ``AcceptanceCalibrator.learn``
 
 Two sets of code paths run the same steps, record by record in turn: ``reference`` (the pure
@@ -296,19 +301,25 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             new_tokens = (path[1:] + [result.next_token])[: len(rest)]
             accepted = result.accepted[: len(new_tokens)]
             marks.append(_now())
-            if mixture.successor_sinks:  # as Engine._verdict
+            successors = None
+            if mixture.successor_sinks:  # as Engine._accept
                 visited = [0, *result.accepted]
                 tops = result.tops if result.tops is not None else paths.top_tokens(logits, visited,
                                                                                      RECYCLE_SUCCESSORS)
-                prev = context[-2] if len(context) > 1 else -1
-                mixture.observe_path(prev, path, tops)
+                successors = (context[-2] if len(context) > 1 else -1, path, tops)
+                if not paths.fused:  # the reference hands them over apart
+                    mixture.observe_path(*successors)
             marks.append(_now())
             commit_accepted(cache, n_cached, accepted)
             cost.observe(len(tree), forward_s)  # as Engine._verdict does after every verify forward
             marks.append(_now())
-            mixture.observe(rid, new_tokens)
-            marks.append(_now())
-            calibrator.learn(drafts, new_tokens)
+            if paths.fused:  # as StepCore.finish: the hand-off, observe and learn in one call
+                mixture.finish(rid, new_tokens, successors, drafts, calibrator)
+                marks.append(_now())
+            else:
+                mixture.observe(rid, new_tokens)
+                marks.append(_now())
+                calibrator.learn(drafts, new_tokens)
             marks.append(_now())
             mode.sizes.observe(len(tree), promised=tree.expected_total(), accepted=len(accepted))  # (untimed: a few µs)
             walk.restore()

@@ -211,9 +211,9 @@ class BatchDecoder:
                 chosen, promised = self._promised
                 self.width_record.observe(chosen, promised=promised, accepted=sum(len(a) for a in accepted))
         self.target.commit(accepted)
-        for seq, tree, (acc, new) in zip(list(self.active), trees, verdicts):
+        for seq, tree, (acc, new, successors) in zip(list(self.active), trees, verdicts):
             seq.plan.tree = tree
-            step = core.finish(seq.rid, seq.plan, Verdict(acc, new))
+            step = core.finish(seq.rid, seq.plan, Verdict(acc, new, successors))
             seq.timer.forward += forward
             seq.timer.prepare += engine.target.last_prepare_s
             engine._count(seq.stats, seq.timer, step, t0)
@@ -304,7 +304,7 @@ class BatchDecoder:
         finished.append(seq)
         self.engine._store_forms()  # kernel forms chosen meanwhile, for the next process
 
-    def _accept(self, seq: _Sequence, tree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    def _accept(self, seq: _Sequence, tree, logits: torch.Tensor) -> tuple[list[int], list[int], tuple | None]:
         engine = self.engine
         limit = min(seq.request.max_new_tokens - seq.produced, engine._room(seq.context))
         prev = seq.context[-2] if len(seq.context) > 1 else -1

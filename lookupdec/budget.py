@@ -522,6 +522,11 @@ class AcceptanceCalibrator:
         rows = [self._rows.get((name, bucket), -1) for name in names for bucket in MATCH_BUCKETS]
         return rows, [self._sources.get(name, -1) for name in names]
 
+    def learnt(self) -> None:
+        """The counts were learnt in the core (``mixture.Mixture.finish``): what ``learn`` does
+        beside the counting (the cached table dropped)."""
+        self._calibration = None
+
     def learn(self, drafts: Sequence[Draft], committed: Sequence[int]) -> None:
         """After a step: decay the history once, then count every reached node of every draft
         against the ``committed`` tokens (the verified tree needs no pass of its own: every

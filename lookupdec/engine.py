@@ -409,7 +409,7 @@ class Engine:
             self.target.sync()
         seconds = time.perf_counter() - t - self.target.last_prepare_s
         timer.prepare += self.target.last_prepare_s
-        accepted, new = self._accept(tree, logits, params, generator, seen, limit, prev)
+        accepted, new, successors = self._accept(tree, logits, params, generator, seen, limit, prev)
         if isinstance(logits, PartialLogits):  # rows computed on demand belong to the forward's cost
             seconds += logits.extra_s
             timer.head_rows += logits.computed
@@ -420,7 +420,7 @@ class Engine:
         if cost is not None:
             cost.observe(len(tree), seconds)
         self.target.commit(tree, accepted)
-        return Verdict(accepted, new)
+        return Verdict(accepted, new, successors)
 
     def _first(self, rid: str, context: list[int], logits: torch.Tensor, params, generator, seen: set,
                limit: int) -> list[int]:
@@ -432,8 +432,8 @@ class Engine:
         seeded request draws the same alone or in a batch."""
         root = TokenTree([context[-1]], [-1])
         prev = context[-2] if len(context) > 1 else -1
-        _, new = self._accept(root, logits[None], params, generator, seen, limit, prev)
-        self.step_core.first(rid, new)
+        _, new, successors = self._accept(root, logits[None], params, generator, seen, limit, prev)
+        self.step_core.first(rid, new, successors)
         return new
 
     def _head_rows(self, tree: TokenTree, params) -> list[int] | None:
@@ -455,20 +455,22 @@ class Engine:
         return self.config.recycle.successors if self.mixture.successor_sinks else 0
 
     def _accept(self, tree: TokenTree, logits: torch.Tensor, params, generator, seen: set, limit: int,
-                prev: int) -> tuple[list[int], list[int]]:
+                prev: int) -> tuple[list[int], list[int], tuple | None]:
         """Exact acceptance of ``tree`` against its ``logits`` (the KV commit is the caller's, one
-        sequence or a batch), the target's top tokens at the visited nodes handed to token
-        recycling (``prev``: the token before the root); returns the accepted nodes and the new
-        tokens cut to ``limit`` and after the first EOS."""
+        sequence or a batch); returns the accepted nodes, the new tokens cut to ``limit`` and
+        after the first EOS, and token recycling's input (``Verdict.successors``: ``prev``, the
+        token before the root, the visited nodes' tokens and the target's top tokens at each;
+        None without recycling), which the step hands over with the observe (``Mixture.finish``)."""
         recycle = self._recycle_successors()
         result = accept(tree, logits, params, generator=generator,
                         context_ids=self._seen_ids(seen) if params.uses_prefix else None, top_k=recycle)
         nodes = [0, *result.accepted]  # the root, then each accepted node
         visited = tree.tokens_of(nodes)
+        successors = None
         if recycle:
             tops = result.tops if result.tops is not None else top_tokens(logits, nodes, recycle)
-            self.mixture.observe_path(prev, visited, tops)
-        return result.accepted, self._clip(visited[1:] + [result.next_token], limit)
+            successors = (prev, visited, tops)
+        return result.accepted, self._clip(visited[1:] + [result.next_token], limit), successors
 
     def _cost_bucket(self, context_tokens: int) -> int:
         """The context-length bucket of a request (a power of 2, at least 64, at most half the

@@ -74,7 +74,7 @@ class Mixture:
         order = "".join(p.fused_kind for p in self.lookups)
         lookups = _core.Lookups(ngram, *ngram_params, suffix, *suffix_params, recycle, *recycle_params, order,
                                 list(FUSED_SOURCES), certain, CERTAIN_DECAY)
-        self._fused[request_id] = FusedRequest(lookups, max_match)
+        self._fused[request_id] = FusedRequest(lookups, max_match, recycles=recycle is not None)
 
     def propose(self, request_id: str, context: Sequence[int], max_nodes: int) -> list[Draft]:
         """Every source's drafts, each of at most ``max_nodes`` nodes (the merge keeps the best)."""
@@ -138,6 +138,39 @@ class Mixture:
         for p in self.proposers:
             p.observe(request_id, new_ids)
 
+    def finish(self, request_id: str, new_ids: Sequence[int], successors: tuple | None = None,
+               drafts: Sequence[Draft] = (), calibrator: AcceptanceCalibrator | None = None) -> None:
+        """After a step: ``observe_path(*successors)`` (the verify forward's top tokens along the
+        walk, for token recycling), ``observe(request_id, new_ids)`` and, with ``calibrator``,
+        ``calibrator.learn(drafts, new_ids)``, in that order. Where the request's lookups are
+        fused, one compiled call (``_core.Lookups.finish``) does all three, the learn too where
+        ``drafts`` are the request's last fused plan (``PlannedDrafts``: else the calibrator
+        learns apart, after)."""
+        entry = self._fused.get(request_id)
+        if entry is not None and type(new_ids) is list and (successors is None or entry.recycles):
+            serial = -1  # (no plan of the core's: the core learns nothing)
+            if (calibrator is not None and type(drafts) is PlannedDrafts and drafts.request is entry
+                    and entry.sync(calibrator)):
+                serial = drafts.serial
+            prev, visited, tops = successors if successors is not None else (-1, [], None)
+            try:
+                learnt = entry.lookups.finish(prev, visited, tops, new_ids, serial, HISTORY_DECAY)
+            except TypeError:
+                pass  # ids outside int32: the proposers' own calls name them
+            else:
+                for observe_fused in self._observe_fused:
+                    observe_fused(request_id, new_ids)
+                if learnt:
+                    calibrator.learnt()
+                elif calibrator is not None:
+                    calibrator.learn(drafts, new_ids)
+                return
+        if successors is not None:
+            self.observe_path(*successors)
+        self.observe(request_id, new_ids)
+        if calibrator is not None:
+            calibrator.learn(drafts, new_ids)
+
     def observe_successors(self, entries) -> None:
         """``(previous token, token, target's top tokens after them)`` per visited tree node."""
         for p in self.successor_sinks:
@@ -163,10 +196,11 @@ class FusedRequest:
     arrays, row table and weights (``set_calibration``), given again when the calibrator has
     added a row (which replaces its arrays) or is another one."""
 
-    __slots__ = ("lookups", "max_match", "calibrator", "version")
+    __slots__ = ("lookups", "max_match", "recycles", "calibrator", "version")
 
-    def __init__(self, lookups, max_match: int) -> None:
+    def __init__(self, lookups, max_match: int, recycles: bool = False) -> None:
         self.lookups, self.max_match = lookups, max_match
+        self.recycles = recycles  # the core holds the recycling table (every successor sink: all are fused)
         self.calibrator, self.version = None, -1
 
     def sync(self, calibrator: AcceptanceCalibrator) -> bool:

@@ -14,9 +14,11 @@
              (``sampling.accept``); the simulator walks the recorded response. Either returns
              the accepted nodes and the step's new tokens (accepted + one bonus or recovered
              token, cut at EOS, ``max_new_tokens`` or the context's end)
-    observe  every proposer sees the new tokens
+    observe  every proposer sees the new tokens (token recycling the verdict's top tokens along
+             the walk)
     learn    the calibrator checks each source's best chain against them (``DraftBudget`` has
-             already seen the node count chosen)
+             already seen the node count chosen); where the lookups are all compiled, observe
+             and learn are one compiled call (``Mixture.finish``)
 
 A request's first new token is no step's: it comes from the logits of the prompt's last token,
 computed by the prefill (``first``; ``Engine._first``), as ``transformers`` takes it.
@@ -48,6 +50,9 @@ class Verdict:
 
     accepted: list[int]  # accepted draft nodes, root excluded, in path order
     new_tokens: list[int]  # the step's committed tokens: the accepted nodes' + one bonus/recovered, maybe cut
+    # token recycling's input, handed over with the observe (``Mixture.finish``): (the token
+    # before the root, the walked path's tokens, the target's top tokens after each), or None
+    successors: tuple | None = None
 
 
 @dataclass
@@ -110,10 +115,11 @@ class StepCore:
     def stop(self, request_id: str) -> None:
         self.mixture.stop(request_id)
 
-    def first(self, request_id: str, new_tokens: Sequence[int]) -> None:
+    def first(self, request_id: str, new_tokens: Sequence[int], successors: tuple | None = None) -> None:
         """A request's first token, taken from its prefill's logits (no tree, no step): every
-        proposer observes it; nothing was verified, so nothing is learnt."""
-        self.mixture.observe(request_id, new_tokens)
+        proposer observes it (token recycling the prompt's last row, ``successors``); nothing was
+        verified, so nothing is learnt."""
+        self.mixture.finish(request_id, new_tokens, successors)
 
     def run(self, request_id: str, context: Sequence[int], verdict: Callable[[TokenTree], Verdict], *,
             max_depth: int, cost: CostModel | None = None, overhead_s: float = 0.0) -> StepResult:
@@ -149,9 +155,7 @@ class StepCore:
         """After the verdict on ``plan.tree``: every proposer observes the new tokens, the
         calibrator learns, the scale moves."""
         tree = plan.tree
-        self.mixture.observe(request_id, judged.new_tokens)
-        if self.calibrator is not None:
-            self.calibrator.learn(plan.drafts, judged.new_tokens)
+        self.mixture.finish(request_id, judged.new_tokens, judged.successors, plan.drafts, self.calibrator)
         promised = tree.expected_total() if tree.num_draft_nodes else 0.0
         if tree.num_draft_nodes:
             self._promised = SCALE_DECAY * self._promised + promised

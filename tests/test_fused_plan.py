@@ -22,7 +22,7 @@ from lookupdec.proposers.ngram import NgramProposer
 from lookupdec.proposers.recycle import RecycleProposer
 from lookupdec.proposers.suffix import SuffixProposer
 from lookupdec.simulate import recorded_verdict
-from lookupdec.step import StepCore
+from lookupdec.step import StepCore, Verdict
 from lookupdec.tree import TokenTree
 
 pytestmark = pytest.mark.skipif(not compiled_available(), reason="the compiled core is not built")
@@ -106,17 +106,18 @@ def drive(seed: int, records: int = 4, vocab: int = 60, length: int = 220, max_n
             assert tree_state(plans[0].tree) == tree_state(plans[1].tree), f"seed {seed} step {steps}: tree"
             assert fused.pending(rid) == apart.pending(rid), f"seed {seed} step {steps}: pending chains"
             verdicts = [recorded_verdict(plan.tree, rest) for plan in plans]
-            for twin, plan, verdict in zip((fused, apart), plans, verdicts):
-                twin.core.finish(rid, plan, verdict)
-            assert fused.pending(rid) == apart.pending(rid), f"seed {seed} step {steps}: settled estimates"
-            # the recycling table learns the "target's" top tokens at the visited nodes (as
-            # Engine._verdict hands them over), the same for both twins
+            # the recycling table learns the "target's" top tokens at the visited nodes, handed
+            # over with the observe as Engine._verdict hands them (Verdict.successors), the same
+            # for both twins
             visited = [0, *verdicts[0].accepted]
             tokens = [plans[0].tree.token_ids[u] for u in visited]
-            previous = [context[-2] if len(context) > 1 else -1, *tokens[:-1]]
             tops = [[rng.randrange(vocab) for _ in range(CONFIG.recycle.successors)] for _ in visited]
-            for twin in (fused, apart):
-                twin.mixture.observe_successors(list(zip(previous, tokens, tops)))
+            successors = (context[-2] if len(context) > 1 else -1, tokens, tops) if fused.mixture.successor_sinks else None
+            for twin, plan, verdict in zip((fused, apart), plans, verdicts):
+                twin.core.finish(rid, plan, Verdict(verdict.accepted, verdict.new_tokens, successors))
+            assert fused.pending(rid) == apart.pending(rid), f"seed {seed} step {steps}: settled estimates"
+            for a, b in zip(counts(fused.calibrator), counts(apart.calibrator)):
+                assert a.tobytes() == b.tobytes(), f"seed {seed} step {steps}: learnt counts"
             context += verdicts[0].new_tokens
             steps += 1
         for twin in (fused, apart):
@@ -141,23 +142,39 @@ def test_fused_plan_with_other_lookups_in_any_order(proposers):
 
 
 def test_the_step_takes_the_fused_plan(monkeypatch):
-    """With the default lookups the step never calls ``propose`` nor the proposers' own
-    ``observe`` (a mutant StepCore that ignores ``Mixture.plan``, or a Mixture.observe that falls
-    back, fails here); with ``fused`` off it does."""
+    """With the default lookups the step never calls ``propose``, the proposers' own
+    ``observe``, the recycling table's ``observe_path`` nor ``AcceptanceCalibrator.learn`` (a
+    mutant StepCore that ignores ``Mixture.plan``, or a ``Mixture.finish`` that falls back, fails
+    here); with ``fused`` off it does. Either way the recycling table gets the walk's tokens."""
     observed = []
     for cls in (NgramProposer, SuffixProposer):
         monkeypatch.setattr(cls, "observe", lambda self, rid, ids, f=cls.observe: observed.append(1) or f(self, rid, ids))
+    monkeypatch.setattr(RecycleProposer, "observe_path",
+                        lambda self, *a, f=RecycleProposer.observe_path: observed.append(2) or f(self, *a))
+    monkeypatch.setattr(AcceptanceCalibrator, "learn",
+                        lambda self, *a, f=AcceptanceCalibrator.learn: observed.append(3) or f(self, *a))
     for fused in (True, False):
         twin = Twin(fused)
         calls = []
         observed.clear()
         propose = twin.mixture.propose
         twin.mixture.propose = lambda *a, **k: calls.append(1) or propose(*a, **k)
-        twin.core.start("r", [1, 2, 3, 1, 2])
-        plan = twin.core.plan("r", [1, 2, 3, 1, 2], max_depth=8)
-        twin.core.finish("r", plan, recorded_verdict(plan.tree, [3, 1]))
+        context = [1, 2, 3, 1, 2]
+        twin.core.start("r", context)
+        for step in range(6):  # (steps whose drafts add calibrator rows learn apart: the first five)
+            plan = twin.core.plan("r", context, max_depth=8)
+            verdict = recorded_verdict(plan.tree, [3, 1, 2, 3, 1, 2])
+            visited = plan.tree.tokens_of([0, *verdict.accepted])
+            twin.core.finish("r", plan, Verdict(verdict.accepted, verdict.new_tokens,
+                                                (context[-2], visited, [[9, 4, 1]] * len(visited))))
+            context = context + verdict.new_tokens
+            assert (1 not in observed and 2 not in observed) == fused, observed
+            if step < 5:
+                observed.clear()
         assert (len(calls) == 0) == fused
-        assert (len(observed) == 0) == fused
+        assert (len(observed) == 0) == fused, observed
+        recycle = next(p for p in twin.mixture.lookups if isinstance(p, RecycleProposer))
+        assert recycle._table.num_pairs() >= 2
 
 
 def test_plan_applies_only_where_every_part_is_compiled():

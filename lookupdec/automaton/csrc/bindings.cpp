@@ -864,6 +864,42 @@ nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t con
   return nb::make_tuple(std::move(tree), drafts, ++L.serial);
 }
 
+// Mixture.observe's compiled part: the n-gram index and the request's automaton extend (ids
+// checked first: a rejected call keeps nothing), then each pending chain is settled against the
+// new tokens (settle_pending: CertainStepEstimate.update).
+void lookups_observe(Lookups& L, const std::vector<int32_t>& t) {
+  for (int32_t token : t)
+    if (token < 0) throw nb::value_error("token ids must be in [0, 2**31 - 1]");
+  if (L.ngram != nullptr) L.ngram->extend(t.data(), t.size());
+  if (L.suffix != nullptr) L.suffix->extend(t.data(), t.size());
+  for (int row = 0; row < 2; ++row) {
+    if (!L.pending[row]) continue;
+    double* c = L.certain->data() + 2 * row;
+    double trials = c[0], hits = c[1];
+    const std::vector<int32_t>& chain = L.pending_chain[row];
+    size_t n = std::min({chain.size(), L.pending_certain[row].size(), t.size()});
+    for (size_t i = 0; i < n; ++i) {
+      if (L.pending_certain[row][i]) {
+        trials = trials * L.certain_decay + 1;
+        hits = hits * L.certain_decay + (chain[i] == t[i] ? 1.0 : 0.0);
+      }
+      if (chain[i] != t[i]) break;
+    }
+    c[0] = trials;
+    c[1] = hits;
+    L.pending[row] = false;
+  }
+}
+
+// RecycleTable.observe_path: observe() of a walked path, each token's previous the token before
+// it (prev first).
+void recycle_observe_path(lookupdec::RecycleTable& table, int32_t prev, const std::vector<int32_t>& tokens,
+                          const std::vector<std::vector<int32_t>>& successors) {
+  std::vector<int32_t> previous(tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) previous[i] = i == 0 ? prev : tokens[i - 1];
+  table.observe(previous, tokens, successors);
+}
+
 // AcceptanceCalibrator.learn of the plan numbered `serial`, as learn_drafts does it: every count
 // decayed once, then each draft counted into its row (row_table as Lookups.plan reads it).
 // False, with nothing changed, where that plan is not the last one or a draft has no row yet
@@ -947,32 +983,27 @@ NB_MODULE(_core, m) {
            nb::arg("empty_confidence"), nb::arg("match_prior"), nb::arg("recycle").none(),
            nb::arg("recycle_max_nodes"), nb::arg("recycle_max_depth"), nb::arg("order"), nb::arg("names"),
            nb::arg("certain").none(), nb::arg("certain_decay"))
-      .def("observe", [](Lookups& L, const std::vector<int32_t>& t) {
-        // Mixture.observe's compiled part: the n-gram index and the request's automaton extend
-        // (ids checked first: a rejected call keeps nothing)
-        for (int32_t token : t)
-          if (token < 0) throw nb::value_error("token ids must be in [0, 2**31 - 1]");
-        if (L.ngram != nullptr) L.ngram->extend(t.data(), t.size());
-        if (L.suffix != nullptr) L.suffix->extend(t.data(), t.size());
-        // settle_pending: each pending chain against the new tokens (CertainStepEstimate.update)
-        for (int row = 0; row < 2; ++row) {
-          if (!L.pending[row]) continue;
-          double* c = L.certain->data() + 2 * row;
-          double trials = c[0], hits = c[1];
-          const std::vector<int32_t>& chain = L.pending_chain[row];
-          size_t n = std::min({chain.size(), L.pending_certain[row].size(), t.size()});
-          for (size_t i = 0; i < n; ++i) {
-            if (L.pending_certain[row][i]) {
-              trials = trials * L.certain_decay + 1;
-              hits = hits * L.certain_decay + (chain[i] == t[i] ? 1.0 : 0.0);
-            }
-            if (chain[i] != t[i]) break;
-          }
-          c[0] = trials;
-          c[1] = hits;
-          L.pending[row] = false;
-        }
-      })
+      .def("observe", &lookups_observe)
+      .def("finish",
+           [](Lookups& L, int32_t prev, const std::vector<int32_t>& visited,
+              std::optional<std::vector<std::vector<int32_t>>> successors, const std::vector<int32_t>& new_tokens,
+              int64_t serial, double decay) {
+             // Mixture.finish's compiled part, in its order: the recycling table's hand-off of the
+             // walked path (RecycleTable.observe_path, with successors), observe, and the learn of
+             // plan `serial` (lookups_learn; False: not learnt, the caller learns apart)
+             for (int32_t token : new_tokens)
+               if (token < 0) throw nb::value_error("token ids must be in [0, 2**31 - 1]");
+             if (successors.has_value()) {
+               if (L.recycle == nullptr) throw std::invalid_argument("Lookups.finish: successors without a recycling table");
+               recycle_observe_path(*L.recycle, prev, visited, *successors);
+             }
+             lookups_observe(L, new_tokens);
+             if (serial != L.serial) return false;
+             std::vector<int64_t> committed(new_tokens.begin(), new_tokens.end());
+             return lookups_learn(L, serial, decay, committed);
+           },
+           nb::arg("prev"), nb::arg("visited"), nb::arg("successors").none(), nb::arg("new_tokens"),
+           nb::arg("serial"), nb::arg("decay"))
       .def("pending", [](const Lookups& L) {
         // (source code, chain, certain flags) of each pending chain (tests: settle_pending's dict)
         nb::list out;
@@ -1026,13 +1057,7 @@ NB_MODULE(_core, m) {
   nb::class_<lookupdec::RecycleTable>(m, "RecycleTable")
       .def(nb::init<int32_t, int64_t, std::vector<double>>())
       .def("observe", &lookupdec::RecycleTable::observe)
-      .def("observe_path", [](lookupdec::RecycleTable& table, int32_t prev, const std::vector<int32_t>& tokens,
-                              const std::vector<std::vector<int32_t>>& successors) {
-        // observe() of a walked path: each token's previous is the token before it (prev first)
-        std::vector<int32_t> previous(tokens.size());
-        for (size_t i = 0; i < tokens.size(); ++i) previous[i] = i == 0 ? prev : tokens[i - 1];
-        table.observe(previous, tokens, successors);
-      })
+      .def("observe_path", &recycle_observe_path)
       .def("propose", &recycle_propose)
       .def("num_pairs", &lookupdec::RecycleTable::num_pairs)
       .def("num_tokens", &lookupdec::RecycleTable::num_tokens);
