@@ -34,7 +34,8 @@ class Mixture:
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.draft_steps = 0  # steps on which the draft model ran (the engine resets it per request)
         # sources that learn from the target's own top tokens (token recycling): the engine
-        # hands them ``observe_successors`` after each verify forward
+        # hands them the verify forward's top tokens along the walk with each step's observe
+        # (``finish`` -> ``observe_path``)
         self.successor_sinks = [p for p in self.lookups if getattr(p, "wants_successors", False)]
         # ``plan``: the lookups' drafts and their merge in one compiled call, where every lookup
         # is one of the compiled kinds (each at most once) and no draft model joins them

@@ -35,7 +35,7 @@ TOKEN_MATCH = 1  # ... from the last token alone
 
 class RecycleProposer:
     name = "recycle"
-    wants_successors = True  # the engine hands it the target's top tokens (``observe_successors``)
+    wants_successors = True  # the step hands it the target's top tokens (``Mixture.finish`` -> ``observe_path``)
     fused_kind = "r"  # Mixture.plan's code for it (compiled_lookup)
 
     def __init__(self, config: RecycleConfig | None = None, *, backend: str = "auto") -> None:
