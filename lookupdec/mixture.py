@@ -61,8 +61,8 @@ class Mixture:
 
     def _start_fused(self, request_id: str) -> None:
         """The request's ``_core.Lookups`` (its lookups' compiled state and parameters), or none
-        where one of them is not compiled (``plan`` then returns None, and ``observe`` asks each
-        proposer). With one, ``observe`` extends the n-gram index and the request's automaton
+        where one of them is not compiled (``plan`` then returns None, and ``finish`` asks each
+        proposer). With one, ``finish`` extends the n-gram index and the request's automaton
         in one call, settling the suffix automata's pending chains into the suffix proposer's
         certain-step estimates, then hands the proposers that define ``observe_fused`` the rest of
         their ``observe``."""
@@ -126,18 +126,8 @@ class Mixture:
         return best < self.config.threshold
 
     def observe(self, request_id: str, new_ids: Sequence[int]) -> None:
-        entry = self._fused.get(request_id)
-        if entry is not None and type(new_ids) is list:
-            try:  # the n-gram index and the request's automaton in one compiled call
-                entry.lookups.observe(new_ids)
-            except TypeError:
-                pass  # ids outside int32: the proposers' own calls name them
-            else:
-                for observe_fused in self._observe_fused:
-                    observe_fused(request_id, new_ids)
-                return
-        for p in self.proposers:
-            p.observe(request_id, new_ids)
+        """Every proposer sees ``new_ids`` (``finish`` without a verdict's extras)."""
+        self.finish(request_id, new_ids)
 
     def finish(self, request_id: str, new_ids: Sequence[int], successors: tuple | None = None,
                drafts: Sequence[Draft] = (), calibrator: AcceptanceCalibrator | None = None) -> None:
@@ -168,7 +158,8 @@ class Mixture:
                 return
         if successors is not None:
             self.observe_path(*successors)
-        self.observe(request_id, new_ids)
+        for p in self.proposers:
+            p.observe(request_id, new_ids)
         if calibrator is not None:
             calibrator.learn(drafts, new_ids)
 

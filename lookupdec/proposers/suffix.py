@@ -115,7 +115,7 @@ class SuffixProposer:
         settle_pending(request.pending, self.certain_step, new_ids)
 
     def observe_fused(self, request_id: str, new_ids: Sequence[int]) -> None:
-        """``observe`` less what ``Mixture.observe``'s compiled call did (the automaton's extend,
+        """``observe`` less what ``Mixture.finish``'s compiled call did (the automaton's extend,
         the fused plans' pending chains settled)."""
         request: _Request = self._requests.get(request_id)
         request.output.extend(new_ids)

@@ -773,7 +773,7 @@ int32_t match_bucket_index(int32_t match_length) {
 // caller names the request). drafts, in merge order, as int32 bytes of source codes (0-3) and
 // match lengths, int64 bytes of offsets, and every draft's token_ids, parents and scores
 // concatenated (bytes); serial: this plan's number (Lookups.learn counts its drafts). Each suffix
-// automaton's first draft leaves its best chain pending (Lookups.observe settles it). The
+// automaton's first draft leaves its best chain pending (Lookups.finish settles it). The
 // calibrator's counts, row table ([4 * 8]: a row per source code and match bucket, -1 none) and
 // source indexes are those set_calibration gave.
 nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t context_len, int32_t prev,
@@ -864,7 +864,7 @@ nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t con
   return nb::make_tuple(std::move(tree), drafts, ++L.serial);
 }
 
-// Mixture.observe's compiled part: the n-gram index and the request's automaton extend (ids
+// Lookups.finish's observe: the n-gram index and the request's automaton extend (ids
 // checked first: a rejected call keeps nothing), then each pending chain is settled against the
 // new tokens (settle_pending: CertainStepEstimate.update).
 void lookups_observe(Lookups& L, const std::vector<int32_t>& t) {
@@ -983,7 +983,6 @@ NB_MODULE(_core, m) {
            nb::arg("empty_confidence"), nb::arg("match_prior"), nb::arg("recycle").none(),
            nb::arg("recycle_max_nodes"), nb::arg("recycle_max_depth"), nb::arg("order"), nb::arg("names"),
            nb::arg("certain").none(), nb::arg("certain_decay"))
-      .def("observe", &lookups_observe)
       .def("finish",
            [](Lookups& L, int32_t prev, const std::vector<int32_t>& visited,
               std::optional<std::vector<std::vector<int32_t>>> successors, const std::vector<int32_t>& new_tokens,
