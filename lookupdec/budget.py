@@ -602,15 +602,17 @@ class SizeRecord:
         self.table[size - 1] = (keep * promised_was + promised, keep * accepted_was + accepted, keep * steps_was + 1.0,
                                 self.steps)
 
-    def scales(self, longest: int, scale: float) -> list[float]:
+    def scales(self, longest: int, scale: float, factor: float = 1.0) -> list[float]:
         """``out[k]``, k = 0 .. ``longest``: the correction of the gains of size ``k + 1`` (``k``
-        draft nodes). (The compiled chooser makes the same from ``table``: ``choose_tree_nodes``.)"""
-        out = [scale] * (longest + 1)
+        draft nodes), times ``factor`` (the request's own correction, ``StepCore.request_factor``:
+        the record then holds what was promised times it). (The compiled chooser makes the same
+        from ``table``: ``choose_tree_nodes``.)"""
+        out = [factor * scale] * (longest + 1)
         for row, (promised, accepted, steps, last) in enumerate(self.table[: longest + 1].tolist()):
             if promised > 0:
                 prior = SIZE_PRIOR_STEPS * promised / steps  # that many mean steps' gains at the overall correction
                 age = SIZE_DECAY ** (self.steps - last)  # the record's weight now
-                out[row] = (age * accepted + prior * scale) / (age * promised + prior)
+                out[row] = factor * ((age * accepted + prior * scale) / (age * promised + prior))
         return out
 
 
@@ -679,18 +681,22 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
 
 
 def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int,
-                      scale: float | Sequence[float] = 1.0, record: SizeRecord | None = None) -> int:
+                      scale: float | Sequence[float] = 1.0, record: SizeRecord | None = None,
+                      factor: float = 1.0) -> int:
     """``choose_num_nodes(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale)``:
     where the compiled core holds the tree (``TokenTree._from_core``) in one call that reads the
     gains where they are and makes the optimistic cost curve only as far as it is read (at one
     CPU thread the list of gains, the whole curve and their conversions cost more than the
     choice: 20 µs a step, cold after the forward). With ``record`` (a ``SizeRecord``; ``scale``
     then a number, the overall correction) each size's gains are corrected by
-    ``record.scales(..., scale)``, which the core makes from ``record.table`` as it reads them."""
+    ``record.scales(..., scale, factor)``, which the core makes from ``record.table`` as it reads
+    them; without ``record``, ``factor`` multiplies ``scale`` (a number then)."""
+    if record is None and factor != 1.0:
+        scale = factor * scale
     core = tree.__dict__.get("_core")
     if core is None or not hasattr(core, "choose_num_nodes"):
         if record is not None:
-            scale = record.scales(max(min(len(tree) - 1, max_nodes), 0), scale)
+            scale = record.scales(max(min(len(tree) - 1, max_nodes), 0), scale, factor)
         return choose_num_nodes(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale)
     count = min(len(core) - 1, max_nodes)
     if count <= 0:
@@ -698,16 +704,19 @@ def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int,
     if record is not None:
         return core.choose_num_nodes_record(cost.sizes, cost.seconds, cost.counts, COST_OPTIMISM, overhead_s,
                                             max_nodes, record.table, record.steps, scale, SIZE_PRIOR_STEPS,
-                                            SIZE_DECAY)
+                                            SIZE_DECAY, factor)
     scales = [scale] * (count + 1) if isinstance(scale, (int, float)) else scale
     return core.choose_num_nodes(cost.sizes, cost.seconds, cost.counts, COST_OPTIMISM, overhead_s, max_nodes, scales)
 
 
 def choose_tree_nodes_reference(tree, cost: CostModel, overhead_s: float, max_nodes: int,
-                                scale: float | Sequence[float] = 1.0, record: SizeRecord | None = None) -> int:
+                                scale: float | Sequence[float] = 1.0, record: SizeRecord | None = None,
+                                factor: float = 1.0) -> int:
     """``choose_tree_nodes`` by its definition: the tree's gains in prune order, the numpy chooser."""
     if record is not None:
-        scale = record.scales(max(min(len(tree) - 1, max_nodes), 0), scale)
+        scale = record.scales(max(min(len(tree) - 1, max_nodes), 0), scale, factor)
+    elif factor != 1.0:
+        scale = factor * scale
     return choose_num_nodes_reference(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale)
 
 

@@ -596,13 +596,13 @@ int64_t choose_tree_nodes(const CoreTree& t, const std::vector<double>& sizes, c
                                       scales.data(), static_cast<int64_t>(scales.size()));
 }
 
-// budget.SizeRecord.scales(longest, scale) from its table [rows, 4] (promised, accepted, steps,
-// last step; row = size - 1) and step count: the same operations in the same order.
+// budget.SizeRecord.scales(longest, scale, factor) from its table [rows, 4] (promised, accepted,
+// steps, last step; row = size - 1) and step count: the same operations in the same order.
 using RecordIn = nb::ndarray<const double, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 std::vector<double> size_scales(RecordIn record, double steps, double scale, double prior_steps, double decay,
-                                int64_t longest) {
+                                int64_t longest, double factor) {
   if (record.shape(1) != 4) throw std::invalid_argument("size_scales: a record row is (promised, accepted, steps, last)");
-  std::vector<double> out(static_cast<size_t>(std::max<int64_t>(longest, 0)) + 1, scale);
+  std::vector<double> out(static_cast<size_t>(std::max<int64_t>(longest, 0)) + 1, factor * scale);
   int64_t rows = std::min<int64_t>(static_cast<int64_t>(record.shape(0)), longest + 1);
   const double* r = record.data();
   for (int64_t k = 0; k < rows; ++k) {
@@ -610,7 +610,7 @@ std::vector<double> size_scales(RecordIn record, double steps, double scale, dou
     if (promised > 0) {
       double prior = prior_steps * promised / count;
       double age = std::pow(decay, steps - last);
-      out[k] = (age * accepted + prior * scale) / (age * promised + prior);
+      out[k] = factor * ((age * accepted + prior * scale) / (age * promised + prior));
     }
   }
   return out;
@@ -620,10 +620,10 @@ std::vector<double> size_scales(RecordIn record, double steps, double scale, dou
 int64_t choose_tree_nodes_record(const CoreTree& t, const std::vector<double>& sizes,
                                  const std::vector<double>& seconds, const std::vector<double>& counts,
                                  double optimism, double overhead, int64_t max_nodes, RecordIn record, double steps,
-                                 double scale, double prior_steps, double decay) {
+                                 double scale, double prior_steps, double decay, double factor) {
   check_estimates(sizes, seconds, counts, "choose_num_nodes");
   int64_t count = std::min<int64_t>(static_cast<int64_t>(t.tree.order.size()), std::max<int64_t>(max_nodes, 0));
-  std::vector<double> scales = size_scales(record, steps, scale, prior_steps, decay, count);
+  std::vector<double> scales = size_scales(record, steps, scale, prior_steps, decay, count, factor);
   return lookupdec::choose_tree_nodes(t.tree, sizes.data(), seconds.data(), counts.data(),
                                       static_cast<int64_t>(sizes.size()), optimism, overhead, max_nodes,
                                       scales.data(), static_cast<int64_t>(scales.size()));
