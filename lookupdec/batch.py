@@ -332,7 +332,7 @@ class BatchDecoder:
             return trees
         # each row's gains corrected by its request's own record (``StepCore.request_factor``): the
         # joint budget then spends its width where the drafts have been accepted
-        gains = [[seq.plan.scale / seq.plan.shared * g for g in tree.expected_in_prune_order()]
+        gains = [[seq.plan.factor * g for g in tree.expected_in_prune_order()]
                  for seq, tree in zip(seqs, trees)]
         longest = min(max((len(g) for g in gains), default=0), engine.config.max_nodes)
         width = choose_width(gains, self._cost(len(trees)), self.overhead_s, engine.config.max_nodes,

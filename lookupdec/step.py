@@ -71,7 +71,7 @@ class Plan:
     propose_s: float
     tree_s: float
     shared: float = 1.0  # ``StepCore.scale`` then
-    factor: float = 1.0  # ``StepCore.request_factor`` then
+    factor: float = 1.0  # ``scale / shared``: the request's own correction as applied (``request_factor``, clipped)
 
 
 @dataclass
@@ -147,8 +147,8 @@ class StepCore:
         keeps up to ``max_nodes`` nodes (default: the step's cap), for a caller that chooses
         itself (the batched step's joint budget, ``batch.py``)."""
         t0 = time.perf_counter()
-        shared, factor = self.scale, self.request_factor(request_id)
-        scale = min(SCALE_MAX, max(REQUEST_MIN, shared * factor))
+        shared = self.scale
+        scale = min(SCALE_MAX, max(REQUEST_MIN, shared * self.request_factor(request_id)))
         if max_nodes is None:
             max_nodes = self.draft_budget.nodes(self.max_nodes) if cost is not None else self.max_nodes
         fused = (self.mixture.plan(request_id, context, max_nodes, max_depth, self.calibrator)
@@ -162,8 +162,8 @@ class StepCore:
             # (the calibrator itself: the compiled merge computes only the cells it reads)
             merged = TokenTree.from_drafts(context[-1], drafts, max_nodes=max_nodes, max_depth=max_depth,
                                            calibration=self.calibrator)
-        tree = self.select(merged, max_nodes=max_nodes, cost=cost, overhead_s=overhead_s, scale=shared,
-                           factor=scale / shared)
+        factor = scale / shared
+        tree = self.select(merged, max_nodes=max_nodes, cost=cost, overhead_s=overhead_s, scale=shared, factor=factor)
         return Plan(tree, drafts, scale, propose_s=t1 - t0, tree_s=time.perf_counter() - t1, shared=shared,
                     factor=factor)
 
@@ -179,7 +179,7 @@ class StepCore:
             self._promised = SCALE_DECAY * self._promised + promised
             self._accepted = SCALE_DECAY * self._accepted + accepted
             # (a size's record: what the request's correction left to correct)
-            self.sizes.observe(len(tree), promised=promised * (plan.scale / plan.shared), accepted=accepted)
+            self.sizes.observe(len(tree), promised=promised * plan.factor, accepted=accepted)
             if record is not None:
                 record[0] = REQUEST_DECAY * record[0] + promised * plan.shared
                 record[1] = REQUEST_DECAY * record[1] + accepted
