@@ -680,6 +680,11 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
     return choose_num_nodes_reference(sorted_scores, cost, overhead_s, max_nodes, scale)
 
 
+def _times(factor: float, scale: float | Sequence[float]) -> float | list[float]:
+    """``scale`` (one correction, or one per node count) times a request's ``factor``."""
+    return factor * scale if isinstance(scale, (int, float)) else [factor * s for s in scale]
+
+
 def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int,
                       scale: float | Sequence[float] = 1.0, record: SizeRecord | None = None,
                       factor: float = 1.0) -> int:
@@ -690,9 +695,9 @@ def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int,
     choice: 20 µs a step, cold after the forward). With ``record`` (a ``SizeRecord``; ``scale``
     then a number, the overall correction) each size's gains are corrected by
     ``record.scales(..., scale, factor)``, which the core makes from ``record.table`` as it reads
-    them; without ``record``, ``factor`` multiplies ``scale`` (a number then)."""
+    them; without ``record``, ``factor`` multiplies ``scale``."""
     if record is None and factor != 1.0:
-        scale = factor * scale
+        scale = _times(factor, scale)
     core = tree.__dict__.get("_core")
     if core is None or not hasattr(core, "choose_num_nodes"):
         if record is not None:
@@ -716,7 +721,7 @@ def choose_tree_nodes_reference(tree, cost: CostModel, overhead_s: float, max_no
     if record is not None:
         scale = record.scales(max(min(len(tree) - 1, max_nodes), 0), scale, factor)
     elif factor != 1.0:
-        scale = factor * scale
+        scale = _times(factor, scale)
     return choose_num_nodes_reference(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale)
 
 

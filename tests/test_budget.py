@@ -100,6 +100,10 @@ def test_choose_tree_nodes_equals_the_reference_on_the_trees_gains(seed):
     want = choose_num_nodes_reference(gains, cost, overhead, max_nodes, factor * overall)
     assert choose_tree_nodes(tree, cost, overhead, max_nodes, overall, factor=factor) == want
     assert choose_tree_nodes_reference(tree, cost, overhead, max_nodes, overall, factor=factor) == want
+    per_count = [rng.uniform(0.2, 1.5) for _ in range(min(len(gains), max_nodes) + 1)]  # one per node count
+    want = choose_num_nodes_reference(gains, cost, overhead, max_nodes, [factor * s for s in per_count])
+    assert choose_tree_nodes(tree, cost, overhead, max_nodes, per_count, factor=factor) == want
+    assert choose_tree_nodes_reference(tree, cost, overhead, max_nodes, per_count, factor=factor) == want
 
 
 def random_size_record(rng: random.Random) -> SizeRecord:
