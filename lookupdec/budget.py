@@ -66,11 +66,20 @@ COST_OPTIMISM = 0.05
 # EXPLORE_EVERY choices one step verifies the size, among one token fewer and up to EXPLORE_SPAN
 # more, that was observed least lately (if under EXPLORE_MIN_COUNT): a step in 32 at a
 # neighbouring size, never more.
+# A step in 32 at a neighbouring size could not leave a high plateau of stale estimates: at two
+# threads a cached SmolLM2 curve (512-token bucket) held 13-17 tokens at 200-300 ms, counts 0.3-0.5,
+# where such forwards took 57-78 ms, and 9-12 tokens at 111-121 ms, 74-97 in a timing beside it
+# (scratch); the default kept 7 nodes on log rewriting (0.80 of a fixed 16-node budget, 10 prompts)
+# where the same run on a fresh curve kept 14-18. So exploration also tries twice the nodes chosen
+# plus one (``explore``), and a curve read from the cache or taken for another bucket keeps only
+# the sizes observed at least CACHED_MIN_COUNT times lately (``CostModel.trusted``): the rest are
+# interpolated from those, and measured again when chosen or explored.
 COUNT_DECAY = 0.995
 EXPLORE_EVERY = 32
 EXPLORE_SPAN = 4
 EXPLORE_MIN_COUNT = 3.0
 CACHED_COUNT_CAP = 4.0  # a curve read from the cost cache counts as this many forwards at most per size
+CACHED_MIN_COUNT = 0.5  # ... and keeps only sizes observed this many times lately (a size seen once: for 138 forwards)
 HISTORY_DECAY = 0.95  # per-step decay of old observations (half-life about 14 steps)
 MAX_FACTOR = 1.5  # a source's scores are never trusted more than this
 DRAFT_BUDGET_HEADROOM = 2.0  # proposers are asked for this many times the nodes lately kept
@@ -110,6 +119,23 @@ class CostModel:
         curve taken for another context bucket, checked again there)."""
         counts = self.counts if max_count is None else [min(c, max_count) for c in self.counts]
         return CostModel(self.sizes, self.seconds, counts)
+
+    def trusted(self, max_count: float = CACHED_COUNT_CAP, min_count: float = CACHED_MIN_COUNT) -> "CostModel | None":
+        """What another process or context bucket hands on: the sizes observed at least
+        ``min_count`` times lately (decayed counts), each counting as ``max_count`` forwards at
+        most; None where fewer than two sizes are left (measure instead). An estimate last seen
+        long ago may have been made on a busy machine, and a size the chooser avoids for it is
+        never observed again to correct it; dropped, it is interpolated from the sizes seen
+        lately until a forward of it is timed.
+
+        >>> CostModel([1, 4, 16, 17], [0.05, 0.06, 0.25, 0.26], counts=[90, 20, 0.3, 0.4]).trusted().sizes
+        [1, 4]
+        """
+        keep = [j for j, c in enumerate(self.counts) if c >= min_count]
+        if len(keep) < 2:
+            return None
+        return CostModel([self.sizes[j] for j in keep], [self.seconds[j] for j in keep],
+                         [min(self.counts[j], max_count) for j in keep])
 
     @classmethod
     def measure(cls, forward: Callable[[int], None], max_tokens: int, sizes: Sequence[int] | None = None,
@@ -162,19 +188,27 @@ class CostModel:
     def explore(self, nodes: int, available: int) -> int:
         """The draft nodes to verify given the chooser's ``nodes`` (of ``available``): ``nodes``,
         or once every ``EXPLORE_EVERY`` calls the size observed least lately (``count``) among
-        one node fewer and up to ``EXPLORE_SPAN`` more, if under ``EXPLORE_MIN_COUNT`` (ties: the
-        nearest larger), so that no size's estimate outlives what it measured and a larger tree
-        that costs less is found. The root alone (``nodes`` = 0: no draft worth its cost) is never
-        explored. History only (the curve's own timings): sampling stays exact.
+        one node fewer, up to ``EXPLORE_SPAN`` more and twice ``nodes`` plus one (at most
+        ``available``), if under ``EXPLORE_MIN_COUNT`` (ties: the nearest larger), so that no
+        size's estimate outlives what it measured and a larger tree that costs less is found,
+        past a plateau of stale estimates too. The root alone (``nodes`` = 0: no draft worth its
+        cost) is never explored. History only (the curve's own timings): sampling stays exact.
 
         >>> cost = CostModel([1, 4, 8], [1.0, 1.1, 1.5])
         >>> [cost.explore(3, 7) for _ in range(EXPLORE_EVERY)][-2:]   # 5 tokens never observed
         [3, 4]
+        >>> cost = CostModel([1, 7, 8, 9, 10, 11, 12, 16], [1.0, 1.2, 1.2, 2.3, 2.3, 2.2, 2.2, 4.0],
+        ...                  counts=[9, 9, 9, 9, 9, 9, 9, 0.1])
+        >>> [cost.explore(7, 40) for _ in range(EXPLORE_EVERY)][-1]   # 16 tokens, observed least lately
+        15
         """
         self._since_explore += 1
         if self._since_explore < EXPLORE_EVERY or nodes <= 0:
             return nodes
         candidates = [*range(nodes + 1, min(nodes + EXPLORE_SPAN, available) + 1), nodes - 1]
+        far = min(2 * nodes + 1, available)
+        if far > nodes + EXPLORE_SPAN:
+            candidates.append(far)
         other = min(candidates, key=lambda m: self.count(m + 1))  # the first of equal counts: nearest larger
         if self.count(other + 1) >= EXPLORE_MIN_COUNT:
             return nodes
@@ -364,7 +398,10 @@ def load_cached_cost(key: str) -> CostModel | None:
         if not entry:
             return None
         # another process's curve: re-checked here
-        return CostModel(entry["sizes"], entry["seconds"], entry.get("counts")).copy(max_count=CACHED_COUNT_CAP)
+        cost = CostModel(entry["sizes"], entry["seconds"], entry.get("counts")).trusted()
+        if cost is None:
+            log.debug("cost cache entry %s: fewer than two sizes observed lately: measuring", key)
+        return cost
     except (ValueError, KeyError, TypeError) as exc:
         log.debug("cost cache entry %s unusable (%r): measuring", key, exc)
         return None

@@ -488,7 +488,7 @@ class Engine:
         already knows; else from one forward of each of ``SEED_SIZES`` (about half a second on
         SmolLM2 at one CPU thread): on the cache as it is when ``in_place`` (a request's
         prefilled context), on a dummy prefix of the bucket's length otherwise."""
-        from lookupdec.budget import CACHED_COUNT_CAP, SEED_SIZES, cost_key, load_cached_cost
+        from lookupdec.budget import SEED_SIZES, cost_key, load_cached_cost
 
         bucket = self._cost_bucket(context_tokens)
         if bucket not in self._costs:
@@ -496,11 +496,10 @@ class Engine:
             key = cost_key(self.target.config.to_dict(), self.target.device, self.target.dtype, bucket,
                            self.target.kernels)
             cost = load_cached_cost(key)
+            near = min(self._costs, key=lambda b: abs(b.bit_length() - bucket.bit_length())) if self._costs else None
             if cost is not None:
                 self.cost_origin[bucket] = "cached"
-            elif self._costs:
-                near = min(self._costs, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
-                cost = self._costs[near].copy(max_count=CACHED_COUNT_CAP)
+            elif near is not None and (cost := self._costs[near].trusted()) is not None:
                 self.cost_origin[bucket] = f"bucket {near}"
             else:
                 self.cost_origin[bucket] = "measured"

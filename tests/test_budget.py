@@ -467,6 +467,45 @@ def test_a_stale_estimate_is_explored_and_corrected():
     assert 4 in explored and cost(5) == pytest.approx(49.8, rel=0.05)  # 5 tokens re-measured too
 
 
+
+def test_a_stale_plateau_in_a_cached_curve_is_left_behind(tmp_path, monkeypatch):
+    """SmolLM2 at two threads: the cached curve of the 512-token bucket held 13-17 tokens at
+    200-300 ms (decayed counts 0.3-0.5) and 9-12 at 111-121 ms, where such forwards cost about 48
+    + 2.5 n ms; the chooser kept 7 nodes on log rewriting, where trees of 15-17 nodes paid, and
+    exploring one size at a time from there took hundreds of steps. Read from the cache, the
+    stale sizes are dropped (``CostModel.trusted``) and exploration tries twice the nodes chosen
+    plus one: the chooser takes the best size within two explorations and keeps it."""
+    from lookupdec.budget import load_cached_cost, store_cached_cost
+
+    monkeypatch.setenv("LOOKUPDEC_COST_CACHE", str(tmp_path / "c.json"))
+    sizes = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 25, 29, 43, 64, 65]
+    ms = [52.3, 170.8, 178.1, 123.5, 217.9, 174.1, 81.3, 67.6, 121.0, 120.1, 111.5, 113.5, 254.4, 201.5, 296.6,
+          276.7, 252.8, 263.1, 453.4, 229.6, 406.4, 343.6]
+    counts = [6.6, 0.4, 0.3, 0.6, 0.3, 0.4, 2.8, 129.9, 1.1, 1.4, 1.8, 1.6, 0.3, 0.5, 0.3, 0.4, 0.3, 0.1, 0.1, 0.0,
+              0.1, 0.0]
+    store_cached_cost("k", CostModel(sizes, [t / 1e3 for t in ms], counts))
+    cost = load_cached_cost("k")
+    assert cost.sizes == [1, 4, 7, 8, 9, 10, 11, 12, 14]  # observed at least CACHED_MIN_COUNT times lately
+
+    def truth(n):
+        return (48 + 2.5 * n) / 1e3
+
+    gains = [0.9] * 16 + [0.02] * 48  # 16 nodes the target is likely to accept (log lines copied), then noise
+    best = choose_num_nodes(gains, CostModel(range(1, 66), [truth(n) for n in range(1, 66)], [50] * 65), 0.0, 64)
+    assert best == 16
+    assert choose_num_nodes(gains, cost, 0.0, 64) < 8  # the cached curve's choice
+    picks = []
+    for _ in range(12 * EXPLORE_EVERY):
+        chosen = choose_num_nodes(gains, cost, 0.0, 64)
+        picks.append(chosen)
+        n = cost.explore(chosen, len(gains))
+        cost.observe(n + 1, truth(n + 1))
+    # right after the first exploration (reading every size kept: 7 nodes until step 96, 11 until 320)
+    assert best in picks[: EXPLORE_EVERY + 2]
+    late = picks[EXPLORE_EVERY + 2:]  # (a step may try more where a stale size still bends the curve's tail)
+    assert sum(abs(p - best) <= 1 for p in late) >= 0.95 * len(late)
+    assert CostModel([1, 4], [1.0, 2.0], [0.4, 9]).trusted() is None  # fewer than two sizes left: measure
+
 def test_exploration_takes_the_size_seen_least_and_stays_within_the_tree():
     """From a tree of 2 tokens (weak drafts), exploration reaches up to EXPLORE_SPAN larger
     sizes: the one observed least lately first. Sizes seen often enough are left alone, and
