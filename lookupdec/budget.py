@@ -126,7 +126,7 @@ class CostModel:
         most; None where fewer than two sizes are left (measure instead). An estimate last seen
         long ago may have been made on a busy machine, and a size the chooser avoids for it is
         never observed again to correct it; dropped, it is interpolated from the sizes seen
-        lately until a forward of it is timed.
+        lately until a forward of it is timed; the curve's first choice explores (``explore``).
 
         >>> CostModel([1, 4, 16, 17], [0.05, 0.06, 0.25, 0.26], counts=[90, 20, 0.3, 0.4]).trusted().sizes
         [1, 4]
@@ -134,8 +134,10 @@ class CostModel:
         keep = [j for j, c in enumerate(self.counts) if c >= min_count]
         if len(keep) < 2:
             return None
-        return CostModel([self.sizes[j] for j in keep], [self.seconds[j] for j in keep],
+        cost = CostModel([self.sizes[j] for j in keep], [self.seconds[j] for j in keep],
                          [min(self.counts[j], max_count) for j in keep])
+        cost._since_explore = EXPLORE_EVERY - 1  # its first choice explores: the kept sizes may be stale too
+        return cost
 
     @classmethod
     def measure(cls, forward: Callable[[int], None], max_tokens: int, sizes: Sequence[int] | None = None,
