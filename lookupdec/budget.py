@@ -64,16 +64,17 @@ COST_OPTIMISM = 0.05
 # size seen every step settles near 200, one not seen for 500 forwards at 8% of that), an
 # old estimate gives way fast when observed again (its rate is 1 / count), and every
 # EXPLORE_EVERY choices one step verifies the size, among one token fewer and up to EXPLORE_SPAN
-# more, that was observed least lately (if under EXPLORE_MIN_COUNT): a step in 32 at a
-# neighbouring size, never more.
+# more (and twice the nodes plus one, below), that was observed least lately (if under
+# EXPLORE_MIN_COUNT): a step in 32, never more.
 # A step in 32 at a neighbouring size could not leave a high plateau of stale estimates: at two
 # threads a cached SmolLM2 curve (512-token bucket) held 13-17 tokens at 200-300 ms, counts 0.3-0.5,
 # where such forwards took 57-78 ms, and 9-12 tokens at 111-121 ms, 74-97 in a timing beside it
 # (scratch); the default kept 7 nodes on log rewriting (0.80 of a fixed 16-node budget, 10 prompts)
-# where the same run on a fresh curve kept 14-18. So exploration also tries twice the nodes chosen
-# plus one (``explore``), and a curve read from the cache or taken for another bucket keeps only
-# the sizes observed at least CACHED_MIN_COUNT times lately (``CostModel.trusted``): the rest are
-# interpolated from those, and measured again when chosen or explored.
+# where the first 5 of those prompts on a fresh curve (the cached kernel forms kept) kept 13.5-17.6
+# nodes. So exploration also tries twice the nodes chosen plus one (``explore``), and a curve read
+# from the cache or taken for another bucket keeps only the sizes observed at least
+# CACHED_MIN_COUNT times lately (``CostModel.trusted``; the rest are interpolated from those and
+# measured again when chosen or explored) and explores at its first choice.
 COUNT_DECAY = 0.995
 EXPLORE_EVERY = 32
 EXPLORE_SPAN = 4
