@@ -115,11 +115,10 @@ class CostModel:
         """Every size costs the same: verify as many nodes as allowed."""
         return cls([1], [1.0])
 
-    def copy(self, max_count: float | None = None) -> "CostModel":
-        """The same estimates; ``max_count``: each counting as that many forwards at most (a
-        curve taken for another context bucket, checked again there)."""
-        counts = self.counts if max_count is None else [min(c, max_count) for c in self.counts]
-        return CostModel(self.sizes, self.seconds, counts)
+    def copy(self) -> "CostModel":
+        """The same estimates and counts (to be learnt apart); another process's or bucket's
+        curve goes through ``trusted`` instead."""
+        return CostModel(self.sizes, self.seconds, self.counts)
 
     def trusted(self, max_count: float = CACHED_COUNT_CAP, min_count: float = CACHED_MIN_COUNT) -> "CostModel | None":
         """What another process or context bucket hands on: the sizes observed at least
