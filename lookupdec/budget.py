@@ -81,6 +81,26 @@ EXPLORE_SPAN = 4
 EXPLORE_MIN_COUNT = 3.0
 CACHED_COUNT_CAP = 4.0  # a curve read from the cost cache counts as this many forwards at most per size
 CACHED_MIN_COUNT = 0.5  # ... and keeps only sizes observed this many times lately (a size seen once: for 138 forwards)
+# Within a process a size's estimate still outlived what made it where the chooser stopped taking
+# that size and exploration (around the sizes chosen) never reached it: one slow forward of 4
+# tokens (another process, a cold cache) priced 4 nodes at twice their cost, so weak drafts got
+# the root alone or a large tree, never a small one. A model-free replay of SmolLM2's own greedy
+# outputs (10 prompts of each of the eight real_model workloads, its chain cost curve at two
+# threads, observed times noisy and 3% of them doubled; scratch) read 1.17x greedy on chat, 1.18x
+# on QA and 1.39x on math for the seed where that happened, against 1.35x, 1.39x and 1.64x with
+# the true curve. So the choosers read ``CostModel.prices``: a size's estimate drawn down towards
+# the line through its neighbours observed at least TRUST_COUNT times lately, weighted as
+# SHRINK_COUNT forwards against its own decayed count (``shrunk``): a stale high estimate drifts
+# back to what its neighbours say, is taken again and measured again. Never up: a low estimate
+# is taken, so measured, anyway, and a size cheaper than its neighbours (found by exploration)
+# stays so; a size whose kernels are slow (7 tokens at one thread) is re-measured now and then.
+# Same replay, that seed: 1.29x, 1.35x, 1.59x; the worst workload's default over its best fixed
+# budget 0.93 -> 1.00 (two threads) and 0.89 -> 0.96 (one thread's curve); over eight seeds the
+# same within the replay's spread (0.99-1.02 and 0.94-0.98 with it, 0.99-1.02 and 0.94-0.96 without).
+SHRINK_COUNT = 1.0
+TRUST_COUNT = 1.0
+SHRINK_BELOW = 8.0  # a size observed this many times lately keeps its own estimate
+PRICES_EVERY = 16  # observations between two full computations of the prices (the observed size's: each time)
 HISTORY_DECAY = 0.95  # per-step decay of old observations (half-life about 14 steps)
 MAX_FACTOR = 1.5  # a source's scores are never trusted more than this
 DRAFT_BUDGET_HEADROOM = 2.0  # proposers are asked for this many times the nodes lately kept
@@ -109,6 +129,9 @@ class CostModel:
         self.counts = list(counts) if counts is not None else [1] * len(self.sizes)  # observations per size
         self._since_explore = 0  # choices since the last exploration (``explore``)
         self._curves: dict[tuple[bool, bool], np.ndarray] = {}  # (optimistic, padded) -> dense()
+        self._prices: list[float] | None = None  # ``prices()``
+        self._lines: list[float | None] = []  # each size's neighbours' line behind its price (``shrunk``)
+        self._since_prices = 0  # observations since the prices were computed whole
 
     @classmethod
     def flat(cls) -> "CostModel":
@@ -181,6 +204,23 @@ class CostModel:
         rate = max(COST_LEARNING_RATE, 1.0 / self.counts[i])
         self.seconds[i] = old + rate * (seconds - old)
         self._curves.clear()
+        if self._prices is not None:
+            if len(self._prices) != len(self.sizes):  # a new size: computed whole when next read
+                self._prices = None
+            else:
+                self._prices[i] = _blend(self.seconds[i], self.counts[i], self._lines[i], SHRINK_COUNT)
+                self._since_prices += 1
+
+    def prices(self) -> list[float]:
+        """What the choosers take each size to cost: its estimate drawn down towards the line
+        through its neighbours observed lately, as far as its own observations are stale (``shrunk``).
+        Computed whole every ``PRICES_EVERY`` observations or after a new size; in between
+        ``observe`` updates the observed size's own (its neighbours' lines move little in 16
+        forwards; the whole computation, 13 µs, would be a twentieth of a step's overhead)."""
+        if self._prices is None or self._since_prices >= PRICES_EVERY:
+            self._prices, self._lines = shrunk(self.sizes, self.seconds, self.counts, SHRINK_COUNT, TRUST_COUNT)
+            self._since_prices = 0
+        return self._prices
 
     def count(self, n: int) -> float:
         """The decayed number of forwards of ``n`` tokens behind its estimate (0: interpolated)."""
@@ -220,7 +260,7 @@ class CostModel:
     def _raw(self, n: int, skip: int = -1) -> float:
         """Linear interpolation between measured sizes (extrapolated past the ends); ``skip``:
         a position in ``sizes`` to ignore (a size just inserted)."""
-        pairs = [(m, t) for j, (m, t) in enumerate(zip(self.sizes, self.seconds)) if j != skip]
+        pairs = [(m, t) for j, (m, t) in enumerate(zip(self.sizes, self.prices() if skip < 0 else self.seconds)) if j != skip]
         if len(pairs) == 1:
             return pairs[0][1]
         xs = [m for m, _ in pairs]
@@ -252,7 +292,7 @@ class CostModel:
         cached = self._curves.get(key)
         if cached is None or len(cached) <= upto:
             if _core is not None and hasattr(_core, "cost_curve"):
-                cached = np.frombuffer(_core.cost_curve(self.sizes, self.seconds, self.counts, upto, COST_OPTIMISM,
+                cached = np.frombuffer(_core.cost_curve(self.sizes, self.prices(), self.counts, upto, COST_OPTIMISM,
                                                         optimistic, padded), np.float64)
             else:
                 cached = self.dense_reference(upto, optimistic=optimistic, padded=padded)
@@ -263,7 +303,7 @@ class CostModel:
         """``dense`` in numpy, not cached: the definition the compiled curve repeats."""
         top = max(upto, self.sizes[-1])
         ks = np.arange(1, top + 1, dtype=np.float64)
-        xs, ys = np.asarray(self.sizes, dtype=np.float64), np.asarray(self.seconds, dtype=np.float64)
+        xs, ys = np.asarray(self.sizes, dtype=np.float64), np.asarray(self.prices(), dtype=np.float64)
         if optimistic:
             ys = ys * (1.0 - COST_OPTIMISM / np.sqrt(np.maximum(np.asarray(self.counts, dtype=np.float64), 1.0)))
         curve = np.interp(ks, xs, ys)
@@ -279,6 +319,40 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"sizes": self.sizes, "seconds": self.seconds, "counts": self.counts}
+
+
+def _blend(own: float, count: float, line: float | None, k: float) -> float:
+    """A size's price: ``own`` estimate from ``count`` forwards lately, weighed against a lower
+    ``line`` (its neighbours'; None: none) as ``k`` forwards; its own once counted SHRINK_BELOW
+    times, or where the line is not lower."""
+    if line is None or line >= own or count >= SHRINK_BELOW or k <= 0:
+        return own
+    return (count * own + k * line) / (count + k)
+
+
+def shrunk(sizes: Sequence[int], seconds: Sequence[float], counts: Sequence[float], k: float = SHRINK_COUNT,
+           trust: float = TRUST_COUNT) -> tuple[list[float], list[float | None]]:
+    """``CostModel.prices`` by its definition, and each size's line: the linear interpolation at
+    its size between the nearest sizes below and above it (itself left out) observed at least
+    ``trust`` times lately (decayed counts), None outside their range or where fewer than two
+    are; each price is ``(c * own + k * line) / (c + k)`` for a size observed ``c`` times lately
+    (its own estimate once ``c`` reaches SHRINK_BELOW, without a line, or where the line is higher).
+
+    >>> prices, lines = shrunk([1, 4, 8, 16], [0.040, 0.100, 0.060, 0.075], [50, 0.1, 6, 30])
+    >>> [round(p, 4) for p in prices]   # 4 tokens, one slow forward long ago: near the line 1 -> 8 again
+    [0.04, 0.0532, 0.0595, 0.075]
+    """
+    lines: list[float | None] = [None] * len(sizes)
+    xs = [n for n, c in zip(sizes, counts) if c >= trust]
+    if len(xs) >= 2:
+        ys = [t for t, c in zip(seconds, counts) if c >= trust]
+        for i, n in enumerate(sizes):
+            if xs[0] < n < xs[-1]:
+                h = bisect.bisect_left(xs, n)
+                lo, hi = h - 1, h + 1 if xs[h] == n else h  # the size itself is not its own neighbour
+                if hi < len(xs):
+                    lines[i] = ys[lo] + (ys[hi] - ys[lo]) * (n - xs[lo]) / (xs[hi] - xs[lo])
+    return [_blend(t, c, line, k) for t, c, line in zip(seconds, counts, lines)], lines
 
 
 def tail_slope(sizes: Sequence[float], seconds: Sequence[float]) -> float:
@@ -746,11 +820,11 @@ def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int,
     if count <= 0:
         return 0
     if record is not None:
-        return core.choose_num_nodes_record(cost.sizes, cost.seconds, cost.counts, COST_OPTIMISM, overhead_s,
+        return core.choose_num_nodes_record(cost.sizes, cost.prices(), cost.counts, COST_OPTIMISM, overhead_s,
                                             max_nodes, record.table, record.steps, scale, SIZE_PRIOR_STEPS,
                                             SIZE_DECAY, factor)
     scales = [scale] * (count + 1) if isinstance(scale, (int, float)) else scale
-    return core.choose_num_nodes(cost.sizes, cost.seconds, cost.counts, COST_OPTIMISM, overhead_s, max_nodes, scales)
+    return core.choose_num_nodes(cost.sizes, cost.prices(), cost.counts, COST_OPTIMISM, overhead_s, max_nodes, scales)
 
 
 def choose_tree_nodes_reference(tree, cost: CostModel, overhead_s: float, max_nodes: int,

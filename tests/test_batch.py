@@ -408,7 +408,7 @@ def test_choose_width_past_a_single_sequences_sizes():
     # never cheaper than proportional growth allows: n tokens cost at most n / m forwards of m
     steep = CostModel([1, 2], [0.010, 0.050])
     assert steep(8) <= 0.050 * 8 / 2 + 1e-12
-    assert CostModel([1, 4, 16], [1.0, 1.5, 2.5])(32) == pytest.approx(2.5 + 16 * (2.5 - 1.5) / 12)
+    assert CostModel([1, 4, 16], [1.0, 1.5, 2.5], [50] * 3)(32) == pytest.approx(2.5 + 16 * (2.5 - 1.5) / 12)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from conftest import cached_references, cached_tiny
@@ -12,7 +13,8 @@ from helpers import FakeTokenizer, SpyProposer
 from lookupdec import Engine, EngineConfig
 from lookupdec.proposers import build_proposers
 from lookupdec.budget import (COUNT_DECAY, EXPLORE_EVERY, EXPLORE_MIN_COUNT, COST_LEARNING_RATE, COST_OPTIMISM, COST_SPIKE, DRAFT_BUDGET_MIN, CostModel, DraftBudget,
-                              SIZE_DECAY, SIZE_PRIOR_STEPS, SizeRecord, choose_num_nodes)
+                              PRICES_EVERY, SHRINK_BELOW, SHRINK_COUNT, SIZE_DECAY, SIZE_PRIOR_STEPS, SizeRecord,
+                              choose_num_nodes, shrunk)
 
 
 def _rate(values, n, cost, overhead):
@@ -282,8 +284,11 @@ def test_optimism_retries_a_size_measured_once_too_high():
     the chooser, so it is tried and re-measured; a size seen often is taken at its estimate."""
     cost = CostModel([1, 4, 5, 8], [51.9, 50.3, 55.4, 63.2], counts=[10, 194, 1, 50])  # chat, SmolLM2 (ms)
     values = [0.3, 0.15, 0.1, 0.1, 0.05]
-    assert cost(5) == pytest.approx(55.4)  # the estimate itself is unchanged
-    assert cost.dense(8, optimistic=True)[5] == pytest.approx(55.4 * (1 - COST_OPTIMISM))
+    assert cost.seconds[2] == pytest.approx(55.4)  # the estimate itself is unchanged
+    price = cost.prices()[2]  # drawn down towards the line 4 -> 8 (53.5), counting once against it
+    assert price == pytest.approx((55.4 + SHRINK_COUNT * (50.3 + (63.2 - 50.3) / 4)) / (1 + SHRINK_COUNT))
+    assert CostModel([1, 4, 5, 8], [51.9, 50.3, 50.0, 63.2], counts=[10, 194, 1, 50]).prices()[2] == 50.0  # never up
+    assert cost.dense(8, optimistic=True)[5] == pytest.approx(price * (1 - COST_OPTIMISM))
     assert choose_num_nodes(values, cost, 0.0, 5) == 4  # 5 tokens tried again
     for _ in range(30):
         cost.observe(5, 55.4)  # ... and if they really cost that, given up
@@ -506,6 +511,72 @@ def test_a_stale_plateau_in_a_cached_curve_is_left_behind(tmp_path, monkeypatch)
     late = picks[1:]  # (a step may try more where a stale size still bends the curve's tail)
     assert sum(abs(p - best) <= 1 for p in late) >= 0.95 * len(late)
     assert CostModel([1, 4], [1.0, 2.0], [0.4, 9]).trusted() is None  # fewer than two sizes left: measure
+
+def test_a_size_priced_high_by_one_slow_forward_is_taken_again_once_stale():
+    """One slow forward of 5 tokens (a spike, another process) while the chooser took 9: it
+    stops taking 5, and exploration (around 9) never reaches it again. Weak drafts (two likely
+    nodes) then get the root alone, where 4 nodes pay. As the spike's count decays its price
+    drifts back to the line through its neighbours (``CostModel.prices``), the chooser takes 4
+    nodes again, measures them and keeps them; with the prices at the raw estimates (the code
+    before) it never does."""
+    def truth(n):
+        return (40 + 2.5 * n) / 1e3
+
+    strong = [0.9] * 8 + [0.01] * 8  # log lines: eight nodes the target takes
+    weak = [0.3, 0.3, 0.1, 0.1] + [0.01] * 12  # a QA answer
+
+    def run(shrink: float) -> list[int]:
+        from lookupdec import budget
+
+        original = budget.SHRINK_COUNT
+        budget.SHRINK_COUNT = shrink
+        try:
+            cost = CostModel([1, 2, 5, 9, 17], [truth(n) for n in (1, 2, 5, 9, 17)], counts=[20] * 5)
+            cost.observe(5, 2 * truth(5))  # a spike (clipped at COST_SPIKE x): 5 tokens now look dear
+            for _ in range(400):  # strong requests: 8 nodes
+                cost.observe(9, truth(9))
+                cost.observe(1, truth(1))
+            picks = []
+            for _ in range(60):  # a weak request
+                n = choose_num_nodes(weak, cost, 0.0, len(weak))
+                picks.append(n)
+                cost.observe(n + 1, truth(n + 1))
+            return picks
+        finally:
+            budget.SHRINK_COUNT = original
+
+    assert choose_num_nodes(weak, CostModel(range(1, 18), [truth(n) for n in range(1, 18)], [50] * 17), 0.0, 16) == 4
+    before = run(0.0)
+    assert max(before) < 4  # raw estimates: 4 nodes never tried again
+    after = run(SHRINK_COUNT)
+    assert after[0] == 4 and after.count(4) >= 50  # the spike's price gave way; measured, mostly kept
+    assert choose_num_nodes(strong, CostModel(range(1, 18), [truth(n) for n in range(1, 18)], [50] * 17), 0.0, 16) == 8
+
+
+def test_prices_kept_between_whole_computations_are_the_definition_for_the_observed_size():
+    """``observe`` updates the observed size's price alone between two whole computations
+    (``PRICES_EVERY``); each whole computation is ``shrunk`` of the estimates and counts."""
+    rng = np.random.default_rng(0)
+    cost = CostModel([1, 4, 8, 16, 32], [0.040, 0.060, 0.055, 0.075, 0.1], counts=[30, 0.2, 3, 12, 0.6])
+    for step in range(5 * PRICES_EVERY + 3):
+        n = int(rng.choice([1, 4, 8, 16, 32]))
+        cost.observe(n, (40 + 2 * n + rng.normal(0, 3)) / 1e3)
+        prices = list(cost.prices())
+        whole, lines = shrunk(cost.sizes, cost.seconds, cost.counts, SHRINK_COUNT)
+        i = cost.sizes.index(n)
+        line = cost._lines[i]
+        own = cost.seconds[i]
+        c = cost.counts[i]
+        assert prices[i] == pytest.approx(own if line is None or line >= own or c >= SHRINK_BELOW
+                                         else (c * own + SHRINK_COUNT * line) / (c + SHRINK_COUNT))
+        if cost._since_prices == 0:  # just computed whole
+            assert prices == pytest.approx(whole)
+        else:  # the others: within what 16 forwards of count decay move them
+            assert prices == pytest.approx(whole, rel=0.05)
+    cost.observe(3, 0.05)  # a new size: computed whole at the next read
+    assert cost.prices() == pytest.approx(shrunk(cost.sizes, cost.seconds, cost.counts, SHRINK_COUNT)[0])
+    assert cost.dense(40, padded=False)[1:6] == pytest.approx(cost.dense_reference(40, padded=False)[1:6])
+
 
 def test_exploration_takes_the_size_seen_least_and_stays_within_the_tree():
     """From a tree of 2 tokens (weak drafts), exploration reaches up to EXPLORE_SPAN larger
