@@ -1,0 +1,239 @@
+"""Model-free: the per-step chooser learning the verify cost online, against the true curve and fixed budgets.
+
+SmolLM2's own greedy outputs (``transformers`` ``generate``, 128 new tokens) on the prompts of
+``bench/real_model.py`` (10 per workload, its order) are replayed through the engine's step
+(``StepCore``, as ``lookupdec.simulate``: proposers, calibrator and size record kept across
+the prompts, as one engine keeps them) and timed with a true cost curve ``t(n)``: SmolLM2's
+chain cost measured by ``real_model.py`` (``--curve``: its result JSON; 512-token context).
+A prompt's modelled time is ``t(prompt)`` (its prefill) plus, per step, ``t(1 + nodes)`` and
+``--overhead-ms``; greedy's is ``t(prompt)`` plus ``t(1)`` per token after the first. Methods:
+
+* ``oracle``  -- the chooser reads the true curve (every size, counted often)
+* ``learnt``  -- as the engine: seeded by one forward of each of ``SEED_SIZES``, then every
+  step's forward observed, its time the true one times log-normal noise (``--sigma``) and a
+  fraction ``--spikes`` of them doubled (another process); the choosers read ``prices``
+* ``raw``     -- ``learnt`` with the prices at the raw estimates (``SHRINK_COUNT = 0``: the code
+  before stale high estimates were drawn down)
+* ``fixed4``, ``fixed16`` -- ``budget="fixed"`` (no cost model)
+
+over ``--seeds`` seeds of the noise. Reported per curve, method and workload: the modelled
+speedup over greedy (total tokens over total time), the default's over the best fixed budget
+and the worst prompt; for the learnt methods the mean and the worst over seeds. Acceptance is
+exact (the recorded output is what greedy verification accepts); only time is modelled.
+
+    python bench/cost_replay.py                   # outputs generated first (~8 min, 2 threads), then ~2 min
+    python bench/cost_replay.py --outputs /tmp/smollm2_outputs.json --seeds 4 --curve bench/results/real_model_2t.json
+
+The outputs are kept in ``--outputs`` (default ``~/.cache/lookupdec/bench/smollm2_outputs.json``;
+not in the repository: they derive from ``../shared/data``). Writes ``bench/results/cost_replay.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS_DIR, format_table, run_metadata, write_result  # noqa: E402
+
+from lookupdec import budget  # noqa: E402
+from lookupdec.budget import SEED_SIZES, AcceptanceCalibrator, CostModel, DraftBudget  # noqa: E402
+from lookupdec.config import EngineConfig  # noqa: E402
+from lookupdec.mixture import Mixture  # noqa: E402
+from lookupdec.proposers import build_proposers  # noqa: E402
+from lookupdec.simulate import recorded_verdict  # noqa: E402
+from lookupdec.step import StepCore  # noqa: E402
+
+DEFAULT_OUTPUTS = Path(os.path.expanduser("~")) / ".cache" / "lookupdec" / "bench" / "smollm2_outputs.json"
+DEFAULT_CURVES = [RESULTS_DIR / "real_model_2t.json", RESULTS_DIR / "real_model_1t_xeon_chat_qa_rag.json"]
+SPIKE_FACTOR = 2.0
+MAX_NEW = 128
+
+
+def generate_outputs(path: Path, threads: int) -> dict:
+    """SmolLM2's greedy outputs on real_model.py's prompts (token ids), written to ``path``."""
+    import torch
+    from tqdm import tqdm
+
+    import real_model
+    from e2e import run_method
+    from lookupdec import Engine
+
+    torch.set_num_threads(threads)
+    loader = Engine.from_pretrained("smollm2", dtype="float32")
+    workloads = real_model.build_workloads(loader, 10, 1536)
+    out = {}
+    with tqdm(total=sum(len(p) for p in workloads.values()), desc="greedy outputs", unit="prompt") as bar:
+        for name, prompts in workloads.items():
+            out[name] = []
+            for prompt in prompts:
+                ids, _ = run_method("greedy", loader.target.model, None, prompt, MAX_NEW)
+                out[name].append({"prompt": list(prompt), "response": list(ids)})
+                bar.update()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(path)  # never half-written
+    return out
+
+
+def read_curve(path: Path) -> tuple[str, list[int], list[float]]:
+    """The chain cost curve (sizes, seconds) a real_model.py result recorded, and its label."""
+    try:
+        data = json.loads(path.read_text())
+        info = data["results"]["threads"][0]
+        curve = info["cost_curve"]
+        return f"{info['threads']}t", list(curve["sizes"]), list(curve["seconds"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise SystemExit(f"--curve {path}: not a bench/real_model.py result with a cost curve ({e})")
+
+
+def true_cost(sizes: list[int], seconds: list[float]):
+    """``t(n)``: linear between the measured sizes, and past the last one along the last segment."""
+    xs, ys = np.asarray(sizes, float), np.asarray(seconds, float)
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+
+    def t(n: int) -> float:
+        return float(np.interp(n, xs, ys)) if n <= xs[-1] else float(ys[-1] + slope * (n - xs[-1]))
+    return t
+
+
+def replay_method(outputs: dict, t, method: str, *, sigma: float, spikes: float, seed: int,
+                  overhead_s: float) -> dict[str, list[tuple[float, int]]]:
+    """Per workload, per prompt: (greedy's modelled time over the method's, tokens)."""
+    fixed = method.startswith("fixed")
+    config = EngineConfig(budget="fixed", max_nodes=int(method[5:])) if fixed else EngineConfig()
+    calibrator = AcceptanceCalibrator()
+    core = StepCore(Mixture(build_proposers(config), None, config.draft, calibrator), max_nodes=config.max_nodes,
+                    calibrator=calibrator, draft_budget=DraftBudget())
+    rng = np.random.default_rng(seed)
+
+    def observed(n: int) -> float:
+        noise = float(np.exp(rng.normal(0.0, sigma))) if sigma > 0 else 1.0
+        return t(n) * noise * (SPIKE_FACTOR if rng.random() < spikes else 1.0)
+
+    if fixed:
+        cost = None
+    elif method == "oracle":
+        top = 2 * config.max_nodes + 2
+        cost = CostModel(range(1, top), [t(n) for n in range(1, top)], [100.0] * (top - 1))
+    else:
+        cost = CostModel(list(SEED_SIZES), [observed(n) for n in SEED_SIZES])
+    learns = method in ("learnt", "raw")
+    result = {}
+    for name, records in outputs.items():
+        result[name] = []
+        for i, record in enumerate(records):
+            prompt, response = record["prompt"], record["response"]
+            rid, context, seconds = f"{name}-{i}", list(prompt), 0.0
+            core.start(rid, context)
+            try:
+                core.first(rid, response[:1])  # the prefill's token, as Engine._first
+                context.append(response[0])
+                while len(context) - len(prompt) < len(response):
+                    rest = response[len(context) - len(prompt):]
+                    step = core.run(rid, context, lambda tree: recorded_verdict(tree, rest),
+                                    max_depth=config.max_depth, cost=cost)
+                    seconds += t(len(step.tree)) + overhead_s
+                    if learns:
+                        cost.observe(len(step.tree), observed(len(step.tree)))
+                    context.extend(step.new_tokens)
+            finally:
+                core.stop(rid)
+            prefill = t(len(prompt))
+            greedy = prefill + (len(response) - 1) * t(1)
+            result[name].append((greedy / (prefill + seconds), len(response)))
+    return result
+
+
+def total(rows: list[tuple[float, int]]) -> float:
+    """Total tokens over total time, relative to greedy's."""
+    return sum(n for _, n in rows) / sum(n / r for r, n in rows)
+
+
+def run(outputs: dict, curve_path: Path, args) -> tuple[list[dict], dict]:
+    label, sizes, seconds = read_curve(curve_path)
+    t = true_cost(sizes, seconds)
+    overhead = args.overhead_ms / 1e3
+    fixed = {m: replay_method(outputs, t, m, sigma=0, spikes=0, seed=0, overhead_s=overhead)
+             for m in ("fixed4", "fixed16")}
+    oracle = replay_method(outputs, t, "oracle", sigma=0, spikes=0, seed=0, overhead_s=overhead)
+    learnt: dict[str, list[dict]] = {"learnt": [], "raw": []}
+    original = budget.SHRINK_COUNT
+    try:
+        for seed in range(args.seeds):
+            for method in ("learnt", "raw"):
+                budget.SHRINK_COUNT = original if method == "learnt" else 0.0
+                learnt[method].append(replay_method(outputs, t, method, sigma=args.sigma, spikes=args.spikes,
+                                                    seed=seed, overhead_s=overhead))
+    finally:
+        budget.SHRINK_COUNT = original
+    rows = []
+    for name in outputs:
+        best = max(total(fixed[m][name]) for m in fixed)
+        row = {"curve": label, "workload": name, "oracle": total(oracle[name]),
+               "fixed4": total(fixed["fixed4"][name]), "fixed16": total(fixed["fixed16"][name])}
+        for method, runs in learnt.items():
+            speed = [total(r[name]) for r in runs]
+            row[f"{method}_mean"] = float(np.mean(speed))
+            row[f"{method}_worst"] = min(speed)
+            row[f"{method}/best_fixed_worst"] = min(speed) / best
+            row[f"{method}_worst_prompt"] = min(min(x for x, _ in r[name]) for r in runs)
+        rows.append(row)
+    return rows, {"curve": str(curve_path), "label": label, "sizes": sizes, "seconds": seconds}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--outputs", type=Path, default=DEFAULT_OUTPUTS,
+                   help=f"SmolLM2's greedy outputs (JSON; generated if absent) ({DEFAULT_OUTPUTS})")
+    p.add_argument("--curve", type=Path, nargs="+", default=DEFAULT_CURVES,
+                   help="bench/real_model.py results whose cost curve is the truth (the 2- and 1-thread tables)")
+    p.add_argument("--seeds", type=int, default=8, help="seeds of the observation noise (8)")
+    p.add_argument("--sigma", type=float, default=0.15, help="log-normal noise of an observed forward (0.15)")
+    p.add_argument("--spikes", type=float, default=0.03, help="fraction of observed forwards doubled (0.03)")
+    p.add_argument("--overhead-ms", type=float, default=0.5, help="per-step overhead added to every step (0.5)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads to generate the outputs with (2)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "cost_replay.json", help="result JSON")
+    args = p.parse_args(argv)
+    if args.seeds < 1 or args.sigma < 0 or not 0 <= args.spikes <= 1 or args.overhead_ms < 0:
+        p.error("--seeds must be >= 1, --sigma and --overhead-ms >= 0, --spikes in [0, 1]")
+    meta = run_metadata()
+    if args.outputs.exists():
+        try:
+            outputs = json.loads(args.outputs.read_text())
+        except ValueError as e:
+            raise SystemExit(f"--outputs {args.outputs}: not JSON ({e}); delete it to generate it again")
+    else:
+        outputs = generate_outputs(args.outputs, args.threads)
+    start = time.perf_counter()
+    rows, curves = [], []
+    for path in args.curve:
+        r, c = run(outputs, path, args)
+        rows.extend(r)
+        curves.append(c)
+    columns = [("curve", "curve", "s"), ("workload", "workload", "s"), ("oracle", "oracle", ".2f"),
+               ("fixed4", "fixed4", ".2f"), ("fixed16", "fixed16", ".2f"),
+               ("learnt_mean", "learnt mean", ".2f"), ("learnt_worst", "worst seed", ".2f"),
+               ("learnt/best_fixed_worst", "/best fixed", ".2f"), ("learnt_worst_prompt", "worst prompt", ".2f"),
+               ("raw_mean", "raw mean", ".2f"), ("raw_worst", "worst seed", ".2f"),
+               ("raw/best_fixed_worst", "/best fixed", ".2f"), ("raw_worst_prompt", "worst prompt", ".2f")]
+    print("modelled speedup over greedy (SmolLM2's outputs, model-free); learnt and raw over "
+          f"{args.seeds} seeds (sigma {args.sigma}, {args.spikes:.0%} spikes):")
+    print(format_table(rows, columns))
+    config = {"command": "python bench/cost_replay.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "outputs": str(args.outputs), "seeds": args.seeds, "sigma": args.sigma, "spikes": args.spikes,
+              "spike_factor": SPIKE_FACTOR, "overhead_ms": args.overhead_ms, "curves": curves,
+              "shrink_count": budget.SHRINK_COUNT, "seconds": round(time.perf_counter() - start, 1)}
+    write_result(args.out, "cost_replay", config, rows, meta=meta)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
