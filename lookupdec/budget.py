@@ -84,19 +84,18 @@ CACHED_MIN_COUNT = 0.5  # ... and keeps only sizes observed this many times late
 # Within a process a size's estimate still outlived what made it where the chooser stopped taking
 # that size and exploration (around the sizes chosen) never reached it: one slow forward of 4
 # tokens (another process, a cold cache) priced 4 nodes at twice their cost, so weak drafts got
-# the root alone or a large tree, never a small one. A model-free replay of SmolLM2's own greedy
-# outputs (10 prompts of each of the eight real_model workloads, its chain cost curve at two
-# threads, observed times noisy and 3% of them doubled; scratch) read 1.17x greedy on chat, 1.18x
-# on QA and 1.39x on math for the seed where that happened, against 1.35x, 1.39x and 1.64x with
-# the true curve. So the choosers read ``CostModel.prices``: a size's estimate drawn down towards
-# the line through its neighbours observed at least TRUST_COUNT times lately, weighted as
-# SHRINK_COUNT forwards against its own decayed count (``shrunk``): a stale high estimate drifts
-# back to what its neighbours say, is taken again and measured again. Never up: a low estimate
-# is taken, so measured, anyway, and a size cheaper than its neighbours (found by exploration)
-# stays so; a size whose kernels are slow (7 tokens at one thread) is re-measured now and then.
-# Same replay, that seed: 1.29x, 1.35x, 1.59x; the worst workload's default over its best fixed
-# budget 0.93 -> 1.00 (two threads) and 0.89 -> 0.96 (one thread's curve); over eight seeds the
-# same within the replay's spread (0.99-1.02 and 0.94-0.98 with it, 0.99-1.02 and 0.94-0.96 without).
+# the root alone or a large tree, never a small one (``bench/cost_replay.py``: SmolLM2's own
+# outputs replayed model-free, the measured two-thread chain curve, observed forwards noisy and
+# 3% of them doubled; on the worst of 8 noise seeds chat read 1.15x greedy, summaries 1.18x and
+# QA 1.16x, where the chooser on the true curve reads 1.34x, 1.32x and 1.36x). So the choosers
+# read ``CostModel.prices``: a size's estimate drawn down towards the line through its
+# neighbours observed at least TRUST_COUNT times lately, weighted as SHRINK_COUNT forwards
+# against its own decayed count (``shrunk``): a stale high estimate drifts back to what its
+# neighbours say, is taken again and measured again. Never up: a low estimate is taken, so
+# measured, anyway, and a size cheaper than its neighbours (found by exploration) stays so; a
+# size whose kernels are slow (7 tokens at one thread) is re-measured now and then. Same replay,
+# worst seed: 1.23x, 1.28x, 1.30x; the other workloads, the seeds' means and the one-thread
+# curve (whose bumps it re-measures: math's worst seed 1.49x against 1.54x) within 0.05.
 SHRINK_COUNT = 1.0
 TRUST_COUNT = 1.0
 SHRINK_BELOW = 8.0  # a size observed this many times lately keeps its own estimate
@@ -260,7 +259,7 @@ class CostModel:
     def _raw(self, n: int, skip: int = -1) -> float:
         """Linear interpolation between measured sizes (extrapolated past the ends); ``skip``:
         a position in ``sizes`` to ignore (a size just inserted)."""
-        pairs = [(m, t) for j, (m, t) in enumerate(zip(self.sizes, self.prices() if skip < 0 else self.seconds)) if j != skip]
+        pairs = [(m, t) for j, (m, t) in enumerate(zip(self.sizes, self.seconds)) if j != skip]
         if len(pairs) == 1:
             return pairs[0][1]
         xs = [m for m, _ in pairs]
