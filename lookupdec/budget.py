@@ -196,6 +196,7 @@ class CostModel:
             self.sizes.insert(i, n)
             self.seconds.insert(i, self._raw(n, skip=i))
             self.counts.insert(i, 0)
+            self._prices = None  # every line may move: computed whole when next read
         old = self.seconds[i]
         seconds = min(seconds, COST_SPIKE * old)
         self.counts = [c * COUNT_DECAY for c in self.counts]  # recent forwards weigh more
@@ -204,11 +205,8 @@ class CostModel:
         self.seconds[i] = old + rate * (seconds - old)
         self._curves.clear()
         if self._prices is not None:
-            if len(self._prices) != len(self.sizes):  # a new size: computed whole when next read
-                self._prices = None
-            else:
-                self._prices[i] = _blend(self.seconds[i], self.counts[i], self._lines[i], SHRINK_COUNT)
-                self._since_prices += 1
+            self._prices[i] = _blend(self.seconds[i], self.counts[i], self._lines[i], SHRINK_COUNT)
+            self._since_prices += 1
 
     def prices(self) -> list[float]:
         """What the choosers take each size to cost: its estimate drawn down towards the line
