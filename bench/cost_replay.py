@@ -4,14 +4,18 @@ SmolLM2's own greedy outputs (``transformers`` ``generate``, 128 new tokens) on 
 ``bench/real_model.py`` (10 per workload, its order) are replayed through the engine's step
 (``StepCore``, as ``lookupdec.simulate``: proposers, calibrator and size record kept across
 the prompts, as one engine keeps them) and timed with a true cost curve ``t(n)``: SmolLM2's
-chain cost measured by ``real_model.py`` (``--curve``: its result JSON; 512-token context).
-A prompt's modelled time is ``t(prompt)`` (its prefill) plus, per step, ``t(1 + nodes)`` and
-``--overhead-ms``; greedy's is ``t(prompt)`` plus ``t(1)`` per token after the first. Methods:
+verify cost measured by ``bench/chain_curve.py`` (``--curve``: its result JSON, the machine's
+level taken out; a ``real_model.py`` result's chain curve is read too). A prompt's modelled time
+is ``t(prompt)`` (its prefill) plus, per step, ``t(1 + nodes)`` and ``--overhead-ms``; greedy's is
+``t(prompt)`` plus ``t(1)`` per token after the first. Methods:
 
 * ``oracle``  -- the chooser reads the true curve (every size, counted often)
 * ``learnt``  -- as the engine: seeded by one forward of each of ``SEED_SIZES``, then every
-  step's forward observed, its time the true one times log-normal noise (``--sigma``) and a
-  fraction ``--spikes`` of them doubled (another process); the choosers read ``prices``
+  step's forward observed, its time the true one times noise as ``chain_curve.py`` measured it
+  on this machine: log-normal (``--sigma``), most of its variance (``--shared``) a level every
+  size shares that moves slowly (``--persistence``: its correlation from one forward to the
+  next), the rest each forward's own, and a fraction ``--spikes`` of forwards doubled; the
+  choosers read ``prices``
 * ``raw``     -- ``learnt`` with the prices at the raw estimates (``SHRINK_COUNT = 0``: the code
   before stale high estimates were drawn down)
 * ``fixed4``, ``fixed16`` -- ``budget="fixed"`` (no cost model)
@@ -21,8 +25,8 @@ speedup over greedy (total tokens over total time), the default's over the best 
 and the worst prompt; for the learnt methods the mean and the worst over seeds. Acceptance is
 exact (the recorded output is what greedy verification accepts); only time is modelled.
 
-    python bench/cost_replay.py                   # outputs generated first (~8 min, 2 threads), then ~2 min
-    python bench/cost_replay.py --outputs /tmp/smollm2_outputs.json --seeds 4 --curve bench/results/real_model_2t.json
+    python bench/cost_replay.py                   # outputs generated first (~8 min, 2 threads), then ~15 s
+    python bench/cost_replay.py --outputs /tmp/smollm2_outputs.json --seeds 4 --curve bench/results/chain_curve_2t.json
 
 The outputs are kept in ``--outputs`` (default ``~/.cache/lookupdec/bench/smollm2_outputs.json``;
 not in the repository: they derive from ``../shared/data``). Writes ``bench/results/cost_replay.json``.
@@ -50,8 +54,10 @@ from lookupdec.simulate import recorded_verdict  # noqa: E402
 from lookupdec.step import StepCore  # noqa: E402
 
 DEFAULT_OUTPUTS = Path(os.path.expanduser("~")) / ".cache" / "lookupdec" / "bench" / "smollm2_outputs.json"
-DEFAULT_CURVES = [RESULTS_DIR / "real_model_2t.json", RESULTS_DIR / "real_model_1t_xeon_chat_qa_rag.json"]
+DEFAULT_CURVES = [RESULTS_DIR / "chain_curve_2t.json", RESULTS_DIR / "chain_curve_1t.json"]
 SPIKE_FACTOR = 2.0
+# the learnt methods: the engine's cost model as it is, and with settings of budget.py changed
+LEARNT = {"learnt": {}, "raw": {"SHRINK_COUNT": 0.0}}
 MAX_NEW = 128
 
 
@@ -83,14 +89,18 @@ def generate_outputs(path: Path, threads: int) -> dict:
 
 
 def read_curve(path: Path) -> tuple[str, list[int], list[float]]:
-    """The chain cost curve (sizes, seconds) a real_model.py result recorded, and its label."""
+    """The cost curve (label, sizes, seconds) of a ``bench/chain_curve.py`` result (the machine's
+    level taken out), or the chain cost curve a ``bench/real_model.py`` result recorded."""
     try:
         data = json.loads(path.read_text())
+        if data.get("benchmark") == "chain_curve":
+            res = data["results"]
+            return res["label"], list(res["sizes"]), list(res["seconds"])
         info = data["results"]["threads"][0]
         curve = info["cost_curve"]
         return f"{info['threads']}t", list(curve["sizes"]), list(curve["seconds"])
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
-        raise SystemExit(f"--curve {path}: not a bench/real_model.py result with a cost curve ({e})")
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        raise SystemExit(f"--curve {path}: not a bench/chain_curve.py or bench/real_model.py result with a cost curve ({e})")
 
 
 def true_cost(sizes: list[int], seconds: list[float]):
@@ -104,7 +114,7 @@ def true_cost(sizes: list[int], seconds: list[float]):
 
 
 def replay_method(outputs: dict, t, method: str, *, sigma: float, spikes: float, seed: int,
-                  overhead_s: float) -> dict[str, list[tuple[float, int]]]:
+                  overhead_s: float, shared: float = 0.0, persistence: float = 0.0) -> dict[str, list[tuple[float, int]]]:
     """Per workload, per prompt: (greedy's modelled time over the method's, tokens)."""
     fixed = method.startswith("fixed")
     config = EngineConfig(budget="fixed", max_nodes=int(method[5:])) if fixed else EngineConfig()
@@ -112,9 +122,15 @@ def replay_method(outputs: dict, t, method: str, *, sigma: float, spikes: float,
     core = StepCore(Mixture(build_proposers(config), None, config.draft, calibrator), max_nodes=config.max_nodes,
                     calibrator=calibrator, draft_budget=DraftBudget())
     rng = np.random.default_rng(seed)
+    level = [float(rng.normal(0.0, sigma * np.sqrt(shared)))]  # the machine's log speed now (AR(1) per forward)
 
     def observed(n: int) -> float:
-        noise = float(np.exp(rng.normal(0.0, sigma))) if sigma > 0 else 1.0
+        if sigma > 0:
+            own = sigma * np.sqrt(1.0 - shared)
+            level[0] = persistence * level[0] + np.sqrt(1.0 - persistence**2) * sigma * np.sqrt(shared) * rng.normal()
+            noise = float(np.exp(level[0] + rng.normal(0.0, own)))
+        else:
+            noise = 1.0
         return t(n) * noise * (SPIKE_FACTOR if rng.random() < spikes else 1.0)
 
     if fixed:
@@ -124,7 +140,7 @@ def replay_method(outputs: dict, t, method: str, *, sigma: float, spikes: float,
         cost = CostModel(range(1, top), [t(n) for n in range(1, top)], [100.0] * (top - 1))
     else:
         cost = CostModel(list(SEED_SIZES), [observed(n) for n in SEED_SIZES])
-    learns = method in ("learnt", "raw")
+    learns = method in LEARNT
     result = {}
     for name, records in outputs.items():
         result[name] = []
@@ -163,16 +179,19 @@ def run(outputs: dict, curve_path: Path, args) -> tuple[list[dict], dict]:
     fixed = {m: replay_method(outputs, t, m, sigma=0, spikes=0, seed=0, overhead_s=overhead)
              for m in ("fixed4", "fixed16")}
     oracle = replay_method(outputs, t, "oracle", sigma=0, spikes=0, seed=0, overhead_s=overhead)
-    learnt: dict[str, list[dict]] = {"learnt": [], "raw": []}
-    original = budget.SHRINK_COUNT
-    try:
-        for seed in range(args.seeds):
-            for method in ("learnt", "raw"):
-                budget.SHRINK_COUNT = original if method == "learnt" else 0.0
+    learnt: dict[str, list[dict]] = {name: [] for name in LEARNT}
+    for seed in range(args.seeds):
+        for method, settings in LEARNT.items():
+            original = {name: getattr(budget, name) for name in settings}
+            try:
+                for name, value in settings.items():
+                    setattr(budget, name, value)
                 learnt[method].append(replay_method(outputs, t, method, sigma=args.sigma, spikes=args.spikes,
-                                                    seed=seed, overhead_s=overhead))
-    finally:
-        budget.SHRINK_COUNT = original
+                                                    seed=seed, overhead_s=overhead, shared=args.shared,
+                                                    persistence=args.persistence))
+            finally:
+                for name, value in original.items():
+                    setattr(budget, name, value)
     rows = []
     for name in outputs:
         best = max(total(fixed[m][name]) for m in fixed)
@@ -197,12 +216,18 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=8, help="seeds of the observation noise (8)")
     p.add_argument("--sigma", type=float, default=0.15, help="log-normal noise of an observed forward (0.15)")
     p.add_argument("--spikes", type=float, default=0.03, help="fraction of observed forwards doubled (0.03)")
+    p.add_argument("--shared", type=float, default=0.93,
+                   help="share of the noise's variance that is the machine's level, shared by every size (0.93)")
+    p.add_argument("--persistence", type=float, default=0.98,
+                   help="correlation of the machine's level from one forward to the next (0.98)")
     p.add_argument("--overhead-ms", type=float, default=0.5, help="per-step overhead added to every step (0.5)")
     p.add_argument("--threads", type=int, default=2, help="torch threads to generate the outputs with (2)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "cost_replay.json", help="result JSON")
     args = p.parse_args(argv)
-    if args.seeds < 1 or args.sigma < 0 or not 0 <= args.spikes <= 1 or args.overhead_ms < 0:
-        p.error("--seeds must be >= 1, --sigma and --overhead-ms >= 0, --spikes in [0, 1]")
+    if (args.seeds < 1 or args.sigma < 0 or not 0 <= args.spikes <= 1 or args.overhead_ms < 0
+            or not 0 <= args.shared <= 1 or not 0 <= args.persistence < 1):
+        p.error("--seeds must be >= 1, --sigma and --overhead-ms >= 0, --spikes and --shared in [0, 1], "
+                "--persistence in [0, 1)")
     meta = run_metadata()
     if args.outputs.exists():
         try:
@@ -224,12 +249,13 @@ def main(argv=None) -> int:
                ("raw_mean", "raw mean", ".2f"), ("raw_worst", "worst seed", ".2f"),
                ("raw/best_fixed_worst", "/best fixed", ".2f"), ("raw_worst_prompt", "worst prompt", ".2f")]
     print("modelled speedup over greedy (SmolLM2's outputs, model-free); learnt and raw over "
-          f"{args.seeds} seeds (sigma {args.sigma}, {args.spikes:.0%} spikes):")
+          f"{args.seeds} seeds (sigma {args.sigma}, {args.shared:.0%} of it shared, persistence {args.persistence}, "
+          f"{args.spikes:.0%} spikes):")
     print(format_table(rows, columns))
     config = {"command": "python bench/cost_replay.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "outputs": str(args.outputs), "seeds": args.seeds, "sigma": args.sigma, "spikes": args.spikes,
-              "spike_factor": SPIKE_FACTOR, "overhead_ms": args.overhead_ms, "curves": curves,
-              "shrink_count": budget.SHRINK_COUNT, "seconds": round(time.perf_counter() - start, 1)}
+              "spike_factor": SPIKE_FACTOR, "shared": args.shared, "persistence": args.persistence,
+              "overhead_ms": args.overhead_ms, "curves": curves, "methods": LEARNT, "seconds": round(time.perf_counter() - start, 1)}
     write_result(args.out, "cost_replay", config, rows, meta=meta)
     print(f"wrote {args.out}")
     return 0
