@@ -312,7 +312,8 @@ def test_the_body_keeps_the_faster_form_per_token_bucket_and_thread_count(monkey
         assert "forward" not in layers[0].__dict__  # plain nn.Linear from now on for 3 tokens
     seen = []
     record = body._chooser.record
-    monkeypatch.setattr(body._chooser, "record", lambda key, form, seconds: (seen.append(form), record(key, form, seconds))[1])
+    monkeypatch.setattr(body._chooser, "record",
+                        lambda key, form, seconds, reference=None: (seen.append(form), record(key, form, seconds, reference))[1])
     for _ in range(INHERITED_CHECK + 1):  # another bucket starts from the nearest one's choice ...
         with torch.inference_mode(), body.chosen(40):
             assert "forward" not in layers[0].__dict__  # (a check runs the probe layer alone in the other form)
@@ -349,6 +350,81 @@ def test_a_form_that_lost_its_trials_to_noise_takes_over_at_a_check():
         assert chooser.record(key, form, true[form]) == (true["linear"] - true["packed"] if form != "packed" else 0.0)
     assert chooser.choice[key] == "packed"
     assert 1 <= tried_other <= 7  # after 16, 32, 64, ... calls: log2(2000 / 16) checks
+
+
+def _seeded_chooser(choice: str):
+    from lookupdec.model.kernels import FormChooser
+
+    chooser = FormChooser(("skinny", "linear"))
+    assert chooser.seed({(7, 1): choice}) == 1  # an earlier process's choice, from the cost cache
+    return chooser
+
+
+def _level(call: int) -> float:
+    """The machine's speed: 30% slower for 20 calls in every 40 (another process, the host)."""
+    return 1.3 if (call // 20) % 2 else 1.0
+
+
+def test_a_check_against_the_rest_of_its_forward_is_not_fooled_by_the_machines_speed():
+    """The body's probe layers are timed with the rest of their forward beside them
+    (``reference``). A check falls due whenever it does: here in a slow period, after calls of
+    the chosen form in a fast one. The skinny product, 20% faster, wins its first check measured
+    against the chosen form's calls over their own references; held against the chosen form's
+    fastest call alone, it loses to the level (1.3 x 0.8 is above 0.97) and waits for the next."""
+    from lookupdec.model.kernels import RECHECK_FIRST
+
+    true = {"skinny": 8.0, "linear": 10.0}  # ms in the probe layers; the rest of the forward: 90 ms
+    for relative in (True, False):
+        chooser, calls = _seeded_chooser("linear"), 0
+        while True:
+            form = chooser.pick((7, 1))
+            level = _level(calls + 4)  # the first check falls in the slow period
+            chooser.record((7, 1), form, true[form] * level, 90.0 * level if relative else None)
+            calls += 1
+            if form != "linear":
+                break
+        assert calls == RECHECK_FIRST + 1
+        assert chooser.choice[(7, 1)] == ("skinny" if relative else "linear")
+
+
+def test_a_check_in_a_fast_moment_does_not_unseat_a_faster_form():
+    """The converse: a slower form checked in a fast period, against calls of the chosen form
+    made in a slow one, looks faster by its raw time and does not take over by its time over
+    the rest of its forward. Over many calls with the speed changing, the faster form keeps the
+    bucket and the checks grow rarer."""
+    true = {"skinny": 7.0, "linear": 7.5}
+    for relative in (True, False):
+        chooser, checks = _seeded_chooser("skinny"), 0
+        for call in range(2000):
+            form = chooser.pick((7, 1))
+            level = 1.25 if form == "skinny" else 1.0  # every check lands in a fast moment
+            checks += form != "skinny"
+            chooser.record((7, 1), form, true[form] * level, 90.0 * level if relative else None)
+            if chooser.choice[(7, 1)] != "skinny":
+                break
+        assert (chooser.choice[(7, 1)] == "skinny") == relative
+    assert 1 <= checks <= 7  # after 16, 32, 64, ... calls
+
+
+def test_a_check_tries_the_form_of_the_nearest_buckets_first():
+    """A bucket whose choice differs from the buckets' on either side (7 rows on ``nn.Linear`` between
+    6 and 8 on the skinny product, from the cost cache: likely stale) is checked on its own
+    schedule, after INHERITED_CHECK of its own calls, not when its group's checks happen to
+    land on it; and with three forms its first check tries the form the nearest bucket chose,
+    not the next in turn. Once it agrees with its neighbours it is back on its group's."""
+    from lookupdec.model.kernels import INHERITED_CHECK, FormChooser, check_group
+
+    chooser = FormChooser(("packed", "skinny", "linear"))
+    chooser.seed({(5, 1): "skinny", (6, 1): "skinny", (7, 1): "linear", (8, 1): "skinny"})
+    assert chooser._schedule((7, 1)) == ("own", (7, 1)) and chooser._schedule((6, 1)) == check_group((6, 1))
+    tried = []
+    for _ in range(INHERITED_CHECK + 1):
+        form = chooser.pick((7, 1))
+        tried.append(form)
+        chooser.record((7, 1), form, {"linear": 10.0, "packed": 9.9, "skinny": 7.0}[form], 90.0)
+    assert tried == ["linear"] * INHERITED_CHECK + ["skinny"] and chooser.choice[(7, 1)] == "skinny"
+    assert chooser._schedule((7, 1)) == check_group((7, 1))
+    assert chooser._nearest_choice((7, 1)) == "skinny" and chooser._nearest_choice((0, 1)) is None
 
 
 def test_neighbouring_buckets_share_one_schedule_of_checks():
@@ -533,7 +609,8 @@ def test_a_chosen_form_is_timed_and_checked_on_the_probe_layers_alone(monkeypatc
     monkeypatch.setattr(kernels.time, "perf_counter", lambda: ticks.__setitem__(0, ticks[0] + 1.0) or ticks[0])
     recorded = []
     record = body._chooser.record
-    monkeypatch.setattr(body._chooser, "record", lambda k, form, seconds: (recorded.append((form, seconds)), record(k, form, seconds))[1])
+    monkeypatch.setattr(body._chooser, "record", lambda k, form, seconds, reference=None: (
+        recorded.append((form, seconds, reference)), record(k, form, seconds, reference))[1])
     forms_seen = []
     for _ in range(RECHECK_FIRST + 1):
         with torch.inference_mode(), body.chosen(5):
@@ -545,8 +622,11 @@ def test_a_chosen_form_is_timed_and_checked_on_the_probe_layers_alone(monkeypatc
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     first_other = [f for f in body.forms if f != "packed"][0]  # the skinny product where it is built
     assert forms_seen == ["packed"] * RECHECK_FIRST + [first_other]
-    assert [f for f, _ in recorded] == forms_seen
-    assert {seconds for _, seconds in recorded} == {float(len(probe))}  # the probe layers' time alone
+    assert [f for f, _, _ in recorded] == forms_seen
+    assert {seconds for _, seconds, _ in recorded} == {float(len(probe))}  # the probe layers' time alone
+    # ... beside the rest of the same forward (the fake clock: the forward's span, 2 readings per
+    # probe layer and the closing one, less the probe layers' own)
+    assert {reference for _, _, reference in recorded} == {float(len(probe) + 1)}
     assert all("forward" not in m.__dict__ for m in layers)
 
 

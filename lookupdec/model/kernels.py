@@ -38,6 +38,7 @@ in a benchmark). Greedy identity with ``transformers`` is tested as everywhere
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import logging
@@ -108,6 +109,16 @@ def _record_trial(trials: dict, choice: dict, key, form: str, seconds: float, fo
 RECHECK_FIRST = 16  # calls of a bucket after its choice (or a switch) before another form is timed again
 INHERITED_CHECK = 4  # calls of a bucket that took its nearest bucket's choice before its first check
 RECHECK_MARGIN = 0.97  # another form takes over when its call took less than this x the chosen's fastest
+# A bucket's check against the rest of the same forward: the machine's speed moves by 10-20% over
+# seconds (bench/chain_curve.py: forwards of all sizes in turn, 0.6-0.9 correlated within a
+# round, a round's level lasting into the next), so a check's one call, made whenever the check
+# falls due, against the chosen form's fastest call since the last check (made in the fastest
+# moment of many) lost to the level, not to the form: SmolLM2 at one thread kept ``nn.Linear``
+# for the body at 7 and 14 tokens from the cost cache, 129.7 and 174.1 ms a forward where the
+# skinny product takes 92.0 and 112.6 (all forms forced in turn, level out; scratch), and every
+# failed check doubled the wait for the next. The body's probe layers are timed against the rest
+# of their own forward (``FormChooser.record``'s ``reference``): milliseconds apart, at one speed.
+RECENT_CALLS = 8  # the chosen form's last calls (probe over the rest of the forward) a check is held against
 
 
 def check_group(key) -> tuple:
@@ -148,7 +159,10 @@ class FormChooser:
     Noise on a shared machine only ever adds time, so a form can lose its two trials to a burst
     of it and then compute its bucket for the whole process (SmolLM2 at one thread: the body kept
     ``nn.Linear`` for 8-token forwards, 108 ms, where packed weights take 67); a check costs one
-    call in another form, ever more rarely, and puts that right within a few dozen calls."""
+    call in another form, ever more rarely, and puts that right within a few dozen calls. Where
+    the caller times work beside each call at the same moment (the body: the rest of the
+    forward), a check compares calls over that reference (``record``), so the machine's speed,
+    which moves by 10-20% over seconds, cannot keep a slower form or unseat a faster one."""
 
     def __init__(self, forms, forms_of=None) -> None:
         """``forms_of(key)``: the forms that may compute ``key``'s bucket (None: all of ``forms``)."""
@@ -158,6 +172,9 @@ class FormChooser:
         self.trials: dict = {}  # key -> form -> seconds of its trials, while every form is being tried
         self._watch: dict[object, _Watch] = {}  # check_group(key) -> the schedule of its checks
         self._best: dict = {}  # key -> its chosen form's fastest call since the bucket's last check
+        self._recent: dict = {}  # key -> its chosen form's last calls over their reference (``record``)
+        self._turns: dict = {}  # key -> its failed checks (which other form its next check tries)
+        self._rows_of: tuple = (-1, {})  # (len(choice) when made, threads -> the rows with a choice, sorted)
 
     def forms_of(self, key) -> tuple:
         return self.forms if self._forms_of is None else self._forms_of(key)
@@ -174,11 +191,17 @@ class FormChooser:
                     return form
             tried = tried or {}
             return min(forms, key=lambda f: len(tried.get(f, ())))
-        watch = self._watch.get(check_group(key))
+        watch = self._watch.get(self._schedule(key))
         if watch is None or watch.left > 0 or self._best.get(key, math.inf) == math.inf:
             return form
         others = [f for f in forms if f != form]
-        return others[watch.turn % len(others)] if others else form
+        if not others:
+            return form
+        near = self._nearest_choice(key)  # first the form the nearest buckets chose (a bucket's
+        if near in others:  # checks are a few in a group's; 7 rows tried packed, not skinny, first)
+            others.remove(near)
+            others.insert(0, near)
+        return others[self._turns.get(key, 0) % len(others)]
 
     def seed(self, choices: dict) -> int:
         """Take ``choices`` (``(rows, threads)`` -> form: an earlier process's, from the cost cache,
@@ -195,6 +218,36 @@ class FormChooser:
                 taken += 1
         return taken
 
+    def _schedule(self, key):
+        """Whose schedule of checks ``key``'s bucket follows: its group's (``check_group``), or
+        its own where its choice differs from the buckets' on either side: the odd one out is the likely
+        stale one, and in a shared schedule its checks are the few that land on it (SmolLM2 at
+        one thread kept ``nn.Linear`` at 7 tokens among skinny 4-6 through 68 rounds of every
+        size; a scratch run). Its own schedule checks it after ``INHERITED_CHECK`` of its calls."""
+        chosen, rows, threads = self.choice.get(key), key[0], key[1]
+        if chosen is not None and rows > 0:
+            if len(self.choice) != self._rows_of[0]:  # (buckets are only ever added)
+                by_threads: dict = {}
+                for b, t in self.choice:
+                    if b > 0:
+                        by_threads.setdefault(t, []).append(b)
+                self._rows_of = (len(self.choice), {t: sorted(bs) for t, bs in by_threads.items()})
+            known = self._rows_of[1].get(threads, ())
+            i = bisect.bisect_left(known, rows)  # known[i] == rows: it has a choice
+            if 0 < i < len(known) - 1:
+                below, above = self.choice[(known[i - 1], threads)], self.choice[(known[i + 1], threads)]
+                if chosen != below and chosen != above:  # unlike the bucket on each side
+                    return ("own", key)
+        return check_group(key)
+
+    def _nearest_choice(self, key) -> str | None:
+        """The form chosen by the nearest other bucket (by ratio) at the same thread count."""
+        rows, threads = key
+        if rows <= 0:
+            return None
+        near = [(abs(math.log2(b / rows)), b) for b, t in self.choice if t == threads and b > 0 and b != rows]
+        return self.choice[(min(near)[1], threads)] if near else None
+
     def _inherit(self, key) -> str | None:
         """A new bucket ``(rows, threads)`` takes the choice of the nearest bucket (by ratio) at
         the same thread count, checked against the other forms after ``INHERITED_CHECK`` calls:
@@ -209,35 +262,53 @@ class FormChooser:
         self._watch.setdefault(check_group(key), _Watch(INHERITED_CHECK))  # a group already watched keeps its schedule
         return form
 
-    def record(self, key, form: str, seconds: float) -> float:
+    def record(self, key, form: str, seconds: float, reference: float | None = None) -> float:
         """A timed call of ``form`` in ``key``'s bucket; returns what it took beyond the best
-        form known for the bucket (a trial's or a check's excess, kept out of cost timings)."""
+        form known for the bucket (a trial's or a check's excess, kept out of cost timings).
+        ``reference``: seconds of work timed beside the call at the same moment whatever the
+        form (the rest of the forward); then a check holds the other form's call over its
+        reference against the median of the chosen form's last ``RECENT_CALLS`` such ratios,
+        so that the machine's speed, which moves both, cancels out."""
         chosen = self.choice.get(key)
-        group = check_group(key)
+        group = self._schedule(key)
         forms = self.forms_of(key)
         if chosen is None:
             excess = _record_trial(self.trials, self.choice, key, form, seconds, forms)
             if key in self.choice:
-                self._watch[group] = _Watch(RECHECK_FIRST)
+                self._watch[self._schedule(key)] = _Watch(RECHECK_FIRST)
             return excess
         watch = self._watch.get(group)
         if watch is None:
-            watch = self._watch[group] = _Watch(RECHECK_FIRST)
+            watch = self._watch[group] = _Watch(INHERITED_CHECK if group[0] == "own" else RECHECK_FIRST)
         best = self._best.get(key, math.inf)
+        relative = reference is not None and reference > 0
+        recent = self._recent.get(key)
         if form == chosen:
             watch.left -= 1
             self._best[key] = min(best, seconds)
+            if relative:
+                if recent is None:
+                    recent = self._recent[key] = []
+                recent.append(seconds / reference)
+                del recent[:-RECENT_CALLS]
             return 0.0
-        if seconds < RECHECK_MARGIN * best:  # a check of another form, which won: it computes this bucket
+        if relative and recent:  # against the chosen form's calls at the speed of their own moments
+            base = float(np.median(recent)) * reference
+        else:
+            base = best
+        if seconds < RECHECK_MARGIN * base:  # a check of another form, which won: it computes this bucket
             self.choice[key] = form
-            self._watch[group] = _Watch(RECHECK_FIRST)  # the group's boundary moved: checked again soon
+            self._watch[self._schedule(key)] = _Watch(RECHECK_FIRST)  # the group's boundary moved: checked again soon
             self._best[key] = seconds
+            self._recent.pop(key, None)
+            self._turns.pop(key, None)
             return 0.0
         watch.turn += 1
+        self._turns[key] = self._turns.get(key, 0) + 1
         if watch.turn % max(1, len(forms) - 1) == 0:  # every other form has failed at this interval
             watch.interval *= 2
         watch.left, self._best[key] = watch.interval, math.inf
-        return max(0.0, seconds - best)
+        return max(0.0, seconds - base)
 
 
 class FastHead(torch.nn.Module):
@@ -515,12 +586,16 @@ class PackedLinears:
             with self.active(form):
                 yield
             seconds = time.perf_counter() - start - (_TRIAL_EXCESS[0] - head_excess)
+            reference = None
         else:
             self._spent[0] = 0.0
+            head_excess, start = _TRIAL_EXCESS[0], time.perf_counter()
             with self._probed(chosen, form):
                 yield
             seconds = self._spent[0]
-        self.excess_s += self._chooser.record(key, form, seconds)
+            # the rest of the same forward, at the same moment's speed (the head's trial excess out)
+            reference = time.perf_counter() - start - seconds - (_TRIAL_EXCESS[0] - head_excess)
+        self.excess_s += self._chooser.record(key, form, seconds, reference)
 
     @contextlib.contextmanager
     def _probed(self, form: str, probe_form: str):
