@@ -8,8 +8,8 @@ over its sizes, of the forward's time over its size's median, and each size's co
 of its times over their round's level. Reported too: how far single forwards stray (log sd),
 how alike the sizes of one round are (the mean correlation between sizes, over rounds) and how
 long the level lasts (the correlation of a round's level with the next one's) -- what
-``budget.LEVEL_RATE`` is for, and what ``bench/cost_replay.py`` (``--curve`` this file's result)
-takes as the true curve.
+``bench/cost_replay.py`` takes as the true curve (``--curve`` this file's result) and its noise,
+and why ``model/kernels.py``'s form checks compare a call with the rest of its own forward.
 
     python bench/chain_curve.py --threads 2                      # ~2 minutes, bench/results/chain_curve_2t.json
     python bench/chain_curve.py --threads 1 --seconds 60 --context 512

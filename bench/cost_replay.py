@@ -122,15 +122,15 @@ def replay_method(outputs: dict, t, method: str, *, sigma: float, spikes: float,
     core = StepCore(Mixture(build_proposers(config), None, config.draft, calibrator), max_nodes=config.max_nodes,
                     calibrator=calibrator, draft_budget=DraftBudget())
     rng = np.random.default_rng(seed)
-    level = [float(rng.normal(0.0, sigma * np.sqrt(shared)))]  # the machine's log speed now (AR(1) per forward)
+    shared_sd, own_sd = sigma * np.sqrt(shared), sigma * np.sqrt(1.0 - shared)
+    level = float(rng.normal(0.0, shared_sd))  # the machine's log speed now (AR(1) per forward)
 
     def observed(n: int) -> float:
+        nonlocal level
+        noise = 1.0
         if sigma > 0:
-            own = sigma * np.sqrt(1.0 - shared)
-            level[0] = persistence * level[0] + np.sqrt(1.0 - persistence**2) * sigma * np.sqrt(shared) * rng.normal()
-            noise = float(np.exp(level[0] + rng.normal(0.0, own)))
-        else:
-            noise = 1.0
+            level = persistence * level + np.sqrt(1.0 - persistence**2) * shared_sd * rng.normal()
+            noise = float(np.exp(level + rng.normal(0.0, own_sd)))
         return t(n) * noise * (SPIKE_FACTOR if rng.random() < spikes else 1.0)
 
     if fixed:

@@ -39,6 +39,7 @@ in a benchmark). Greedy identity with ``transformers`` is tested as everywhere
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import functools
 import logging
@@ -241,11 +242,14 @@ class FormChooser:
         return check_group(key)
 
     def _nearest_choice(self, key) -> str | None:
-        """The form chosen by the nearest other bucket (by ratio) at the same thread count."""
+        """The form chosen by the nearest other bucket (by ratio) at the same thread count, among
+        those that may compute ``key``'s bucket; None where there is none (or no rows)."""
         rows, threads = key
         if rows <= 0:
             return None
-        near = [(abs(math.log2(b / rows)), b) for b, t in self.choice if t == threads and b > 0 and b != rows]
+        allowed = self.forms_of(key)
+        near = [(abs(math.log2(b / rows)), b) for b, t in self.choice
+                if t == threads and 0 < b != rows and self.choice[(b, t)] in allowed]
         return self.choice[(min(near)[1], threads)] if near else None
 
     def _inherit(self, key) -> str | None:
@@ -253,12 +257,10 @@ class FormChooser:
         the same thread count, checked against the other forms after ``INHERITED_CHECK`` calls:
         trying every form twice cost SmolLM2 25-70 ms per slower trial, in every new bucket,
         all of it in the first requests' latency. None where no bucket has a choice yet."""
-        rows, threads = key
-        near = [(abs(math.log2(b / rows)), b) for b, t in self.choice if t == threads and b > 0] if rows > 0 else []
-        near = [(d, b) for d, b in near if self.choice[(b, threads)] in self.forms_of(key)]
-        if not near:
+        form = self._nearest_choice(key)
+        if form is None:
             return None
-        form = self.choice[key] = self.choice[(min(near)[1], threads)]
+        self.choice[key] = form
         self._watch.setdefault(check_group(key), _Watch(INHERITED_CHECK))  # a group already watched keeps its schedule
         return form
 
@@ -288,9 +290,8 @@ class FormChooser:
             self._best[key] = min(best, seconds)
             if relative:
                 if recent is None:
-                    recent = self._recent[key] = []
+                    recent = self._recent[key] = collections.deque(maxlen=RECENT_CALLS)
                 recent.append(seconds / reference)
-                del recent[:-RECENT_CALLS]
             return 0.0
         if relative and recent:  # against the chosen form's calls at the speed of their own moments
             base = float(np.median(recent)) * reference
