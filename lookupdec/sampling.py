@@ -289,6 +289,7 @@ class PartialLogits:
         self.hidden = hidden  # [1 + n, d] final hidden states (after the model's last norm)
         self.head = head  # hidden rows [m, d] -> (float32 logits [m, vocab], seconds of it spent preparing)
         self.logits = logits.contiguous()  # [len(rows), vocab] (the walk reads rows as arrays)
+        self.float32 = logits.dtype == torch.float32  # (the compiled walk's dtype: read once, not per step)
         # [len(rows), k] int32: each row's k best token ids (top_tokens' order), made by the output
         # projection as it wrote the rows (TargetModel.verify(picks=k)); the walk reads these
         self.tops = tops
@@ -374,8 +375,8 @@ def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, gen
                 return Acceptance(accepted, token, bonus=not children[node], tops=tops)
             accepted.append(child)
             node = child
-    if isinstance(logits, PartialLogits):
-        if not all_rows and params.greedy and not params.uses_prefix and logits.logits.dtype == torch.float32:
+    if type(logits) is PartialLogits:
+        if not all_rows and logits.float32 and params.greedy and not params.uses_prefix:
             accepted, tops, start = [], [] if top_k else None, 0
             while True:  # walk the rows computed; a node reached without one gets its rows, and the walk goes on
                 choices = logits.tops if logits.tops is not None and logits.tops.shape[1] >= max(top_k, 1) else None
@@ -384,6 +385,8 @@ def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, gen
                 if walked is None:
                     break
                 more, token, bonus, more_tops, missing = walked
+                if missing < 0 and not start:  # (the walk's own lists: no row was missing)
+                    return Acceptance(more, token, bonus, more_tops)
                 accepted += more
                 if top_k:
                     tops += more_tops

@@ -594,7 +594,7 @@ class TokenTree:
 
     def prune(self, max_nodes: int) -> "TokenTree":
         """The root and the ``max_nodes`` best nodes (ancestors kept), as a new tree."""
-        if len(self.token_ids) - 1 <= max_nodes:
+        if len(self) - 1 <= max_nodes:  # (a core-held tree's length, its lists not made)
             return self
         if max_nodes < 0 or not self._parents_first:
             return self.prune_reference(max_nodes)

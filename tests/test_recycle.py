@@ -51,6 +51,22 @@ def test_pair_table_is_bounded(backend):
 
 
 @pytest.mark.skipif(not compiled_available(), reason="compiled core not built")
+def test_compiled_table_keeps_the_pair_whose_key_marks_empty_slots():
+    """The pair (-1, -1) packs to a key with every bit set, the compiled table's mark of an
+    empty slot: it is kept apart, found, overwritten and counted like any other."""
+    config = RecycleConfig(successors=2, max_nodes=8, max_depth=3)
+    ref, fast = RecycleProposer(config, backend="reference"), RecycleProposer(config, backend="compiled")
+    for visits in ([(-1, -1, [4, 5]), (3, -1, [6])], [(-1, -1, [7])], [(-1, 4, [-1, 2])]):
+        ref.observe_successors(visits)
+        fast.observe_successors(visits)
+        assert fast.num_pairs == ref.num_pairs
+        for context in ([-1], [-1, -1], [3, -1], [-1, 4], [9, 9]):
+            want, got = ref.propose("r", context, 8), fast.propose("r", context, 8)
+            assert [(d.token_ids, d.parents, d.scores, d.match_length) for d in got] == \
+                   [(d.token_ids, d.parents, d.scores, d.match_length) for d in want]
+
+
+@pytest.mark.skipif(not compiled_available(), reason="compiled core not built")
 @pytest.mark.parametrize("seed", range(6))
 def test_compiled_table_drafts_equal_the_reference(seed):
     """Random visits (small vocabulary: pairs and tokens recur, entries are overwritten, the pair

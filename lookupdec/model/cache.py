@@ -64,8 +64,18 @@ def commit_accepted(cache, root_slot: int, accepted: Sequence[int]) -> int:
     move the ``accepted`` nodes' K/V to the slots right after the root, drop everything after
     them, and return the number of slots kept."""
     keep = root_slot + 1 + len(accepted)
-    gather_cache(cache, [root_slot + node for node in accepted], root_slot + 1)
-    crop_cache(cache, keep)
+    skip = 0  # nodes already in their slots (node k + 1 at slot root_slot + k + 1: often the path's first)
+    for node in accepted:
+        if node != skip + 1:
+            break
+        skip += 1
+    if skip < len(accepted):
+        gather_cache(cache, [root_slot + node for node in accepted[skip:]], root_slot + 1 + skip)
+    store = getattr(cache, "slot_store", None)
+    if store is not None:
+        store.crop(keep)
+    else:
+        crop_cache(cache, keep)
     return keep
 
 
@@ -117,7 +127,11 @@ class SlotStore:
         rows.narrow(1, start, count).copy_(rows.index_select(1, src))
 
     def crop(self, length: int) -> None:
-        self.lengths = [min(n, length) for n in self.lengths]
+        lengths = self.lengths
+        if lengths and min(lengths) >= length:  # (after a forward every layer holds its slots: one C-level pass)
+            self.lengths = [length] * len(lengths)
+        else:
+            self.lengths = [min(n, length) for n in lengths]
 
     def _grow(self, keys: torch.Tensor, needed: int) -> torch.Tensor:
         old = self.buffer

@@ -31,9 +31,9 @@ uint64_t NgramIndex::span_hash(int32_t end, int32_t n) const {
 }
 
 const NgramIndex::Group* NgramIndex::find(int32_t end, int32_t n, uint64_t hash) const {
-  auto it = first_group_.find(hash);
-  if (it == first_group_.end()) return nullptr;
-  for (int32_t g = it->second; g >= 0; g = groups_[g].next) {
+  const int32_t* first = first_group_.find(hash);
+  if (first == nullptr) return nullptr;
+  for (int32_t g = *first; g >= 0; g = groups_[g].next) {
     const Group& group = groups_[g];
     int32_t other = group.ends.front();
     if (group.n == n && std::equal(tokens_.begin() + (end - n), tokens_.begin() + end, tokens_.begin() + (other - n)))
@@ -54,10 +54,10 @@ void NgramIndex::extend(const int32_t* tokens, size_t count) {
       uint64_t hash = mix(h, static_cast<uint64_t>(n));
       Group* group = const_cast<Group*>(find(end, n, hash));
       if (group == nullptr) {
-        auto it = first_group_.find(hash);
-        int32_t next = it == first_group_.end() ? -1 : it->second;
-        groups_.push_back(Group{n, next, {}});
-        first_group_[hash] = static_cast<int32_t>(groups_.size()) - 1;
+        bool added = false;
+        int32_t* first = first_group_.insert(hash, -1, &added);
+        groups_.push_back(Group{n, *first, {}});  // (in front of the hash's other groups)
+        *first = static_cast<int32_t>(groups_.size()) - 1;
         group = &groups_.back();
       }
       group->ends.push_back(end);

@@ -6,8 +6,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <unordered_map>
 #include <vector>
+
+#include "arrays.hpp"
 
 namespace lookupdec {
 
@@ -41,7 +42,7 @@ class NgramIndex {
   int32_t min_ngram_, max_ngram_;
   std::vector<int32_t> tokens_;
   std::vector<Group> groups_;
-  std::unordered_map<uint64_t, int32_t> first_group_;  // hash -> first group of that hash
+  FlatMap<int32_t> first_group_;  // hash -> first group of that hash
 };
 
 }  // namespace lookupdec

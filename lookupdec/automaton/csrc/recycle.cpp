@@ -21,16 +21,17 @@ RecycleTable::RecycleTable(int32_t successors, int64_t max_entries, std::vector<
     throw std::invalid_argument("RecycleTable: successors and max_entries >= 1, a rank prior");
 }
 
-void RecycleTable::store(std::unordered_map<uint64_t, Slot>* table, std::vector<int32_t>* pool, uint64_t key,
+void RecycleTable::store(FlatMap<Slot>* table, std::vector<int32_t>* pool, uint64_t key,
                          const std::vector<int32_t>& successors) {
   int32_t count = static_cast<int32_t>(std::min<size_t>(successors.size(), static_cast<size_t>(width_)));
-  auto [it, added] = table->try_emplace(key, Slot{static_cast<int32_t>(pool->size()), count});
+  bool added = false;
+  Slot* slot = table->insert(key, Slot{static_cast<int32_t>(pool->size()), count}, &added);
   if (added) {
     pool->resize(pool->size() + static_cast<size_t>(width_));
   } else {
-    it->second.count = count;
+    slot->count = count;
   }
-  std::copy(successors.begin(), successors.begin() + count, pool->begin() + it->second.offset);
+  std::copy(successors.begin(), successors.begin() + count, pool->begin() + slot->offset);
 }
 
 void RecycleTable::observe(const std::vector<int32_t>& previous, const std::vector<int32_t>& tokens,
@@ -48,17 +49,15 @@ void RecycleTable::observe(const std::vector<int32_t>& previous, const std::vect
 }
 
 const int32_t* RecycleTable::find(int32_t prev, int32_t token, int32_t* count, int32_t* match) const {
-  auto pair = by_pair_.find(pair_key(prev, token));
-  if (pair != by_pair_.end()) {
-    *count = pair->second.count;
+  if (const Slot* pair = by_pair_.find(pair_key(prev, token))) {
+    *count = pair->count;
     *match = 2;
-    return pair_pool_.data() + pair->second.offset;
+    return pair_pool_.data() + pair->offset;
   }
-  auto one = by_token_.find(static_cast<uint32_t>(token));
-  if (one != by_token_.end()) {
-    *count = one->second.count;
+  if (const Slot* one = by_token_.find(static_cast<uint32_t>(token))) {
+    *count = one->count;
     *match = 1;
-    return token_pool_.data() + one->second.offset;
+    return token_pool_.data() + one->offset;
   }
   *count = 0;
   *match = 0;

@@ -3,8 +3,9 @@
 #pragma once
 
 #include <cstdint>
-#include <unordered_map>
 #include <vector>
+
+#include "arrays.hpp"
 
 namespace lookupdec {
 
@@ -36,13 +37,12 @@ class RecycleTable {
     int32_t count;
   };
   const int32_t* find(int32_t prev, int32_t token, int32_t* count, int32_t* match) const;
-  void store(std::unordered_map<uint64_t, Slot>* table, std::vector<int32_t>* pool, uint64_t key,
-             const std::vector<int32_t>& successors);
+  void store(FlatMap<Slot>* table, std::vector<int32_t>* pool, uint64_t key, const std::vector<int32_t>& successors);
 
   int32_t width_;
   int64_t max_entries_;
   std::vector<double> rank_prior_;
-  std::unordered_map<uint64_t, Slot> by_pair_, by_token_;
+  FlatMap<Slot> by_pair_, by_token_;  // (looked up up to twice per draft node)
   std::vector<int32_t> pair_pool_, token_pool_;
 };
 
