@@ -375,7 +375,7 @@ def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, gen
                 return Acceptance(accepted, token, bonus=not children[node], tops=tops)
             accepted.append(child)
             node = child
-    if type(logits) is PartialLogits:
+    if isinstance(logits, PartialLogits):
         if not all_rows and logits.float32 and params.greedy and not params.uses_prefix:
             accepted, tops, start = [], [] if top_k else None, 0
             while True:  # walk the rows computed; a node reached without one gets its rows, and the walk goes on

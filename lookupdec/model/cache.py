@@ -69,13 +69,9 @@ def commit_accepted(cache, root_slot: int, accepted: Sequence[int]) -> int:
         if node != skip + 1:
             break
         skip += 1
-    if skip < len(accepted):
+    if skip < len(accepted):  # (gather_cache skips the slots in place itself; here no list is made for them)
         gather_cache(cache, [root_slot + node for node in accepted[skip:]], root_slot + 1 + skip)
-    store = getattr(cache, "slot_store", None)
-    if store is not None:
-        store.crop(keep)
-    else:
-        crop_cache(cache, keep)
+    crop_cache(cache, keep)
     return keep
 
 
