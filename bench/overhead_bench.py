@@ -297,7 +297,8 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             result = (paths.accept(tree, verified, greedy, top_k=fused) if fused
                       else paths.accept(tree, verified, greedy))
             projected_ns = int(verified.extra_s * 1e9) if paths.partial else 0  # rows the walk asked for: the forward's
-            path = tree.tokens_of([0, *result.accepted])  # as Engine._accept
+            path = (result.tokens if result.tokens is not None  # as Engine._accept
+                    else tree.tokens_of([0, *result.accepted]))
             new_tokens = (path[1:] + [result.next_token])[: len(rest)]
             accepted = result.accepted[: len(new_tokens)]
             marks.append(_now())

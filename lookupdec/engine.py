@@ -465,7 +465,7 @@ class Engine:
         result = accept(tree, logits, params, generator=generator,
                         context_ids=self._seen_ids(seen) if params.uses_prefix else None, top_k=recycle)
         nodes = [0, *result.accepted]  # the root, then each accepted node
-        visited = tree.tokens_of(nodes)
+        visited = result.tokens if result.tokens is not None else tree.tokens_of(nodes)
         successors = None
         if recycle:
             tops = result.tops if result.tops is not None else top_tokens(logits, nodes, recycle)

@@ -124,6 +124,9 @@ class Acceptance:
     # with ``accept(top_k=k)`` on the compiled greedy path: the k best token ids of every row the
     # walk visited (the root's, then each accepted node's), best first; else None
     tops: list | None = None
+    # where the compiled walk ran: the token ids of the root and of each accepted node (what
+    # ``tree.tokens_of([0, *accepted])`` returns); else None
+    tokens: list | None = None
 
 
 def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -377,21 +380,22 @@ def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, gen
             node = child
     if isinstance(logits, PartialLogits):
         if not all_rows and logits.float32 and params.greedy and not params.uses_prefix:
-            accepted, tops, start = [], [] if top_k else None, 0
+            accepted, tops, tokens, start = [], [] if top_k else None, [], 0
             while True:  # walk the rows computed; a node reached without one gets its rows, and the walk goes on
                 choices = logits.tops if logits.tops is not None and logits.tops.shape[1] >= max(top_k, 1) else None
                 rows = logits.logits.numpy() if choices is None else None  # (a cold .numpy(): ~25 µs)
                 walked = tree.greedy_walk(rows, top_k, logits.row_of.tobytes(), start, choices)
                 if walked is None:
                     break
-                more, token, bonus, more_tops, missing = walked
+                more, token, bonus, more_tops, missing, path = walked
                 if missing < 0 and not start:  # (the walk's own lists: no row was missing)
-                    return Acceptance(more, token, bonus, more_tops)
+                    return Acceptance(more, token, bonus, more_tops, path)
                 accepted += more
                 if top_k:
                     tops += more_tops
+                tokens += path[1:] if start else path  # (a walk resumed at ``start`` repeats its token)
                 if missing < 0:
-                    return Acceptance(accepted, token, bonus, tops)
+                    return Acceptance(accepted, token, bonus, tops, tokens)
                 logits.fill_from(missing)
                 start = missing
         logits = logits.dense()
@@ -400,7 +404,7 @@ def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, gen
         # one call, one pass over each visited row (its argmax, or its top_k whose first is that)
         walked = tree.greedy_walk(logits.detach().numpy(), top_k)
         if walked is not None:
-            return Acceptance(*walked[:4])
+            return Acceptance(*walked[:4], tokens=walked[5])
     probs_cache: dict[int, torch.Tensor] = {}
     if params.greedy and not params.uses_prefix:
         pick = _greedy_rows(logits, all_rows)

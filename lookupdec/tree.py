@@ -660,7 +660,7 @@ class TokenTree:
                     choices: np.ndarray | None = None):
         """The compiled core's greedy acceptance walk over float32 ``logits`` (rows contiguous;
         node u's row is u, or ``row_of[u]`` given ``row_of``, int32 bytes with -1 for a row not
-        computed): ``(accepted nodes, next token, bonus, tops, missing)`` as ``sampling.accept``
+        computed): ``(accepted nodes, next token, bonus, tops, missing, tokens)`` as ``sampling.accept``
         defines the first three, or None without the core. ``tops``: with ``top_k`` > 0 the
         ``top_k`` best token ids of every visited row (the root's, then each accepted node's) from
         the same single pass over the row (``engine.top_tokens``' order), else None. ``missing``:
@@ -668,7 +668,8 @@ class TokenTree:
         the walk begins at (a missing one, once its row is there): accepted nodes are those below
         it, ``tops`` begin with its row. ``choices``: int32 [rows, >= max(top_k, 1)], each row's
         best token ids made as the row was written (``kernels.skinny_linear(tops=...)``): the walk
-        reads those, not the rows (``logits`` may then be None)."""
+        reads those, not the rows (``logits`` may then be None). ``tokens``: the token ids of
+        ``start`` and of each accepted node (``tokens_of([start, *accepted])``)."""
         core = self.__dict__.get("_core")
         if core is not None:
             return core.greedy_walk(logits, top_k, row_of, start, choices)

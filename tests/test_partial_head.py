@@ -55,6 +55,8 @@ def test_walk_over_partial_rows_equals_the_walk_over_every_row(seed, top_k, pick
     assert (got.accepted, got.next_token, got.bonus) == (want.accepted, want.next_token, want.bonus)
     if top_k:
         assert got.tops == top_tokens_reference(dense, [0, *got.accepted], top_k)
+    # the path's tokens, across walks resumed after a miss too
+    assert got.tokens == [tree.token_ids[u] for u in [0, *got.accepted]]
     computed = partial.row_of >= 0
     assert computed[[0, *got.accepted]].all()  # every visited row was computed, each once
     assert partial.computed == int(computed.sum())

@@ -130,6 +130,7 @@ def test_greedy_walk_top_k_is_the_walk_and_top_tokens_of_its_rows(seed):
         want = accept_reference(tree, logits, SamplingParams())
         assert (got.accepted, got.next_token, got.bonus) == (want.accepted, want.next_token, want.bonus)
         assert got.tops == top_tokens_reference(logits, [0, *got.accepted], k)
+        assert got.tokens == [tree.token_ids[u] for u in [0, *got.accepted]]  # the dense walk's path too
     assert accept(tree, logits, SamplingParams()).tops is None
 
 

@@ -639,11 +639,13 @@ nb::bytes cost_curve(const std::vector<double>& sizes, const std::vector<double>
   return to_bytes(out);
 }
 
-// (accepted nodes, next token, bonus, tops, missing): lookupdec.sampling.accept's greedy walk;
+// (accepted nodes, next token, bonus, tops, missing, tokens): lookupdec.sampling.accept's greedy walk;
 // tops: with top_k > 0 the top_k token ids of every visited row (one list per row, best first),
 // else None; missing: with row_of (int32 bytes, a row of `logits` per node, -1: not computed),
 // the first node the walk reached without a row (then next token -1), else -1; choices
-// ([rows of logits, >= max(top_k, 1)] int32): each row's top picks, made as it was written.
+// ([rows of logits, >= max(top_k, 1)] int32): each row's top picks, made as it was written;
+// tokens: the token ids of `start` and of each accepted node (the walked path's, read where the
+// tree's arrays are: the caller needs them next and would ask for them apart).
 using ChoicesIn = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 nb::tuple greedy_walk(std::optional<LogitsIn> logits_in, const std::vector<int32_t>& token_ids,
                       const std::vector<int32_t>& parents, int32_t top_k, std::optional<nb::bytes> row_of, int32_t start,
@@ -695,7 +697,11 @@ nb::tuple greedy_walk(std::optional<LogitsIn> logits_in, const std::vector<int32
     for (const auto& row : tops) lists.append(int_list(row));
     rows_out = lists;
   }
-  return nb::make_tuple(int_list(accepted), next_token, bonus, rows_out, missing);
+  std::vector<int32_t> visited;
+  visited.reserve(accepted.size() + 1);
+  visited.push_back(token_ids[start]);
+  for (int32_t node : accepted) visited.push_back(token_ids[node]);
+  return nb::make_tuple(int_list(accepted), next_token, bonus, rows_out, missing, int_list(visited));
 }
 
 // One tuple per draft: (token_ids, parents, scores, match_length): the arrays as bytes
