@@ -76,6 +76,7 @@ COST_OPTIMISM = 0.05
 # CACHED_MIN_COUNT times lately (``CostModel.trusted``; the rest are interpolated from those and
 # measured again when chosen or explored) and explores at its first choice.
 COUNT_DECAY = 0.995
+RESCALE_BELOW = 1e-3  # CostModel folds its running count scale into the raw sums below this (every ~1400 observes)
 EXPLORE_EVERY = 32
 EXPLORE_SPAN = 4
 EXPLORE_MIN_COUNT = 3.0
@@ -125,12 +126,23 @@ class CostModel:
         if not sizes or list(sizes) != sorted(set(sizes)) or len(sizes) != len(seconds):
             raise ValueError("CostModel: sizes must be increasing and match seconds")
         self.sizes, self.seconds = [int(n) for n in sizes], [float(t) for t in seconds]
-        self.counts = list(counts) if counts is not None else [1] * len(self.sizes)  # observations per size
+        # observations per size (``counts``), decayed: raw sums times one running scale, so an
+        # observe changes one size's sum and the scale, not every size's count (a list of them
+        # made anew cost about 7 µs a step, cold after the forward)
+        self._raw = [float(c) for c in counts] if counts is not None else [1.0] * len(self.sizes)
+        self._scale = 1.0
         self._since_explore = 0  # choices since the last exploration (``explore``)
         self._curves: dict[tuple[bool, bool], np.ndarray] = {}  # (optimistic, padded) -> dense()
         self._prices: list[float] | None = None  # ``prices()``
         self._lines: list[float | None] = []  # each size's neighbours' line behind its price (``shrunk``)
         self._since_prices = 0  # observations since the prices were computed whole
+
+    @property
+    def counts(self) -> list[float]:
+        """The decayed number of forwards behind each size's estimate (``COUNT_DECAY`` per
+        ``observe``), a new list."""
+        scale = self._scale
+        return [c * scale for c in self._raw]
 
     @classmethod
     def flat(cls) -> "CostModel":
@@ -194,18 +206,21 @@ class CostModel:
         if i == len(self.sizes) or self.sizes[i] != n:
             # a new size: its first observation replaces the interpolation (spikes clipped by it)
             self.sizes.insert(i, n)
-            self.seconds.insert(i, self._raw(n, skip=i))
-            self.counts.insert(i, 0)
+            self.seconds.insert(i, self._interpolate(n, skip=i))
+            self._raw.insert(i, 0.0)
             self._prices = None  # every line may move: computed whole when next read
         old = self.seconds[i]
         seconds = min(seconds, COST_SPIKE * old)
-        self.counts = [c * COUNT_DECAY for c in self.counts]  # recent forwards weigh more
-        self.counts[i] += 1
-        rate = max(COST_LEARNING_RATE, 1.0 / self.counts[i])
+        self._scale *= COUNT_DECAY  # every count decays (recent forwards weigh more) ...
+        if self._scale < RESCALE_BELOW:  # (the raw sums grow as the scale shrinks: fold it in now and then)
+            self._raw, self._scale = self.counts, 1.0
+        self._raw[i] += 1.0 / self._scale  # ... and this size's gains one
+        count = self._raw[i] * self._scale
+        rate = max(COST_LEARNING_RATE, 1.0 / count)
         self.seconds[i] = old + rate * (seconds - old)
         self._curves.clear()
         if self._prices is not None:
-            self._prices[i] = _blend(self.seconds[i], self.counts[i], self._lines[i], SHRINK_COUNT)
+            self._prices[i] = _blend(self.seconds[i], count, self._lines[i], SHRINK_COUNT)
             self._since_prices += 1
 
     def prices(self) -> list[float]:
@@ -222,7 +237,7 @@ class CostModel:
     def count(self, n: int) -> float:
         """The decayed number of forwards of ``n`` tokens behind its estimate (0: interpolated)."""
         i = bisect.bisect_left(self.sizes, n)
-        return self.counts[i] if i < len(self.sizes) and self.sizes[i] == n else 0.0
+        return self._raw[i] * self._scale if i < len(self.sizes) and self.sizes[i] == n else 0.0
 
     def explore(self, nodes: int, available: int) -> int:
         """The draft nodes to verify given the chooser's ``nodes`` (of ``available``): ``nodes``,
@@ -254,7 +269,7 @@ class CostModel:
         self._since_explore = 0
         return other
 
-    def _raw(self, n: int, skip: int = -1) -> float:
+    def _interpolate(self, n: int, skip: int = -1) -> float:
         """Linear interpolation between measured sizes (extrapolated past the ends); ``skip``:
         a position in ``sizes`` to ignore (a size just inserted)."""
         pairs = [(m, t) for j, (m, t) in enumerate(zip(self.sizes, self.seconds)) if j != skip]
@@ -289,8 +304,8 @@ class CostModel:
         cached = self._curves.get(key)
         if cached is None or len(cached) <= upto:
             if _core is not None and hasattr(_core, "cost_curve"):
-                cached = np.frombuffer(_core.cost_curve(self.sizes, self.prices(), self.counts, upto, COST_OPTIMISM,
-                                                        optimistic, padded), np.float64)
+                cached = np.frombuffer(_core.cost_curve(self.sizes, self.prices(), self._raw, upto, COST_OPTIMISM,
+                                                        optimistic, padded, self._scale), np.float64)
             else:
                 cached = self.dense_reference(upto, optimistic=optimistic, padded=padded)
             self._curves[key] = cached
@@ -817,11 +832,13 @@ def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int,
     if count <= 0:
         return 0
     if record is not None:
-        return core.choose_num_nodes_record(cost.sizes, cost.prices(), cost.counts, COST_OPTIMISM, overhead_s,
+        # (the counts as the cost model keeps them, raw sums and their scale: the core multiplies)
+        return core.choose_num_nodes_record(cost.sizes, cost.prices(), cost._raw, COST_OPTIMISM, overhead_s,
                                             max_nodes, record.table, record.steps, scale, SIZE_PRIOR_STEPS,
-                                            SIZE_DECAY, factor)
+                                            SIZE_DECAY, factor, cost._scale)
     scales = [scale] * (count + 1) if isinstance(scale, (int, float)) else scale
-    return core.choose_num_nodes(cost.sizes, cost.prices(), cost.counts, COST_OPTIMISM, overhead_s, max_nodes, scales)
+    return core.choose_num_nodes(cost.sizes, cost.prices(), cost._raw, COST_OPTIMISM, overhead_s, max_nodes, scales,
+                                 cost._scale)
 
 
 def choose_tree_nodes_reference(tree, cost: CostModel, overhead_s: float, max_nodes: int,

@@ -179,7 +179,7 @@ def test_choose_tree_nodes_reads_a_python_tree_and_checks_its_arguments():
     with pytest.raises(ValueError, match="a scale per node count"):
         choose_tree_nodes(tree, cost, 0.0, 3, [1.0, 1.0])
     with pytest.raises(ValueError, match="sizes must increase"):
-        tree._core.choose_num_nodes([2, 1], [1.0, 1.0], [1, 1], COST_OPTIMISM, 0.0, 3, [1.0] * 4)
+        tree._core.choose_num_nodes([2, 1], [1.0, 1.0], [1, 1], COST_OPTIMISM, 0.0, 3, [1.0] * 4, 1.0)
 
 
 @pytest.mark.parametrize("seed", range(300))
@@ -202,6 +202,8 @@ def test_compiled_cost_curve_equals_the_reference(seed):
         seconds = [rng.uniform(0.001, 0.2) for _ in sizes]
     counts = [rng.choice((1, rng.uniform(0.0, 1.0), rng.uniform(0, 50), rng.randint(0, 9))) for _ in sizes]
     cost = CostModel(sizes, seconds, counts)
+    for _ in range(rng.choice((0, rng.randint(1, 40)))):  # decayed counts: raw sums and a scale the core multiplies
+        cost.observe(rng.choice(sizes), rng.uniform(0.001, 0.2))
     for upto in {0, 1, rng.randint(1, sizes[-1]), sizes[-1], sizes[-1] + rng.randint(1, 80)}:
         for optimistic, padded in itertools.product((False, True), repeat=2):
             cost._curves.clear()
@@ -209,6 +211,30 @@ def test_compiled_cost_curve_equals_the_reference(seed):
             ref = cost.dense_reference(upto, optimistic=optimistic, padded=padded)
             assert fast.dtype == ref.dtype == np.float64 and fast.shape == ref.shape
             assert fast.tobytes() == ref.tobytes(), (upto, optimistic, padded)
+
+
+def test_decayed_counts_are_the_per_forward_decay():
+    """``CostModel.counts`` kept as raw sums and one running scale (folded in below
+    ``RESCALE_BELOW``) equals every count decayed by ``COUNT_DECAY`` at each observe and the
+    observed size's plus one, through several foldings; the estimates follow the same rates."""
+    from lookupdec.budget import RESCALE_BELOW
+
+    rng = random.Random(5)
+    sizes = [1, 2, 4, 8, 16]
+    cost = CostModel(sizes, [0.05, 0.06, 0.07, 0.09, 0.12], counts=[3, 0.5, 1, 0, 2])
+    counts, seconds = [3.0, 0.5, 1.0, 0.0, 2.0], [0.05, 0.06, 0.07, 0.09, 0.12]
+    steps = 3 * int(np.log(RESCALE_BELOW) / np.log(COUNT_DECAY)) + 7
+    for step in range(steps):
+        i = rng.randrange(len(sizes)) if step % 97 else 3  # size 8 now and then only: its count runs low
+        t = rng.uniform(0.04, 0.2)
+        cost.observe(sizes[i], t)
+        counts = [c * COUNT_DECAY for c in counts]
+        counts[i] += 1
+        old = seconds[i]
+        seconds[i] = old + max(COST_LEARNING_RATE, 1.0 / counts[i]) * (min(t, COST_SPIKE * old) - old)
+        assert cost.count(sizes[i]) == pytest.approx(counts[i], rel=1e-9)
+    assert cost.counts == pytest.approx(counts, rel=1e-9) and cost.seconds == pytest.approx(seconds, rel=1e-9)
+    assert cost._scale >= RESCALE_BELOW  # (folded three times)
 
 
 def test_compiled_cost_curve_reads_a_degenerate_curve_as_the_reference():

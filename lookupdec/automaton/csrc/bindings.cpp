@@ -575,22 +575,26 @@ int64_t choose_num_nodes(const std::vector<double>& values, nb::ndarray<const do
   return lookupdec::choose_num_nodes(values.data(), count, curve.data(), overhead, scales.data());
 }
 
-// A cost model's estimates as the compiled curve takes them: one entry each per size, sizes increasing.
+// A cost model's estimates as the compiled curve takes them: one entry each per size, sizes
+// increasing; its counts are kept as raw sums and one decay applied to all (CostModel.counts:
+// each raw sum times `count_scale`), made here, the same products.
 void check_estimates(const std::vector<double>& sizes, const std::vector<double>& seconds,
-                     const std::vector<double>& counts, const std::string& name) {
-  if (sizes.empty() || seconds.size() != sizes.size() || counts.size() != sizes.size())
+                     std::vector<double>* counts, double count_scale, const std::string& name) {
+  if (sizes.empty() || seconds.size() != sizes.size() || counts->size() != sizes.size())
     throw std::invalid_argument(name + ": sizes, seconds and counts need one entry each per size");
   for (size_t i = 1; i < sizes.size(); ++i)
     if (!(sizes[i - 1] < sizes[i])) throw std::invalid_argument(name + ": sizes must increase");
+  if (count_scale != 1.0)
+    for (double& c : *counts) c *= count_scale;
 }
 
 // budget.choose_tree_nodes: budget.choose_num_nodes on the tree's gains in prune order, with the
 // cost model's estimates (sizes, seconds, counts; ints taken as floats) made into its optimistic,
 // unpadded curve only as far as it is read, in one call.
 int64_t choose_tree_nodes(const CoreTree& t, const std::vector<double>& sizes, const std::vector<double>& seconds,
-                          const std::vector<double>& counts, double optimism, double overhead, int64_t max_nodes,
-                          const std::vector<double>& scales) {
-  check_estimates(sizes, seconds, counts, "choose_num_nodes");
+                          std::vector<double> counts, double optimism, double overhead, int64_t max_nodes,
+                          const std::vector<double>& scales, double count_scale) {
+  check_estimates(sizes, seconds, &counts, count_scale, "choose_num_nodes");
   return lookupdec::choose_tree_nodes(t.tree, sizes.data(), seconds.data(), counts.data(),
                                       static_cast<int64_t>(sizes.size()), optimism, overhead, max_nodes,
                                       scales.data(), static_cast<int64_t>(scales.size()));
@@ -618,10 +622,10 @@ std::vector<double> size_scales(RecordIn record, double steps, double scale, dou
 
 // choose_tree_nodes with each size's correction made from a SizeRecord's table (size_scales).
 int64_t choose_tree_nodes_record(const CoreTree& t, const std::vector<double>& sizes,
-                                 const std::vector<double>& seconds, const std::vector<double>& counts,
+                                 const std::vector<double>& seconds, std::vector<double> counts,
                                  double optimism, double overhead, int64_t max_nodes, RecordIn record, double steps,
-                                 double scale, double prior_steps, double decay, double factor) {
-  check_estimates(sizes, seconds, counts, "choose_num_nodes");
+                                 double scale, double prior_steps, double decay, double factor, double count_scale) {
+  check_estimates(sizes, seconds, &counts, count_scale, "choose_num_nodes");
   int64_t count = std::min<int64_t>(static_cast<int64_t>(t.tree.order.size()), std::max<int64_t>(max_nodes, 0));
   std::vector<double> scales = size_scales(record, steps, scale, prior_steps, decay, count, factor);
   return lookupdec::choose_tree_nodes(t.tree, sizes.data(), seconds.data(), counts.data(),
@@ -631,8 +635,9 @@ int64_t choose_tree_nodes_record(const CoreTree& t, const std::vector<double>& s
 
 // budget.CostModel.dense from its estimates (ints taken as floats): the curve as float64 bytes.
 nb::bytes cost_curve(const std::vector<double>& sizes, const std::vector<double>& seconds,
-                     const std::vector<double>& counts, int64_t upto, double optimism, bool optimistic, bool padded) {
-  check_estimates(sizes, seconds, counts, "cost_curve");
+                     std::vector<double> counts, int64_t upto, double optimism, bool optimistic, bool padded,
+                     double count_scale) {
+  check_estimates(sizes, seconds, &counts, count_scale, "cost_curve");
   std::vector<double> out;
   lookupdec::cost_curve(sizes.data(), seconds.data(), counts.data(), static_cast<int64_t>(sizes.size()), upto,
                         optimism, optimistic, padded, &out);
