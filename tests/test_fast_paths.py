@@ -67,6 +67,33 @@ def test_compiled_ngram_drafts_equal_the_reference(seed):
         fast.propose("r", context[:-1], 8)
 
 
+@needs_core
+@pytest.mark.parametrize("branch_decay,continue_prob", [(0.6, 0.95), (0.6, 1.0), (1.0, 1.0), (0.6, 1.05),
+                                                        (-0.6, 0.95), (0.6, 0.0), (0.6, 0.5), (0.6, -0.9)])
+def test_compiled_ngram_budget_shares_equal_the_reference_for_any_decays(monkeypatch, branch_decay, continue_prob):
+    """Where the branches' tokens outnumber the budget, the compiled proposer takes each branch's
+    best tokens one by one while its scores never rise (else it sorts them all, as the
+    reference does): the same lengths for ties (equal decays), rising scores (a continue
+    probability past 1) and negative ones."""
+    from lookupdec.proposers import ngram
+
+    monkeypatch.setattr(ngram, "BRANCH_DECAY", branch_decay)
+    monkeypatch.setattr(ngram, "CONTINUE_PROB", continue_prob)
+    rng = random.Random(int(1000 * (branch_decay + 3 * continue_prob)))
+    config = NgramConfig(min_ngram=1, max_ngram=3, max_draft_tokens=rng.choice((10, 48)), max_branches=5)
+    fast, ref = NgramProposer(config), NgramProposer(config, backend="reference")
+    context = [rng.randrange(3) for _ in range(120)]
+    for p in (fast, ref):
+        p.start("r", context)
+    binding, branched = 0, 0
+    for max_nodes in (1, 2, 5, 9, 17, 33, 64, 100):
+        got, want = fast.propose("r", context, max_nodes), ref.propose("r", context, max_nodes)
+        assert comparable(got) == comparable(want), max_nodes
+        binding += sum(len(d.token_ids) for d in want) == max_nodes
+        branched += len(want) > 1
+    assert binding >= 4 and branched >= 2  # budgets the branches had to share
+
+
 def comparable(drafts):
     return [(d.token_ids, d.parents, d.scores, d.source, d.match_length, d.best_chain()) for d in drafts]
 

@@ -768,6 +768,7 @@ struct Lookups {
   // the last plan's drafts (learn counts them once the step's tokens are known)
   PackedDrafts last;
   std::vector<int32_t> last_codes, last_matches;
+  std::vector<int32_t> last_cells;  // each of its nodes' cell within its row (-1: its draft had no row)
   int64_t serial = 0;  // plans made
 };
 
@@ -867,6 +868,8 @@ nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t con
   std::vector<uint8_t> point_mass(num_drafts, 1);
   lookupdec::MergeInput in = merge_input(root, packed, rows, point_mass.data(), max_nodes, max_depth);
   with_counts(&in, counts, draft_sources);
+  L.last_cells.resize(packed.tokens.size());
+  in.node_cells = L.last_cells.data();
   CoreTree tree{lookupdec::merge_drafts(in), names};
   tree.tree.node_of.clear();
   L.last = std::move(packed);
@@ -933,8 +936,15 @@ bool lookups_learn(Lookups& L, int64_t serial, double decay, const std::vector<i
   for (size_t d = 0; d < num_drafts; ++d) {
     int64_t a = L.last.offsets[d], n = L.last.offsets[d + 1] - a;
     int64_t at = rows[d] * C;
-    lookupdec::observe_draft(L.last.tokens.data() + a, L.last.parents.data() + a, L.last.scores.data() + a, n,
-                             committed, reached.data() + at, predicted.data() + at, matched.data() + at, 1);
+    if (n > 0 && L.last_cells[a] < 0) {  // its row came after the plan (another request's learn added it)
+      lookupdec::observe_draft(L.last.tokens.data() + a, L.last.parents.data() + a, L.last.scores.data() + a, n,
+                               committed, reached.data() + at, predicted.data() + at, matched.data() + at, 1);
+      continue;
+    }
+    // (with the cells the plan's merge worked out)
+    lookupdec::observe_draft_cells(L.last.tokens.data() + a, L.last.parents.data() + a, L.last.scores.data() + a,
+                                   L.last_cells.data() + a, n, committed, reached.data() + at,
+                                   predicted.data() + at, matched.data() + at);
   }
   return true;
 }

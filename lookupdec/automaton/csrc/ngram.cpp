@@ -108,12 +108,40 @@ std::vector<NgramDraft> NgramIndex::propose(int32_t max_draft_tokens, int32_t ma
     if (static_cast<int32_t>(found.size()) == max_branches) break;
   }
   // continue_prob ** d, each from pow as Python's float power computes it
-  std::vector<double> decay(static_cast<size_t>(std::max(length, 0)));
-  for (int32_t d = 0; d < length; ++d) decay[d] = std::pow(continue_prob, static_cast<double>(d));
+  if (!(continue_prob == decay_prob_) || static_cast<int32_t>(decay_.size()) < length) {
+    decay_.resize(static_cast<size_t>(std::max(length, 0)));
+    decay_falls_ = true;
+    for (int32_t d = 0; d < length; ++d) {
+      decay_[d] = std::pow(continue_prob, static_cast<double>(d));
+      decay_falls_ = decay_falls_ && (d == 0 || decay_[d] <= decay_[d - 1]);
+    }
+    decay_prob_ = continue_prob;
+  }
+  const double* decay = decay_.data();
   // lengths_within_budget: the max_nodes best (score, branch) pairs, branch descending on ties
   size_t branches = found.size();
   std::vector<int32_t> lengths(branches, length);
-  if (static_cast<int64_t>(branches) * length > max_nodes) {
+  bool firsts_sure = true;  // every branch's first score >= 0 (then its scores fall with decay's)
+  for (const Found& f : found) firsts_sure = firsts_sure && f.first >= 0 && std::isfinite(f.first);
+  if (static_cast<int64_t>(branches) * length > max_nodes && decay_falls_ && firsts_sure) {
+    // each branch's pairs come best first, so the best max_nodes pairs are a prefix of each
+    // branch: take them one by one, the best next pair of all branches each time (the pairs the
+    // partial sort below takes, without making and sorting them all)
+    std::fill(lengths.begin(), lengths.end(), 0);
+    for (int32_t i = 0; i < max_nodes; ++i) {
+      int32_t best = -1;
+      double best_score = 0.0;
+      for (size_t r = 0; r < branches; ++r) {
+        if (lengths[r] == length) continue;
+        double score = found[r].first * decay[lengths[r]];
+        if (best < 0 || score > best_score || (score == best_score && static_cast<int32_t>(r) > best)) {
+          best = static_cast<int32_t>(r);
+          best_score = score;
+        }
+      }
+      ++lengths[best];
+    }
+  } else if (static_cast<int64_t>(branches) * length > max_nodes) {
     std::vector<std::pair<double, int32_t>> scored;
     for (size_t r = 0; r < branches; ++r)
       for (int32_t d = 0; d < length; ++d)

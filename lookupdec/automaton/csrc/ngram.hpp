@@ -43,6 +43,11 @@ class NgramIndex {
   std::vector<int32_t> tokens_;
   std::vector<Group> groups_;
   FlatMap<int32_t> first_group_;  // hash -> first group of that hash
+  // continue_prob ** d from pow, d < decay_.size(), for continue_prob == decay_prob_ (propose's
+  // per-depth factors: the same every step, so worked out once; NaN never matches)
+  mutable std::vector<double> decay_;
+  mutable double decay_prob_ = 0.0;
+  mutable bool decay_falls_ = true;  // decay_ never rises (each branch's scores are best first)
 };
 
 }  // namespace lookupdec

@@ -116,11 +116,34 @@ void check_draft(const MergeInput& in, int64_t d) {
 // The factors a merge reads from calibration counts (MergeInput::counts): each source's and row's.
 struct CountLevels {
   std::vector<double> by_source, by_row;
+  // each cell's probability once worked out in this merge (calibration_cell: a few divisions;
+  // a merge's nodes share a few dozen cells): valid where stamp[k] == merge
+  std::vector<double> cell;
+  std::vector<uint32_t> stamp;
+  uint32_t merge = 0;
+
+  void start(int64_t table_size) {
+    if (static_cast<int64_t>(stamp.size()) < table_size) {
+      stamp.assign(table_size, 0);
+      cell.resize(table_size);
+    }
+    if (++merge == 0) {  // (the stamps wrapped: none is valid)
+      std::fill(stamp.begin(), stamp.end(), 0);
+      merge = 1;
+    }
+  }
+  double probability(const CalibrationCounts& c, int64_t k) {
+    if (stamp[k] != merge) {
+      cell[k] = calibration_cell(c, by_row, k);
+      stamp[k] = merge;
+    }
+    return cell[k];
+  }
 };
 
 // Each node's factor and flat cell (Calibration.node_factors); `levels`: the counts' factors,
 // when the cells are computed from counts (then a draft without a row takes its source's).
-void node_factors(const MergeInput& in, const CountLevels* levels, int64_t d, std::vector<double>* factors,
+void node_factors(const MergeInput& in, CountLevels* levels, int64_t d, std::vector<double>* factors,
                   std::vector<int32_t>* cells, std::vector<int32_t>* depth, std::vector<int32_t>* rank) {
   int64_t begin = in.offsets[d], n = in.offsets[d + 1] - begin;
   int32_t row = in.rows[d];
@@ -133,7 +156,11 @@ void node_factors(const MergeInput& in, const CountLevels* levels, int64_t d, st
   }
   factors->assign(n, fallback);
   cells->assign(n, -1);
-  if (row < 0) return;
+  int32_t* node_cells = in.node_cells != nullptr ? in.node_cells + begin : nullptr;
+  if (row < 0) {
+    if (node_cells != nullptr) std::fill(node_cells, node_cells + n, -1);
+    return;
+  }
   const int32_t* parents = in.parents + begin;
   depth->resize(n);
   for (int64_t i = 0; i < n; ++i) (*depth)[i] = parents[i] < 0 ? 1 : (*depth)[parents[i]] + 1;
@@ -142,14 +169,15 @@ void node_factors(const MergeInput& in, const CountLevels* levels, int64_t d, st
   for (int64_t i = 0; i < n; ++i) {
     double parent_score = parents[i] >= 0 ? scores[parents[i]] : 1.0;
     double cond = parent_score > 0 ? scores[i] / parent_score : 0.0;
-    int64_t cell = static_cast<int64_t>(row) * kCellsPerRow +
-                   (depth_bucket((*depth)[i]) * kSiblingRanks + std::min((*rank)[i], kSiblingRanks - 1)) *
-                       kNumCondBuckets +
-                   cond_bucket(cond);
+    int64_t within = (depth_bucket((*depth)[i]) * kSiblingRanks + std::min((*rank)[i], kSiblingRanks - 1)) *
+                         kNumCondBuckets +
+                     cond_bucket(cond);
+    if (node_cells != nullptr) node_cells[i] = static_cast<int32_t>(within < 0 ? within + kCellsPerRow : within);
+    int64_t cell = static_cast<int64_t>(row) * kCellsPerRow + within;
     int64_t at = cell < 0 ? cell + in.table_size : cell;  // Python's indexing (a negative score's cell)
     if (at < 0 || at >= in.table_size) throw std::out_of_range("merge_drafts: calibration cell outside the table");
     (*cells)[i] = static_cast<int32_t>(cell);
-    double value = levels != nullptr ? calibration_cell(*in.counts, levels->by_row, at) : in.table[at];
+    double value = levels != nullptr ? levels->probability(*in.counts, at) : in.table[at];
     (*factors)[i] = !in.probabilities ? value : cond > 0 ? value / cond : 0.0;
   }
 }
@@ -164,8 +192,11 @@ Trie build_trie(const MergeInput& in) {
   TrieIndex index(static_cast<size_t>(total));
   std::vector<double> factors;
   std::vector<int32_t> cells, depth, rank;
-  CountLevels levels;
-  if (in.counts != nullptr) calibration_levels(*in.counts, &levels.by_source, &levels.by_row);
+  thread_local CountLevels levels;  // (kept: its memo's arrays are reused merge after merge)
+  if (in.counts != nullptr) {
+    calibration_levels(*in.counts, &levels.by_source, &levels.by_row);
+    levels.start(in.table_size);
+  }
   for (int64_t d = 0; d < in.num_drafts; ++d) {
     check_draft(in, d);
     node_factors(in, in.counts != nullptr ? &levels : nullptr, d, &factors, &cells, &depth, &rank);
@@ -389,6 +420,31 @@ void observe_draft(const int32_t* tokens, const int32_t* parents, const double* 
     predicted[cell * stride] += cond;
     if (tokens[i] == committed[depth[i] - 1]) {
       matched[cell * stride] += 1.0;
+      hit[i] = 1;
+    }
+  }
+}
+
+void observe_draft_cells(const int32_t* tokens, const int32_t* parents, const double* scores, const int32_t* cells,
+                         int64_t n, const std::vector<int64_t>& committed, double* reached, double* predicted,
+                         double* matched) {
+  // hit[i]: node i was reached and accepted; depth[i] its depth (parents[i] < i, checked by the merge)
+  thread_local std::vector<int32_t> depth;
+  thread_local std::vector<uint8_t> hit;
+  depth.resize(n);
+  hit.assign(n, 0);
+  int64_t known = static_cast<int64_t>(committed.size());
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t p = parents[i];
+    depth[i] = p < 0 ? 1 : depth[p] + 1;
+    if (depth[i] > known || (p >= 0 && !hit[p])) continue;
+    double parent_score = p >= 0 ? scores[p] : 1.0;
+    double cond = parent_score > 0 ? scores[i] / parent_score : 0.0;
+    int32_t cell = cells[i];
+    reached[cell] += 1.0;
+    predicted[cell] += cond;
+    if (tokens[i] == committed[depth[i] - 1]) {
+      matched[cell] += 1.0;
       hit[i] = 1;
     }
   }

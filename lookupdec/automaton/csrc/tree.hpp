@@ -59,6 +59,10 @@ struct MergeInput {
   bool probabilities;        // the table holds acceptance probabilities: factor = value / cond
   int32_t max_nodes;
   int32_t max_depth;
+  // optional output [total]: each draft node's cell within its row as observe_draft counts it
+  // (a negative index wrapped by kCellsPerRow), -1 for every node of a draft without a row (the
+  // merge works them out for its factors: a later learn of the same drafts reads them here)
+  int32_t* node_cells = nullptr;
 };
 
 struct MergedTree {  // the kept tree, node 0 = the root, parents before children
@@ -108,6 +112,11 @@ void additive_tree_block(const int32_t* parents, int64_t n, size_t elem_size, co
 void observe_draft(const int32_t* tokens, const int32_t* parents, const double* scores, int64_t n,
                    const std::vector<int64_t>& committed, double* reached, double* predicted, double* matched,
                    int64_t stride);
+// observe_draft of a draft whose cells a merge worked out (MergeInput::node_cells, all >= 0):
+// the same counts, in the same order, without working out depths' buckets and sibling ranks again.
+void observe_draft_cells(const int32_t* tokens, const int32_t* parents, const double* scores, const int32_t* cells,
+                         int64_t n, const std::vector<int64_t>& committed, double* reached, double* predicted,
+                         double* matched);
 
 // AcceptanceCalibrator.calibration's arithmetic (lookupdec.budget, its `backend="reference"`
 // the definition): from the decayed reached/predicted/matched counts [rows, kCellsPerRow]
