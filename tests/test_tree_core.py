@@ -198,6 +198,35 @@ def test_observe_draft_matches_the_reference(seed):
             assert f.tolist() == w.tolist()
 
 
+def test_a_merge_reading_more_cells_than_its_memo_holds_is_the_reference():
+    """The compiled merge keeps the calibration cells it worked out in a table of 256 slots, at
+    most half of them filled per merge; past that it works cells out without keeping them. A
+    merge over drafts of every source and match length (hundreds of distinct cells) against the
+    merge over the reference's whole table: the same tree, bit for bit."""
+    from lookupdec.budget import AcceptanceCalibrator
+    from lookupdec.tree import Draft, calibration_row_key, draft_cells
+
+    rng = random.Random(5)
+    fast, ref = AcceptanceCalibrator(), AcceptanceCalibrator(backend="reference")
+    drafts = []
+    for source in ("ngram", "suffix", "suffix-global", "recycle"):
+        for match_length in (0, 1, 2, 3, 5, 9, 17, 33):
+            n = rng.randint(8, 20)
+            parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+            scores, tokens = [], []
+            for i, p in enumerate(parents):
+                scores.append((1.0 if p < 0 else scores[p]) * rng.choice((0.1, 0.3, 0.6, 0.8, 0.97, 1.0)))
+                tokens.append(rng.randrange(50))
+            drafts.append(Draft(tokens, parents, scores, source, match_length=match_length))
+    for step in range(3):  # counts in every row, so the cells differ from their priors
+        committed = [rng.randrange(50) for _ in range(6)]
+        for calibrator in (fast, ref):
+            calibrator.learn(drafts, committed)
+    assert len({(calibration_row_key(d), c) for d in drafts for c in draft_cells(d)[1]}) > 128
+    want = TokenTree.from_drafts(0, drafts, max_nodes=64, max_depth=64, calibration=ref.calibration())
+    assert_same_tree(TokenTree.from_drafts(0, drafts, max_nodes=64, max_depth=64, calibration=fast), want)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_compiled_calibrator_matches_the_reference(seed):
     """``AcceptanceCalibrator`` (compiled ``learn`` and ``calibration``, one call each) against its

@@ -527,6 +527,8 @@ nb::tuple merge_drafts_counts(int32_t root_token, nb::list drafts, const std::ve
   lookupdec::MergeInput in = merge_input(root_token, packed, rows, reinterpret_cast<const uint8_t*>(point_mass.c_str()),
                                              max_nodes, max_depth);
   with_counts(&in, counts, draft_sources);
+  lookupdec::CellMemo memo;  // (as a fused plan's merge reads cells: each worked out once)
+  in.cell_memo = &memo;
   return merged(in, names);
 }
 
@@ -769,6 +771,7 @@ struct Lookups {
   PackedDrafts last;
   std::vector<int32_t> last_codes, last_matches;
   std::vector<int32_t> last_cells;  // each of its nodes' cell within its row (-1: its draft had no row)
+  lookupdec::CellMemo cell_memo;     // the merges' calibration cells (MergeInput::cell_memo)
   int64_t serial = 0;  // plans made
 };
 
@@ -870,6 +873,7 @@ nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t con
   with_counts(&in, counts, draft_sources);
   L.last_cells.resize(packed.tokens.size());
   in.node_cells = L.last_cells.data();
+  in.cell_memo = &L.cell_memo;
   CoreTree tree{lookupdec::merge_drafts(in), names};
   tree.tree.node_of.clear();
   L.last = std::move(packed);
@@ -933,6 +937,10 @@ bool lookups_learn(Lookups& L, int64_t serial, double decay, const std::vector<i
   }
   decay_counts({&reached, &predicted, &matched}, nrows, decay);
   const int64_t C = lookupdec::kCellsPerRow;
+  int64_t longest = 0;
+  for (size_t d = 0; d < num_drafts; ++d) longest = std::max(longest, L.last.offsets[d + 1] - L.last.offsets[d]);
+  std::vector<int32_t> depth(longest);
+  std::vector<uint8_t> hit(longest);
   for (size_t d = 0; d < num_drafts; ++d) {
     int64_t a = L.last.offsets[d], n = L.last.offsets[d + 1] - a;
     int64_t at = rows[d] * C;
@@ -944,7 +952,7 @@ bool lookups_learn(Lookups& L, int64_t serial, double decay, const std::vector<i
     // (with the cells the plan's merge worked out)
     lookupdec::observe_draft_cells(L.last.tokens.data() + a, L.last.parents.data() + a, L.last.scores.data() + a,
                                    L.last_cells.data() + a, n, committed, reached.data() + at,
-                                   predicted.data() + at, matched.data() + at);
+                                   predicted.data() + at, matched.data() + at, depth.data(), hit.data());
   }
   return true;
 }

@@ -116,28 +116,26 @@ void check_draft(const MergeInput& in, int64_t d) {
 // The factors a merge reads from calibration counts (MergeInput::counts): each source's and row's.
 struct CountLevels {
   std::vector<double> by_source, by_row;
-  // each cell's probability once worked out in this merge (calibration_cell: a few divisions;
-  // a merge's nodes share a few dozen cells): valid where stamp[k] == merge
-  std::vector<double> cell;
-  std::vector<uint32_t> stamp;
-  uint32_t merge = 0;
+  CellMemo* memo = nullptr;  // (MergeInput::cell_memo)
 
-  void start(int64_t table_size) {
-    if (static_cast<int64_t>(stamp.size()) < table_size) {
-      stamp.assign(table_size, 0);
-      cell.resize(table_size);
-    }
-    if (++merge == 0) {  // (the stamps wrapped: none is valid)
-      std::fill(stamp.begin(), stamp.end(), 0);
-      merge = 1;
-    }
-  }
+  // calibration_cell(k), from the memo where this merge worked it out already
   double probability(const CalibrationCounts& c, int64_t k) {
-    if (stamp[k] != merge) {
-      cell[k] = calibration_cell(c, by_row, k);
-      stamp[k] = merge;
+    if (memo == nullptr) return calibration_cell(c, by_row, k);
+    uint32_t slot = static_cast<uint32_t>((static_cast<uint64_t>(k) * kFibonacci) >> 40) & (CellMemo::kSlots - 1);
+    for (;; slot = (slot + 1) & (CellMemo::kSlots - 1)) {
+      CellMemo::Slot& s = memo->slots[slot];
+      if (s.merge != memo->merge) {  // free in this merge
+        double value = calibration_cell(c, by_row, k);
+        if (2 * memo->used < CellMemo::kSlots) {
+          s.cell = static_cast<int32_t>(k);
+          s.merge = memo->merge;
+          s.value = value;
+          ++memo->used;
+        }
+        return value;
+      }
+      if (s.cell == k) return s.value;
     }
-    return cell[k];
   }
 };
 
@@ -192,10 +190,17 @@ Trie build_trie(const MergeInput& in) {
   TrieIndex index(static_cast<size_t>(total));
   std::vector<double> factors;
   std::vector<int32_t> cells, depth, rank;
-  thread_local CountLevels levels;  // (kept: its memo's arrays are reused merge after merge)
+  CountLevels levels;
   if (in.counts != nullptr) {
     calibration_levels(*in.counts, &levels.by_source, &levels.by_row);
-    levels.start(in.table_size);
+    if (in.cell_memo != nullptr) {
+      levels.memo = in.cell_memo;
+      if (++levels.memo->merge == 0) {  // (the numbers wrapped: every slot is free again)
+        for (CellMemo::Slot& slot : levels.memo->slots) slot.merge = 0;
+        levels.memo->merge = 1;
+      }
+      levels.memo->used = 0;
+    }
   }
   for (int64_t d = 0; d < in.num_drafts; ++d) {
     check_draft(in, d);
@@ -427,12 +432,9 @@ void observe_draft(const int32_t* tokens, const int32_t* parents, const double* 
 
 void observe_draft_cells(const int32_t* tokens, const int32_t* parents, const double* scores, const int32_t* cells,
                          int64_t n, const std::vector<int64_t>& committed, double* reached, double* predicted,
-                         double* matched) {
+                         double* matched, int32_t* depth, uint8_t* hit) {
   // hit[i]: node i was reached and accepted; depth[i] its depth (parents[i] < i, checked by the merge)
-  thread_local std::vector<int32_t> depth;
-  thread_local std::vector<uint8_t> hit;
-  depth.resize(n);
-  hit.assign(n, 0);
+  std::fill(hit, hit + n, 0);
   int64_t known = static_cast<int64_t>(committed.size());
   for (int64_t i = 0; i < n; ++i) {
     int32_t p = parents[i];

@@ -39,6 +39,22 @@ struct CalibrationCounts {
   CalibrationWeights w;
 };
 
+// The calibration cells a merge worked out (MergeInput::cell_memo): a small open-addressed
+// table its owner keeps from merge to merge (a request's Lookups), each merge numbered, so
+// nothing is cleared; a merge's nodes share a few dozen cells, and a table of one page reads
+// fewer cache lines after a forward than one entry per cell of the calibrator's arrays would.
+struct CellMemo {
+  static constexpr int32_t kSlots = 256;  // a power of two; a merge stores at most half
+  struct Slot {
+    int32_t cell = -1;
+    uint32_t merge = 0;
+    double value = 0.0;
+  };
+  Slot slots[kSlots];
+  uint32_t merge = 0;  // this merge's number (0: none yet)
+  int32_t used = 0;    // slots this merge filled
+};
+
 struct MergeInput {
   int32_t root_token;
   const int32_t* tokens;   // [total] every draft's token ids, draft after draft
@@ -63,6 +79,7 @@ struct MergeInput {
   // (a negative index wrapped by kCellsPerRow), -1 for every node of a draft without a row (the
   // merge works them out for its factors: a later learn of the same drafts reads them here)
   int32_t* node_cells = nullptr;
+  CellMemo* cell_memo = nullptr;  // optional, with counts: each cell's probability worked out once
 };
 
 struct MergedTree {  // the kept tree, node 0 = the root, parents before children
@@ -116,7 +133,7 @@ void observe_draft(const int32_t* tokens, const int32_t* parents, const double* 
 // the same counts, in the same order, without working out depths' buckets and sibling ranks again.
 void observe_draft_cells(const int32_t* tokens, const int32_t* parents, const double* scores, const int32_t* cells,
                          int64_t n, const std::vector<int64_t>& committed, double* reached, double* predicted,
-                         double* matched);
+                         double* matched, int32_t* depth, uint8_t* hit);  // depth, hit: n each (scratch)
 
 // AcceptanceCalibrator.calibration's arithmetic (lookupdec.budget, its `backend="reference"`
 // the definition): from the decayed reached/predicted/matched counts [rows, kCellsPerRow]
