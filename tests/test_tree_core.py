@@ -198,6 +198,33 @@ def test_observe_draft_matches_the_reference(seed):
             assert f.tolist() == w.tolist()
 
 
+def test_cells_at_the_bucket_bounds_are_the_references():
+    """Conditional probabilities exactly at, just under and outside the bucket bounds, at depths
+    across the depth buckets: the compiled merge's and count's cells (buckets counted, not
+    searched) are the reference's."""
+    from lookupdec.budget import AcceptanceCalibrator
+    from lookupdec.tree import Draft, observe_draft, observe_draft_reference
+
+    bounds = [0.0, 0.25, 0.5, 0.75, 0.95, 1.0, 0.2499999999, 0.9500000001, -0.25, 1.5]
+    drafts = [Draft(list(range(len(bounds))), [-1] * len(bounds), bounds, "ngram", match_length=3)]
+    for depth in (2, 3, 4, 5, 8, 9, 16, 17, 18):  # a chain, its last step at each bound in turn
+        for cond in bounds:
+            scores = [1.0] * (depth - 1) + [cond]
+            drafts.append(Draft(list(range(depth)), list(range(-1, depth - 1)), scores, "suffix", match_length=depth))
+    committed = list(range(20))
+    fast, ref = AcceptanceCalibrator(), AcceptanceCalibrator(backend="reference")
+    for calibrator in (fast, ref):
+        calibrator.learn(drafts, committed)
+    assert fast._reached.tolist() == ref._reached.tolist() and fast._matched.tolist() == ref._matched.tolist()
+    for draft in drafts:
+        tables = [[np.zeros(CELLS_PER_ROW) for _ in range(3)] for _ in range(2)]
+        observe_draft(draft, committed, *tables[0])
+        observe_draft_reference(draft, committed, *tables[1])
+        assert [t.tolist() for t in tables[0]] == [t.tolist() for t in tables[1]]
+        want = TokenTree.from_drafts_reference(0, [draft], max_nodes=64, max_depth=64, calibration=ref.calibration())
+        assert_same_tree(TokenTree.from_drafts(0, [draft], max_nodes=64, max_depth=64, calibration=fast), want)
+
+
 def test_a_merge_reading_more_cells_than_its_memo_holds_is_the_reference():
     """The compiled merge keeps the calibration cells it worked out in a table of 256 slots, at
     most half of them filled per merge; past that it works cells out without keeping them. A

@@ -600,6 +600,11 @@ TreeDraft Automaton::expand_tree(int32_t state, int32_t max_nodes, int32_t max_d
   flush();
   TreeDraft tree;
   std::vector<Candidate> heap;
+  size_t expected = static_cast<size_t>(std::min(std::max(max_nodes, 0), 1024));  // (grown node by node else)
+  tree.token_ids.reserve(expected);
+  tree.parents.reserve(expected);
+  tree.scores.reserve(expected);
+  heap.reserve(2 * expected + 8);
   int64_t seq = 0;
   Candidate root{1.0, -1, kNone, state, kNone, 0, 0};  // the matched string, depth 0
   if (max_depth >= 1) push_children(root, kNone, max_nodes, &heap, &seq);

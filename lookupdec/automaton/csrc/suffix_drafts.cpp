@@ -12,6 +12,9 @@ namespace {
 void drop_separator(const TreeDraft& tree, int32_t separator, SuffixDraft* out) {
   size_t n = tree.token_ids.size();
   std::vector<int32_t> new_index(n, -1);
+  out->token_ids.reserve(n);
+  out->parents.reserve(n);
+  out->scores.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     int32_t par = tree.parents[i];
     if (tree.token_ids[i] == separator || (par >= 0 && new_index[par] < 0)) continue;

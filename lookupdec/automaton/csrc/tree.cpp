@@ -25,23 +25,18 @@ constexpr uint64_t kFibonacci = 0x9E3779B97F4A7C15ull;
 inline double py_min(double a, double b) { return b < a ? b : a; }
 inline double py_max(double a, double b) { return b > a ? b : a; }
 
-int32_t depth_bucket(int32_t depth) {  // bisect_right(DEPTH_BUCKETS, depth) - 1
+// (counted, not searched: no branch to mispredict; the buckets are sorted, so the count of
+// bounds at or below a value is where bisect_right puts it)
+int32_t depth_bucket(int32_t depth) {  // bisect_right(DEPTH_BUCKETS, depth) - 1 (depths >= 1)
   int32_t b = 0;
-  while (b + 1 < kNumDepthBuckets && kDepthBuckets[b + 1] <= depth) ++b;
+  for (int32_t j = 1; j < kNumDepthBuckets; ++j) b += kDepthBuckets[j] <= depth;
   return b;
 }
 
 int32_t cond_bucket(double cond) {  // bisect_right(COND_BUCKETS, cond) - 1, Python's bisection (NaN: last)
-  int32_t lo = 0, hi = kNumCondBuckets;
-  while (lo < hi) {
-    int32_t mid = (lo + hi) / 2;
-    if (cond < kCondBuckets[mid]) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  return lo - 1;
+  int32_t b = -1;
+  for (int32_t j = 0; j < kNumCondBuckets; ++j) b += !(cond < kCondBuckets[j]);
+  return b;
 }
 
 // (parent node, token) -> node: open addressing, linear probing, sized once per merge.
@@ -276,8 +271,9 @@ std::vector<int32_t> prune_order(const std::vector<double>& scores, size_t count
   order.reserve(scores.size());
   for (size_t i = 1; i < scores.size(); ++i) order.push_back(static_cast<int32_t>(i));
   auto before = [&](int32_t a, int32_t b) { return scores[a] > scores[b] || (scores[a] == scores[b] && a < b); };
-  if (count < order.size()) {
-    std::partial_sort(order.begin(), order.begin() + count, order.end(), before);
+  if (count < order.size()) {  // (the order is total: the first `count` are those partial_sort would give)
+    std::nth_element(order.begin(), order.begin() + count, order.end(), before);
+    std::sort(order.begin(), order.begin() + count, before);
   } else {
     std::sort(order.begin(), order.end(), before);
   }
@@ -329,6 +325,7 @@ MergedTree merge_drafts(const MergeInput& in) {
   std::vector<uint8_t> chosen(n, 0);
   chosen[0] = 1;
   std::vector<int32_t> chosen_order;
+  chosen_order.reserve(std::min(n, in.max_nodes));
   if (n - 1 <= in.max_nodes) {
     std::fill(chosen.begin(), chosen.end(), 1);
     chosen_order = order;
