@@ -771,6 +771,7 @@ struct Lookups {
   PackedDrafts last;
   std::vector<int32_t> last_codes, last_matches;
   std::vector<int32_t> last_cells;  // each of its nodes' cell within its row (-1: its draft had no row)
+  std::vector<int32_t> next_cells;  // (the plan under way writes here: a plan that throws leaves last_cells)
   lookupdec::CellMemo cell_memo;     // the merges' calibration cells (MergeInput::cell_memo)
   int64_t serial = 0;  // plans made
 };
@@ -871,11 +872,12 @@ nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t con
   std::vector<uint8_t> point_mass(num_drafts, 1);
   lookupdec::MergeInput in = merge_input(root, packed, rows, point_mass.data(), max_nodes, max_depth);
   with_counts(&in, counts, draft_sources);
-  L.last_cells.resize(packed.tokens.size());
-  in.node_cells = L.last_cells.data();
+  L.next_cells.resize(packed.tokens.size());
+  in.node_cells = L.next_cells.data();
   in.cell_memo = &L.cell_memo;
   CoreTree tree{lookupdec::merge_drafts(in), names};
   tree.tree.node_of.clear();
+  std::swap(L.last_cells, L.next_cells);
   L.last = std::move(packed);
   L.last_codes = std::move(codes);
   L.last_matches = std::move(matches);
