@@ -128,9 +128,10 @@ class CostModel:
         self.sizes, self.seconds = [int(n) for n in sizes], [float(t) for t in seconds]
         # observations per size (``counts``), decayed: raw sums times one running scale, so an
         # observe changes one size's sum and the scale, not every size's count (a list of them
-        # made anew cost about 7 µs a step, cold after the forward)
-        self._raw = [float(c) for c in counts] if counts is not None else [1.0] * len(self.sizes)
-        self._scale = 1.0
+        # made anew cost about 7 µs a step, cold after the forward); the compiled chooser and curve
+        # take the two as they are (``choose_tree_nodes``, ``dense``) and multiply
+        self.raw_counts = [float(c) for c in counts] if counts is not None else [1.0] * len(self.sizes)
+        self.count_scale = 1.0
         self._since_explore = 0  # choices since the last exploration (``explore``)
         self._curves: dict[tuple[bool, bool], np.ndarray] = {}  # (optimistic, padded) -> dense()
         self._prices: list[float] | None = None  # ``prices()``
@@ -141,8 +142,8 @@ class CostModel:
     def counts(self) -> list[float]:
         """The decayed number of forwards behind each size's estimate (``COUNT_DECAY`` per
         ``observe``), a new list."""
-        scale = self._scale
-        return [c * scale for c in self._raw]
+        scale = self.count_scale
+        return [c * scale for c in self.raw_counts]
 
     @classmethod
     def flat(cls) -> "CostModel":
@@ -207,15 +208,15 @@ class CostModel:
             # a new size: its first observation replaces the interpolation (spikes clipped by it)
             self.sizes.insert(i, n)
             self.seconds.insert(i, self._interpolate(n, skip=i))
-            self._raw.insert(i, 0.0)
+            self.raw_counts.insert(i, 0.0)
             self._prices = None  # every line may move: computed whole when next read
         old = self.seconds[i]
         seconds = min(seconds, COST_SPIKE * old)
-        self._scale *= COUNT_DECAY  # every count decays (recent forwards weigh more) ...
-        if self._scale < RESCALE_BELOW:  # (the raw sums grow as the scale shrinks: fold it in now and then)
-            self._raw, self._scale = self.counts, 1.0
-        self._raw[i] += 1.0 / self._scale  # ... and this size's gains one
-        count = self._raw[i] * self._scale
+        self.count_scale *= COUNT_DECAY  # every count decays (recent forwards weigh more) ...
+        if self.count_scale < RESCALE_BELOW:  # (the raw sums grow as the scale shrinks: fold it in now and then)
+            self.raw_counts, self.count_scale = self.counts, 1.0
+        self.raw_counts[i] += 1.0 / self.count_scale  # ... and this size's gains one
+        count = self.raw_counts[i] * self.count_scale
         rate = max(COST_LEARNING_RATE, 1.0 / count)
         self.seconds[i] = old + rate * (seconds - old)
         self._curves.clear()
@@ -237,7 +238,7 @@ class CostModel:
     def count(self, n: int) -> float:
         """The decayed number of forwards of ``n`` tokens behind its estimate (0: interpolated)."""
         i = bisect.bisect_left(self.sizes, n)
-        return self._raw[i] * self._scale if i < len(self.sizes) and self.sizes[i] == n else 0.0
+        return self.raw_counts[i] * self.count_scale if i < len(self.sizes) and self.sizes[i] == n else 0.0
 
     def explore(self, nodes: int, available: int) -> int:
         """The draft nodes to verify given the chooser's ``nodes`` (of ``available``): ``nodes``,
@@ -304,8 +305,8 @@ class CostModel:
         cached = self._curves.get(key)
         if cached is None or len(cached) <= upto:
             if _core is not None and hasattr(_core, "cost_curve"):
-                cached = np.frombuffer(_core.cost_curve(self.sizes, self.prices(), self._raw, upto, COST_OPTIMISM,
-                                                        optimistic, padded, self._scale), np.float64)
+                cached = np.frombuffer(_core.cost_curve(self.sizes, self.prices(), self.raw_counts, upto, COST_OPTIMISM,
+                                                        optimistic, padded, self.count_scale), np.float64)
             else:
                 cached = self.dense_reference(upto, optimistic=optimistic, padded=padded)
             self._curves[key] = cached
@@ -832,13 +833,12 @@ def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int,
     if count <= 0:
         return 0
     if record is not None:
-        # (the counts as the cost model keeps them, raw sums and their scale: the core multiplies)
-        return core.choose_num_nodes_record(cost.sizes, cost.prices(), cost._raw, COST_OPTIMISM, overhead_s,
+        return core.choose_num_nodes_record(cost.sizes, cost.prices(), cost.raw_counts, COST_OPTIMISM, overhead_s,
                                             max_nodes, record.table, record.steps, scale, SIZE_PRIOR_STEPS,
-                                            SIZE_DECAY, factor, cost._scale)
+                                            SIZE_DECAY, factor, cost.count_scale)
     scales = [scale] * (count + 1) if isinstance(scale, (int, float)) else scale
-    return core.choose_num_nodes(cost.sizes, cost.prices(), cost._raw, COST_OPTIMISM, overhead_s, max_nodes, scales,
-                                 cost._scale)
+    return core.choose_num_nodes(cost.sizes, cost.prices(), cost.raw_counts, COST_OPTIMISM, overhead_s, max_nodes, scales,
+                                 cost.count_scale)
 
 
 def choose_tree_nodes_reference(tree, cost: CostModel, overhead_s: float, max_nodes: int,

@@ -234,7 +234,7 @@ def test_decayed_counts_are_the_per_forward_decay():
         seconds[i] = old + max(COST_LEARNING_RATE, 1.0 / counts[i]) * (min(t, COST_SPIKE * old) - old)
         assert cost.count(sizes[i]) == pytest.approx(counts[i], rel=1e-9)
     assert cost.counts == pytest.approx(counts, rel=1e-9) and cost.seconds == pytest.approx(seconds, rel=1e-9)
-    assert cost._scale >= RESCALE_BELOW  # (folded three times)
+    assert cost.count_scale >= RESCALE_BELOW  # (folded three times)
 
 
 def test_compiled_cost_curve_reads_a_degenerate_curve_as_the_reference():

@@ -577,15 +577,18 @@ int64_t choose_num_nodes(const std::vector<double>& values, nb::ndarray<const do
   return lookupdec::choose_num_nodes(values.data(), count, curve.data(), overhead, scales.data());
 }
 
-// A cost model's estimates as the compiled curve takes them: one entry each per size, sizes
-// increasing; its counts are kept as raw sums and one decay applied to all (CostModel.counts:
-// each raw sum times `count_scale`), made here, the same products.
+// A cost model's estimates as the compiled curve takes them: one entry each per size, sizes increasing.
 void check_estimates(const std::vector<double>& sizes, const std::vector<double>& seconds,
-                     std::vector<double>* counts, double count_scale, const std::string& name) {
-  if (sizes.empty() || seconds.size() != sizes.size() || counts->size() != sizes.size())
+                     const std::vector<double>& counts, const std::string& name) {
+  if (sizes.empty() || seconds.size() != sizes.size() || counts.size() != sizes.size())
     throw std::invalid_argument(name + ": sizes, seconds and counts need one entry each per size");
   for (size_t i = 1; i < sizes.size(); ++i)
     if (!(sizes[i - 1] < sizes[i])) throw std::invalid_argument(name + ": sizes must increase");
+}
+
+// CostModel.counts from what the model keeps (CostModel.raw_counts, count_scale): each raw sum
+// times the scale, the same products, in place.
+void scale_counts(std::vector<double>* counts, double count_scale) {
   if (count_scale != 1.0)
     for (double& c : *counts) c *= count_scale;
 }
@@ -596,7 +599,8 @@ void check_estimates(const std::vector<double>& sizes, const std::vector<double>
 int64_t choose_tree_nodes(const CoreTree& t, const std::vector<double>& sizes, const std::vector<double>& seconds,
                           std::vector<double> counts, double optimism, double overhead, int64_t max_nodes,
                           const std::vector<double>& scales, double count_scale) {
-  check_estimates(sizes, seconds, &counts, count_scale, "choose_num_nodes");
+  check_estimates(sizes, seconds, counts, "choose_num_nodes");
+  scale_counts(&counts, count_scale);
   return lookupdec::choose_tree_nodes(t.tree, sizes.data(), seconds.data(), counts.data(),
                                       static_cast<int64_t>(sizes.size()), optimism, overhead, max_nodes,
                                       scales.data(), static_cast<int64_t>(scales.size()));
@@ -627,7 +631,8 @@ int64_t choose_tree_nodes_record(const CoreTree& t, const std::vector<double>& s
                                  const std::vector<double>& seconds, std::vector<double> counts,
                                  double optimism, double overhead, int64_t max_nodes, RecordIn record, double steps,
                                  double scale, double prior_steps, double decay, double factor, double count_scale) {
-  check_estimates(sizes, seconds, &counts, count_scale, "choose_num_nodes");
+  check_estimates(sizes, seconds, counts, "choose_num_nodes");
+  scale_counts(&counts, count_scale);
   int64_t count = std::min<int64_t>(static_cast<int64_t>(t.tree.order.size()), std::max<int64_t>(max_nodes, 0));
   std::vector<double> scales = size_scales(record, steps, scale, prior_steps, decay, count, factor);
   return lookupdec::choose_tree_nodes(t.tree, sizes.data(), seconds.data(), counts.data(),
@@ -639,7 +644,8 @@ int64_t choose_tree_nodes_record(const CoreTree& t, const std::vector<double>& s
 nb::bytes cost_curve(const std::vector<double>& sizes, const std::vector<double>& seconds,
                      std::vector<double> counts, int64_t upto, double optimism, bool optimistic, bool padded,
                      double count_scale) {
-  check_estimates(sizes, seconds, &counts, count_scale, "cost_curve");
+  check_estimates(sizes, seconds, counts, "cost_curve");
+  scale_counts(&counts, count_scale);
   std::vector<double> out;
   lookupdec::cost_curve(sizes.data(), seconds.data(), counts.data(), static_cast<int64_t>(sizes.size()), upto,
                         optimism, optimistic, padded, &out);
@@ -770,7 +776,7 @@ struct Lookups {
   // the last plan's drafts (learn counts them once the step's tokens are known)
   PackedDrafts last;
   std::vector<int32_t> last_codes, last_matches;
-  std::vector<int32_t> last_cells;  // each of its nodes' cell within its row (-1: its draft had no row)
+  std::vector<int32_t> last_cells;  // each of its nodes' cell within its row (MergeInput::node_cells)
   std::vector<int32_t> next_cells;  // (the plan under way writes here: a plan that throws leaves last_cells)
   lookupdec::CellMemo cell_memo;     // the merges' calibration cells (MergeInput::cell_memo)
   int64_t serial = 0;  // plans made
@@ -946,15 +952,11 @@ bool lookups_learn(Lookups& L, int64_t serial, double decay, const std::vector<i
   for (size_t d = 0; d < num_drafts; ++d) {
     int64_t a = L.last.offsets[d], n = L.last.offsets[d + 1] - a;
     int64_t at = rows[d] * C;
-    if (n > 0 && L.last_cells[a] < 0) {  // its row came after the plan (another request's learn added it)
-      lookupdec::observe_draft(L.last.tokens.data() + a, L.last.parents.data() + a, L.last.scores.data() + a, n,
-                               committed, reached.data() + at, predicted.data() + at, matched.data() + at, 1);
-      continue;
-    }
-    // (with the cells the plan's merge worked out)
+    // (with the cells the plan's merge worked out: a draft whose row came after the plan, added
+    // by another request's learn, has them too)
     lookupdec::observe_draft_cells(L.last.tokens.data() + a, L.last.parents.data() + a, L.last.scores.data() + a,
                                    L.last_cells.data() + a, n, committed, reached.data() + at,
-                                   predicted.data() + at, matched.data() + at, depth.data(), hit.data());
+                                   predicted.data() + at, matched.data() + at, 1, depth.data(), hit.data());
   }
   return true;
 }

@@ -39,6 +39,14 @@ int32_t cond_bucket(double cond) {  // bisect_right(COND_BUCKETS, cond) - 1, Pyt
   return b;
 }
 
+// A node's cell within its calibration row: depth bucket, sibling rank (capped), bucket of its
+// conditional probability (lookupdec.tree.draft_cells); -1 for a negative probability at the
+// first depth and rank, which Python's indexing takes from the end (callers wrap it).
+inline int32_t row_cell(int32_t depth, int32_t rank, double cond) {
+  return (depth_bucket(depth) * kSiblingRanks + std::min(rank, kSiblingRanks - 1)) * kNumCondBuckets +
+         cond_bucket(cond);
+}
+
 // (parent node, token) -> node: open addressing, linear probing, sized once per merge.
 class TrieIndex {
  public:
@@ -150,10 +158,7 @@ void node_factors(const MergeInput& in, CountLevels* levels, int64_t d, std::vec
   factors->assign(n, fallback);
   cells->assign(n, -1);
   int32_t* node_cells = in.node_cells != nullptr ? in.node_cells + begin : nullptr;
-  if (row < 0) {
-    if (node_cells != nullptr) std::fill(node_cells, node_cells + n, -1);
-    return;
-  }
+  if (row < 0 && node_cells == nullptr) return;  // (every node takes the fallback)
   const int32_t* parents = in.parents + begin;
   depth->resize(n);
   for (int64_t i = 0; i < n; ++i) (*depth)[i] = parents[i] < 0 ? 1 : (*depth)[parents[i]] + 1;
@@ -162,10 +167,9 @@ void node_factors(const MergeInput& in, CountLevels* levels, int64_t d, std::vec
   for (int64_t i = 0; i < n; ++i) {
     double parent_score = parents[i] >= 0 ? scores[parents[i]] : 1.0;
     double cond = parent_score > 0 ? scores[i] / parent_score : 0.0;
-    int64_t within = (depth_bucket((*depth)[i]) * kSiblingRanks + std::min((*rank)[i], kSiblingRanks - 1)) *
-                         kNumCondBuckets +
-                     cond_bucket(cond);
+    int64_t within = row_cell((*depth)[i], (*rank)[i], cond);
     if (node_cells != nullptr) node_cells[i] = static_cast<int32_t>(within < 0 ? within + kCellsPerRow : within);
+    if (row < 0) continue;  // (its cells for a later learn only: its factors are the fallback)
     int64_t cell = static_cast<int64_t>(row) * kCellsPerRow + within;
     int64_t at = cell < 0 ? cell + in.table_size : cell;  // Python's indexing (a negative score's cell)
     if (at < 0 || at >= in.table_size) throw std::out_of_range("merge_drafts: calibration cell outside the table");
@@ -402,35 +406,26 @@ MergedTree prune_prefix(const MergedTree& tree, int32_t max_nodes) {
 void observe_draft(const int32_t* tokens, const int32_t* parents, const double* scores, int64_t n,
                    const std::vector<int64_t>& committed, double* reached, double* predicted, double* matched,
                    int64_t stride) {
-  std::vector<int32_t> depth(n), rank;
+  std::vector<int32_t> depth(n), rank, cells(n);
   for (int64_t i = 0; i < n; ++i) {
     if (parents[i] < -1 || parents[i] >= i) throw std::invalid_argument("observe_draft: parents[i] must be in [-1, i)");
     depth[i] = parents[i] < 0 ? 1 : depth[parents[i]] + 1;
   }
   sibling_ranks(parents, scores, n, &rank);
-  std::vector<uint8_t> hit(n, 0);
-  int64_t known = static_cast<int64_t>(committed.size());
   for (int64_t i = 0; i < n; ++i) {
-    int32_t p = parents[i];
-    if (depth[i] > known || (p >= 0 && !hit[p])) continue;
-    double parent_score = p >= 0 ? scores[p] : 1.0;
-    double cond = parent_score > 0 ? scores[i] / parent_score : 0.0;
-    int64_t cell = (depth_bucket(depth[i]) * kSiblingRanks + std::min(rank[i], kSiblingRanks - 1)) * kNumCondBuckets +
-                   cond_bucket(cond);
-    if (cell < 0) cell += kCellsPerRow;  // Python's indexing (a negative score's cell)
-    reached[cell * stride] += 1.0;
-    predicted[cell * stride] += cond;
-    if (tokens[i] == committed[depth[i] - 1]) {
-      matched[cell * stride] += 1.0;
-      hit[i] = 1;
-    }
+    double parent_score = parents[i] >= 0 ? scores[parents[i]] : 1.0;
+    int32_t cell = row_cell(depth[i], rank[i], parent_score > 0 ? scores[i] / parent_score : 0.0);
+    cells[i] = cell < 0 ? cell + kCellsPerRow : cell;  // Python's indexing (a negative score's cell)
   }
+  std::vector<uint8_t> hit(n);
+  observe_draft_cells(tokens, parents, scores, cells.data(), n, committed, reached, predicted, matched, stride,
+                      depth.data(), hit.data());
 }
 
 void observe_draft_cells(const int32_t* tokens, const int32_t* parents, const double* scores, const int32_t* cells,
                          int64_t n, const std::vector<int64_t>& committed, double* reached, double* predicted,
-                         double* matched, int32_t* depth, uint8_t* hit) {
-  // hit[i]: node i was reached and accepted; depth[i] its depth (parents[i] < i, checked by the merge)
+                         double* matched, int64_t stride, int32_t* depth, uint8_t* hit) {
+  // hit[i]: node i was reached and accepted; depth[i] its depth (parents[i] < i, checked by the caller)
   std::fill(hit, hit + n, 0);
   int64_t known = static_cast<int64_t>(committed.size());
   for (int64_t i = 0; i < n; ++i) {
@@ -439,11 +434,11 @@ void observe_draft_cells(const int32_t* tokens, const int32_t* parents, const do
     if (depth[i] > known || (p >= 0 && !hit[p])) continue;
     double parent_score = p >= 0 ? scores[p] : 1.0;
     double cond = parent_score > 0 ? scores[i] / parent_score : 0.0;
-    int32_t cell = cells[i];
-    reached[cell] += 1.0;
-    predicted[cell] += cond;
+    int64_t at = static_cast<int64_t>(cells[i]) * stride;
+    reached[at] += 1.0;
+    predicted[at] += cond;
     if (tokens[i] == committed[depth[i] - 1]) {
-      matched[cell] += 1.0;
+      matched[at] += 1.0;
       hit[i] = 1;
     }
   }

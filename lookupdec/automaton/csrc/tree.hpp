@@ -76,7 +76,7 @@ struct MergeInput {
   int32_t max_nodes;
   int32_t max_depth;
   // optional output [total]: each draft node's cell within its row as observe_draft counts it
-  // (a negative index wrapped by kCellsPerRow), -1 for every node of a draft without a row (the
+  // (a negative index wrapped by kCellsPerRow), for every draft, one without a row too (the
   // merge works them out for its factors: a later learn of the same drafts reads them here)
   int32_t* node_cells = nullptr;
   CellMemo* cell_memo = nullptr;  // optional, with counts: each cell's probability worked out once
@@ -129,11 +129,12 @@ void additive_tree_block(const int32_t* parents, int64_t n, size_t elem_size, co
 void observe_draft(const int32_t* tokens, const int32_t* parents, const double* scores, int64_t n,
                    const std::vector<int64_t>& committed, double* reached, double* predicted, double* matched,
                    int64_t stride);
-// observe_draft of a draft whose cells a merge worked out (MergeInput::node_cells, all >= 0):
-// the same counts, in the same order, without working out depths' buckets and sibling ranks again.
+// observe_draft's walk over a draft whose cells are known (observe_draft works them out; a fused
+// plan's merge wrote them, MergeInput::node_cells): the same counts, in the same order, without
+// working out depths' buckets and sibling ranks again. depth, hit: n each (scratch).
 void observe_draft_cells(const int32_t* tokens, const int32_t* parents, const double* scores, const int32_t* cells,
                          int64_t n, const std::vector<int64_t>& committed, double* reached, double* predicted,
-                         double* matched, int32_t* depth, uint8_t* hit);  // depth, hit: n each (scratch)
+                         double* matched, int64_t stride, int32_t* depth, uint8_t* hit);
 
 // AcceptanceCalibrator.calibration's arithmetic (lookupdec.budget, its `backend="reference"`
 // the definition): from the decayed reached/predicted/matched counts [rows, kCellsPerRow]
