@@ -779,6 +779,8 @@ struct Lookups {
   std::vector<int32_t> last_cells;  // each of its nodes' cell within its row (MergeInput::node_cells)
   std::vector<int32_t> next_cells;  // (the plan under way writes here: a plan that throws leaves last_cells)
   lookupdec::CellMemo cell_memo;     // the merges' calibration cells (MergeInput::cell_memo)
+  // the merges' working arrays (MergeInput::scratch), kept from plan to plan
+  std::unique_ptr<lookupdec::MergeScratch, lookupdec::MergeScratchDeleter> merge_scratch = lookupdec::new_merge_scratch();
   int64_t serial = 0;  // plans made
 };
 
@@ -881,6 +883,7 @@ nb::object lookups_plan(Lookups& L, const std::vector<int32_t>& ctx, int64_t con
   L.next_cells.resize(packed.tokens.size());
   in.node_cells = L.next_cells.data();
   in.cell_memo = &L.cell_memo;
+  in.scratch = L.merge_scratch.get();
   CoreTree tree{lookupdec::merge_drafts(in), names};
   tree.tree.node_of.clear();
   std::swap(L.last_cells, L.next_cells);

@@ -47,10 +47,11 @@ inline int32_t row_cell(int32_t depth, int32_t rank, double cond) {
          cond_bucket(cond);
 }
 
-// (parent node, token) -> node: open addressing, linear probing, sized once per merge.
+// (parent node, token) -> node: open addressing, linear probing, sized and emptied per merge
+// (reset; its arrays kept from merge to merge).
 class TrieIndex {
  public:
-  explicit TrieIndex(size_t expected) {
+  void reset(size_t expected) {
     size_t capacity = 16;
     while (capacity < 2 * expected + 2) capacity *= 2;
     keys_.assign(capacity, kEmpty);
@@ -74,7 +75,7 @@ class TrieIndex {
   static constexpr uint64_t kEmpty = ~uint64_t{0};
   std::vector<uint64_t> keys_;
   std::vector<int32_t> nodes_;
-  size_t mask_;
+  size_t mask_ = 0;
 };
 
 struct Trie {  // the full trie before pruning (from_drafts_reference's lists)
@@ -83,10 +84,16 @@ struct Trie {  // the full trie before pruning (from_drafts_reference's lists)
   std::vector<uint8_t> point_mass;
   std::vector<int32_t> local_node;  // [total] draft node -> trie node, -1 if cut
 
-  void reserve(size_t n) {
-    for (auto* v : {&token_ids, &parents, &sources, &cells, &depth}) v->reserve(n);
-    scores.reserve(n);
-    conds.reserve(n);
+  void clear_and_reserve(size_t n) {  // (emptied, capacity kept: a scratch's trie is reused)
+    for (auto* v : {&token_ids, &parents, &sources, &cells, &depth}) {
+      v->clear();
+      v->reserve(n);
+    }
+    for (auto* v : {&scores, &conds}) {
+      v->clear();
+      v->reserve(n);
+    }
+    point_mass.clear();
     point_mass.reserve(n);
   }
 
@@ -103,6 +110,14 @@ struct Trie {  // the full trie before pruning (from_drafts_reference's lists)
     return static_cast<int32_t>(token_ids.size()) - 1;
   }
 };
+
+// Children lists by parent (counting sort), reused across calls.
+struct Children {
+  std::vector<int32_t> first, kids, fill;
+};
+
+void sibling_ranks_into(const int32_t* parents, const double* scores, int64_t n, std::vector<int32_t>* rank,
+                        Children* c);
 
 void check_draft(const MergeInput& in, int64_t d) {
   int64_t begin = in.offsets[d], end = in.offsets[d + 1];
@@ -145,7 +160,8 @@ struct CountLevels {
 // Each node's factor and flat cell (Calibration.node_factors); `levels`: the counts' factors,
 // when the cells are computed from counts (then a draft without a row takes its source's).
 void node_factors(const MergeInput& in, CountLevels* levels, int64_t d, std::vector<double>* factors,
-                  std::vector<int32_t>* cells, std::vector<int32_t>* depth, std::vector<int32_t>* rank) {
+                  std::vector<int32_t>* cells, std::vector<int32_t>* depth, std::vector<int32_t>* rank,
+                  Children* children) {
   int64_t begin = in.offsets[d], n = in.offsets[d + 1] - begin;
   int32_t row = in.rows[d];
   double fallback;
@@ -162,7 +178,7 @@ void node_factors(const MergeInput& in, CountLevels* levels, int64_t d, std::vec
   const int32_t* parents = in.parents + begin;
   depth->resize(n);
   for (int64_t i = 0; i < n; ++i) (*depth)[i] = parents[i] < 0 ? 1 : (*depth)[parents[i]] + 1;
-  sibling_ranks(parents, in.scores + begin, n, rank);
+  sibling_ranks_into(parents, in.scores + begin, n, rank, children);
   const double* scores = in.scores + begin;
   for (int64_t i = 0; i < n; ++i) {
     double parent_score = parents[i] >= 0 ? scores[parents[i]] : 1.0;
@@ -179,16 +195,37 @@ void node_factors(const MergeInput& in, CountLevels* levels, int64_t d, std::vec
   }
 }
 
-// The trie merge (from_drafts_reference's loop over drafts).
-Trie build_trie(const MergeInput& in) {
-  int64_t total = in.offsets[in.num_drafts];
+}  // namespace
+
+struct MergeScratch {
   Trie trie;
-  trie.reserve(static_cast<size_t>(total) + 1);
+  TrieIndex index;
+  std::vector<double> factors, expected, cond;  // a draft's factors; coherent_scores' output and conditionals
+  std::vector<int32_t> cells, depth, rank;      // a draft's cells, depths and sibling ranks
+  Children children;
+  std::vector<int32_t> order, chosen_order, remap, position;
+  std::vector<uint8_t> chosen;
+};
+
+void MergeScratchDeleter::operator()(MergeScratch* scratch) const { delete scratch; }
+
+std::unique_ptr<MergeScratch, MergeScratchDeleter> new_merge_scratch() {
+  return std::unique_ptr<MergeScratch, MergeScratchDeleter>(new MergeScratch());
+}
+
+namespace {
+
+// The trie merge (from_drafts_reference's loop over drafts), into s.trie.
+void build_trie(const MergeInput& in, MergeScratch& s) {
+  int64_t total = in.offsets[in.num_drafts];
+  Trie& trie = s.trie;
+  trie.clear_and_reserve(static_cast<size_t>(total) + 1);
   trie.local_node.assign(total, -1);
   trie.add(in.root_token, -1, 1.0, -1, 1, -1, 1.0, 0);
-  TrieIndex index(static_cast<size_t>(total));
-  std::vector<double> factors;
-  std::vector<int32_t> cells, depth, rank;
+  TrieIndex& index = s.index;
+  index.reset(static_cast<size_t>(total));
+  std::vector<double>& factors = s.factors;
+  std::vector<int32_t>&cells = s.cells, &depth = s.depth, &rank = s.rank;
   CountLevels levels;
   if (in.counts != nullptr) {
     calibration_levels(*in.counts, &levels.by_source, &levels.by_row);
@@ -203,7 +240,7 @@ Trie build_trie(const MergeInput& in) {
   }
   for (int64_t d = 0; d < in.num_drafts; ++d) {
     check_draft(in, d);
-    node_factors(in, in.counts != nullptr ? &levels : nullptr, d, &factors, &cells, &depth, &rank);
+    node_factors(in, in.counts != nullptr ? &levels : nullptr, d, &factors, &cells, &depth, &rank, &s.children);
     int64_t begin = in.offsets[d], n = in.offsets[d + 1] - begin;
     const double* raw = in.scores + begin;
     int32_t* local = trie.local_node.data() + begin;
@@ -238,19 +275,24 @@ Trie build_trie(const MergeInput& in) {
       }
     }
   }
-  return trie;
 }
 
 // coherent_scores: children keep their conditional probability in order of confidence until
 // the mass left runs out.
-std::vector<double> coherent_scores(const std::vector<int32_t>& parents, const std::vector<double>& scores) {
+// (into `out`; `c` and `cond`: scratch)
+void coherent_scores(const std::vector<int32_t>& parents, const std::vector<double>& scores, std::vector<double>* out_,
+                     Children* c, std::vector<double>* cond_) {
   size_t n = parents.size();
-  std::vector<int32_t> first(n + 1, 0), kids(n > 0 ? n - 1 : 0);
+  std::vector<int32_t>&first = c->first, &kids = c->kids, &fill = c->fill;
+  first.assign(n + 1, 0);
+  kids.resize(n > 0 ? n - 1 : 0);
   for (size_t i = 1; i < n; ++i) ++first[parents[i] + 1];
   for (size_t i = 1; i <= n; ++i) first[i] += first[i - 1];
-  std::vector<int32_t> fill(first.begin(), first.end() - 1);
+  fill.assign(first.begin(), first.end() - 1);
   for (size_t i = 1; i < n; ++i) kids[fill[parents[i]]++] = static_cast<int32_t>(i);  // index order
-  std::vector<double> out(scores), cond(n);
+  std::vector<double>&out = *out_, &cond = *cond_;
+  out.assign(scores.begin(), scores.end());
+  cond.resize(n);
   for (size_t node = 0; node < n; ++node) {
     int32_t* begin = kids.data() + first[node];
     int32_t* end = kids.data() + first[node + 1];
@@ -265,13 +307,13 @@ std::vector<double> coherent_scores(const std::vector<int32_t>& parents, const s
       out[*k] = out[node] * c;
     }
   }
-  return out;
 }
 
 // Nodes 1..n-1 by score descending, then index (select_top_nodes' sort key): the first `count`
-// of them in order (the rest unordered).
-std::vector<int32_t> prune_order(const std::vector<double>& scores, size_t count) {
-  std::vector<int32_t> order;
+// of them in order (the rest unordered), into `order`.
+void prune_order(const std::vector<double>& scores, size_t count, std::vector<int32_t>* order_) {
+  std::vector<int32_t>& order = *order_;
+  order.clear();
   order.reserve(scores.size());
   for (size_t i = 1; i < scores.size(); ++i) order.push_back(static_cast<int32_t>(i));
   auto before = [&](int32_t a, int32_t b) { return scores[a] > scores[b] || (scores[a] == scores[b] && a < b); };
@@ -281,7 +323,6 @@ std::vector<int32_t> prune_order(const std::vector<double>& scores, size_t count
   } else {
     std::sort(order.begin(), order.end(), before);
   }
-  return order;
 }
 
 // Whether no node scores above its parent: then a parent always precedes its children in prune
@@ -295,15 +336,25 @@ bool scores_never_rise(const std::vector<int32_t>& parents, const std::vector<do
 }  // namespace
 
 void sibling_ranks(const int32_t* parents, const double* scores, int64_t n, std::vector<int32_t>* rank) {
+  Children children;
+  sibling_ranks_into(parents, scores, n, rank, &children);
+}
+
+namespace {
+
+void sibling_ranks_into(const int32_t* parents, const double* scores, int64_t n, std::vector<int32_t>* rank,
+                        Children* c) {
   rank->assign(n, 0);
   bool chain = true;
   for (int64_t i = 0; i < n && chain; ++i) chain = parents[i] == i - 1;
   if (chain) return;
   // children of each parent (index order), parent -1 shifted to 0
-  std::vector<int32_t> first(n + 2, 0), kids(n);
+  std::vector<int32_t>&first = c->first, &kids = c->kids, &fill = c->fill;
+  first.assign(n + 2, 0);
+  kids.resize(n);
   for (int64_t i = 0; i < n; ++i) ++first[parents[i] + 2];
   for (int64_t i = 2; i <= n + 1; ++i) first[i] += first[i - 1];
-  std::vector<int32_t> fill(first.begin(), first.end() - 1);
+  fill.assign(first.begin(), first.end() - 1);
   for (int64_t i = 0; i < n; ++i) kids[fill[parents[i] + 1]++] = static_cast<int32_t>(i);
   for (int64_t p = 0; p <= n; ++p) {
     int32_t* begin = kids.data() + first[p];
@@ -316,19 +367,29 @@ void sibling_ranks(const int32_t* parents, const double* scores, int64_t n, std:
   }
 }
 
+}  // namespace
+
 MergedTree merge_drafts(const MergeInput& in) {
   if (in.max_nodes < 0 || in.max_depth < 0) throw std::invalid_argument("merge_drafts: negative budget");
-  Trie trie = build_trie(in);
+  std::unique_ptr<MergeScratch, MergeScratchDeleter> own;  // (a caller without a scratch: one for this merge)
+  if (in.scratch == nullptr) own = new_merge_scratch();
+  MergeScratch& s = in.scratch != nullptr ? *in.scratch : *own;
+  build_trie(in, s);
+  const Trie& trie = s.trie;
   int32_t n = static_cast<int32_t>(trie.token_ids.size());
   const size_t order_all = static_cast<size_t>(n);
-  std::vector<double> expected = coherent_scores(trie.parents, trie.scores);
+  coherent_scores(trie.parents, trie.scores, &s.expected, &s.children, &s.cond);
+  const std::vector<double>& expected = s.expected;
   // select_top_nodes never skips a node when scores never rise: its first max_nodes suffice
   bool prefix = n - 1 > in.max_nodes && scores_never_rise(trie.parents, trie.scores);
-  std::vector<int32_t> order = prune_order(trie.scores, prefix ? static_cast<size_t>(in.max_nodes) : order_all);
+  prune_order(trie.scores, prefix ? static_cast<size_t>(in.max_nodes) : order_all, &s.order);
+  const std::vector<int32_t>& order = s.order;
   // select_top_nodes: in order, a node whose parent is the root or chosen, until max_nodes
-  std::vector<uint8_t> chosen(n, 0);
+  std::vector<uint8_t>& chosen = s.chosen;
+  chosen.assign(n, 0);
   chosen[0] = 1;
-  std::vector<int32_t> chosen_order;
+  std::vector<int32_t>& chosen_order = s.chosen_order;
+  chosen_order.clear();
   chosen_order.reserve(std::min(n, in.max_nodes));
   if (n - 1 <= in.max_nodes) {
     std::fill(chosen.begin(), chosen.end(), 1);
@@ -345,7 +406,8 @@ MergedTree merge_drafts(const MergeInput& in) {
       }
     }
   }
-  std::vector<int32_t> remap(n, -1);
+  std::vector<int32_t>& remap = s.remap;
+  remap.assign(n, -1);
   MergedTree out;
   out.reserve(chosen_order.size() + 1);
   for (int32_t i = 0; i < n; ++i) {
@@ -362,7 +424,8 @@ MergedTree merge_drafts(const MergeInput& in) {
     out.point_mass.push_back(trie.point_mass[i]);
   }
   // the kept nodes in prune order: chosen_order restricted to them (all of it), renumbered
-  std::vector<int32_t> position(out.token_ids.size(), -1);
+  std::vector<int32_t>& position = s.position;
+  position.assign(out.token_ids.size(), -1);
   for (int32_t i : chosen_order) {
     int32_t node = remap[i];
     int32_t parent = out.parents[node];
