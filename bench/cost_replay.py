@@ -3,7 +3,10 @@
 SmolLM2's own greedy outputs (``transformers`` ``generate``, 128 new tokens) on the prompts of
 ``bench/real_model.py`` (10 per workload, its order) are replayed through the engine's step
 (``StepCore``, as ``lookupdec.simulate``: proposers, calibrator and size record kept across
-the prompts, as one engine keeps them) and timed with a true cost curve ``t(n)``: SmolLM2's
+the prompts, as one engine keeps them; token recycling fed, after each step, the model's top
+tokens after every node the walk visited, recorded with the outputs from one teacher-forced
+forward per prompt, as the engine's verify forward hands them over) and timed with a true cost
+curve ``t(n)``: SmolLM2's
 verify cost measured by ``bench/chain_curve.py`` (``--curve``: its result JSON, the machine's
 level taken out; a ``real_model.py`` result's chain curve is read too). A prompt's modelled time
 is ``t(prompt)`` (its prefill) plus, per step, ``t(1 + nodes)`` and ``--overhead-ms``; greedy's is
@@ -51,7 +54,7 @@ from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
 from lookupdec.proposers import build_proposers  # noqa: E402
 from lookupdec.simulate import recorded_verdict  # noqa: E402
-from lookupdec.step import StepCore  # noqa: E402
+from lookupdec.step import StepCore, Verdict  # noqa: E402
 
 DEFAULT_OUTPUTS = Path(os.path.expanduser("~")) / ".cache" / "lookupdec" / "bench" / "smollm2_outputs.json"
 DEFAULT_CURVES = [RESULTS_DIR / "chain_curve_2t.json", RESULTS_DIR / "chain_curve_1t.json"]
@@ -61,8 +64,10 @@ LEARNT = {"learnt": {}, "raw": {"SHRINK_COUNT": 0.0}}
 MAX_NEW = 128
 
 
-def generate_outputs(path: Path, threads: int) -> dict:
-    """SmolLM2's greedy outputs on real_model.py's prompts (token ids), written to ``path``."""
+def generate_outputs(path: Path, threads: int, outputs: dict | None = None) -> dict:
+    """SmolLM2's greedy outputs on real_model.py's prompts (token ids) and the model's top tokens
+    after each of their positions (``add_tops``), written to ``path``; given ``outputs`` (a file
+    from before the top tokens were kept), only the top tokens are added."""
     import torch
     from tqdm import tqdm
 
@@ -72,20 +77,42 @@ def generate_outputs(path: Path, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     loader = Engine.from_pretrained("smollm2", dtype="float32")
-    workloads = real_model.build_workloads(loader, 10, 1536)
-    out = {}
-    with tqdm(total=sum(len(p) for p in workloads.values()), desc="greedy outputs", unit="prompt") as bar:
-        for name, prompts in workloads.items():
-            out[name] = []
-            for prompt in prompts:
-                ids, _ = run_method("greedy", loader.target.model, None, prompt, MAX_NEW)
-                out[name].append({"prompt": list(prompt), "response": list(ids)})
-                bar.update()
+    if outputs is None:
+        workloads = real_model.build_workloads(loader, 10, 1536)
+        outputs = {}
+        with tqdm(total=sum(len(p) for p in workloads.values()), desc="greedy outputs", unit="prompt") as bar:
+            for name, prompts in workloads.items():
+                outputs[name] = []
+                for prompt in prompts:
+                    ids, _ = run_method("greedy", loader.target.model, None, prompt, MAX_NEW)
+                    outputs[name].append({"prompt": list(prompt), "response": list(ids)})
+                    bar.update()
+    add_tops(loader.target.model, outputs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out))
+    tmp.write_text(json.dumps(outputs))
     tmp.replace(path)  # never half-written
-    return out
+    return outputs
+
+
+def add_tops(model, outputs: dict) -> None:
+    """Each record's ``tops``: the model's ``successors`` best token ids (best first) after the
+    prompt's last token and after each response token, from one teacher-forced forward: what the
+    engine's verify forward hands token recycling for the nodes a step's walk visits (the same
+    context, so the same distribution). Checked: their first is the greedy response."""
+    import torch
+    from tqdm import tqdm
+
+    k = EngineConfig().recycle.successors
+    records = [r for rs in outputs.values() for r in rs]
+    for record in tqdm(records, desc="top tokens", unit="prompt"):
+        prompt, response = record["prompt"], record["response"]
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:]
+        tops = logits.topk(k, dim=-1).indices
+        if tops[: len(response), 0].tolist() != response:
+            raise SystemExit("the teacher-forced argmax differs from the greedy output: not the model that made it")
+        record["tops"] = tops.tolist()
 
 
 def read_curve(path: Path) -> tuple[str, list[int], list[float]]:
@@ -147,14 +174,22 @@ def replay_method(outputs: dict, t, method: str, *, sigma: float, spikes: float,
         for i, record in enumerate(records):
             prompt, response = record["prompt"], record["response"]
             rid, context, seconds = f"{name}-{i}", list(prompt), 0.0
+            tops = record["tops"]
+
+            def verdict(tree, rest):  # the recorded walk, and the target's top tokens after each visited node
+                walk = recorded_verdict(tree, rest)
+                visited = [0, *walk.accepted]
+                at = len(context) - len(prompt)  # tops[at]: after the root (the context's last token)
+                return Verdict(walk.accepted, walk.new_tokens, (context[-2] if len(context) > 1 else -1,
+                                                                tree.tokens_of(visited), tops[at: at + len(visited)]))
             core.start(rid, context)
             try:
                 core.first(rid, response[:1])  # the prefill's token, as Engine._first
                 context.append(response[0])
                 while len(context) - len(prompt) < len(response):
                     rest = response[len(context) - len(prompt):]
-                    step = core.run(rid, context, lambda tree: recorded_verdict(tree, rest),
-                                    max_depth=config.max_depth, cost=cost)
+                    step = core.run(rid, context, lambda tree: verdict(tree, rest), max_depth=config.max_depth,
+                                    cost=cost)
                     seconds += t(len(step.tree)) + overhead_s
                     if learns:
                         cost.observe(len(step.tree), observed(len(step.tree)))
@@ -236,6 +271,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"--outputs {args.outputs}: not JSON ({e}); delete it to generate it again")
     else:
         outputs = generate_outputs(args.outputs, args.threads)
+    if any("tops" not in r for rs in outputs.values() for r in rs):  # a file from before they were kept
+        print(f"{args.outputs}: adding the model's top tokens after each position (token recycling's input)")
+        outputs = generate_outputs(args.outputs, args.threads, outputs)
     start = time.perf_counter()
     rows, curves = [], []
     for path in args.curve:
