@@ -39,6 +39,13 @@ int32_t cond_bucket(double cond) {  // bisect_right(COND_BUCKETS, cond) - 1, Pyt
   return b;
 }
 
+// A draft node's conditional probability: its score over its parent's (a child of the root: over
+// 1), 0 under a parent scored 0 or less (from_drafts_reference, draft_cells, observe_draft).
+inline double node_cond(const int32_t* parents, const double* scores, int64_t i) {
+  double parent_score = parents[i] >= 0 ? scores[parents[i]] : 1.0;
+  return parent_score > 0 ? scores[i] / parent_score : 0.0;
+}
+
 // A node's cell within its calibration row: depth bucket, sibling rank (capped), bucket of its
 // conditional probability (lookupdec.tree.draft_cells); -1 for a negative probability at the
 // first depth and rank, which Python's indexing takes from the end (callers wrap it).
@@ -181,8 +188,7 @@ void node_factors(const MergeInput& in, CountLevels* levels, int64_t d, std::vec
   sibling_ranks_into(parents, in.scores + begin, n, rank, children);
   const double* scores = in.scores + begin;
   for (int64_t i = 0; i < n; ++i) {
-    double parent_score = parents[i] >= 0 ? scores[parents[i]] : 1.0;
-    double cond = parent_score > 0 ? scores[i] / parent_score : 0.0;
+    double cond = node_cond(parents, scores, i);
     int64_t within = row_cell((*depth)[i], (*rank)[i], cond);
     if (node_cells != nullptr) node_cells[i] = static_cast<int32_t>(within < 0 ? within + kCellsPerRow : within);
     if (row < 0) continue;  // (its cells for a later learn only: its factors are the fallback)
@@ -253,8 +259,7 @@ void build_trie(const MergeInput& in, MergeScratch& s) {
       uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
       bool found;
       size_t slot = index.find(key, &found);
-      double raw_parent = par < 0 ? 1.0 : raw[par];
-      double cond = raw_parent > 0 ? raw[i] / raw_parent : 0.0;
+      double cond = node_cond(in.parents + begin, raw, i);
       double score = trie.scores[parent] * py_min(1.0, factors[i] * cond);
       if (!found) {
         if (trie.depth[parent] >= in.max_depth) continue;
@@ -476,8 +481,7 @@ void observe_draft(const int32_t* tokens, const int32_t* parents, const double* 
   }
   sibling_ranks(parents, scores, n, &rank);
   for (int64_t i = 0; i < n; ++i) {
-    double parent_score = parents[i] >= 0 ? scores[parents[i]] : 1.0;
-    int32_t cell = row_cell(depth[i], rank[i], parent_score > 0 ? scores[i] / parent_score : 0.0);
+    int32_t cell = row_cell(depth[i], rank[i], node_cond(parents, scores, i));
     cells[i] = cell < 0 ? cell + kCellsPerRow : cell;  // Python's indexing (a negative score's cell)
   }
   std::vector<uint8_t> hit(n);
@@ -495,8 +499,7 @@ void observe_draft_cells(const int32_t* tokens, const int32_t* parents, const do
     int32_t p = parents[i];
     depth[i] = p < 0 ? 1 : depth[p] + 1;
     if (depth[i] > known || (p >= 0 && !hit[p])) continue;
-    double parent_score = p >= 0 ? scores[p] : 1.0;
-    double cond = parent_score > 0 ? scores[i] / parent_score : 0.0;
+    double cond = node_cond(parents, scores, i);
     int64_t at = static_cast<int64_t>(cells[i]) * stride;
     reached[at] += 1.0;
     predicted[at] += cond;
