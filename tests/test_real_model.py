@@ -178,11 +178,13 @@ def test_batched_greedy_identical_to_transformers(max_batch, joint_prefill):
     mismatches = [f"{what}: first difference at {first_difference(gen.token_ids, want)}"
                   for gen, (ids, what, want) in zip(outs, refs) if gen.token_ids != want]
     assert not mismatches, mismatches
-    # drafts were accepted. With all 13 rows in one forward the joint budget keeps 1-2 nodes per
-    # row, and how many depends on the learnt cost curve (the machine's cost cache): 1.4-1.7
-    # tokens per step for the best prompt, where 4 rows reach 2-3 (exactly 2.0 in a CI run
-    # whose cache a slower hour had written); an engine whose drafts never land reads 1.0
-    assert max(gen.stats.mean_accepted for gen in outs) > (1.5 if max_batch <= 4 else 1.2)
+    # drafts were accepted: an engine whose drafts never land reads exactly 1.0 token per step.
+    # How many land depends on the joint budget, which follows the cost curve learnt from this
+    # machine's timed forwards: with all 13 rows in one forward 1.4-1.7 tokens per step for the
+    # best prompt, 1.18 in a run beside another CPU-bound job (a bar of 1.2 failed there with
+    # every output identical); 4 rows 2-3 (exactly 2.0 in a CI run whose cache a slower hour had
+    # written). The bar is what no timing can move: more than one token per step.
+    assert max(gen.stats.mean_accepted for gen in outs) > 1.0
 
 
 def test_batched_sampling_equals_alone():
