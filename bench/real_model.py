@@ -155,7 +155,10 @@ def ld_run(engine, prompt, max_new) -> tuple[list[int], dict]:
 
 
 def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed: list[int],
-                  all_logits: bool = False, no_prefix_cache: bool = False) -> tuple[dict, list[dict]]:
+                  all_logits: bool = False, no_prefix_cache: bool = False,
+                  after_workload=None) -> tuple[dict, list[dict]]:
+    """Every workload's prompts through every method at ``threads``; ``after_workload(info,
+    runs)`` (if given) after each workload with what was measured so far."""
     label = f"{threads}t" if model.device.type == "cpu" else model.device.type  # the run's name in the tables
     from lookupdec import Engine, EngineConfig
 
@@ -207,6 +210,8 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
                   + f"  MAT {ld['mean_accepted']:.2f} nodes {ld['mean_tree_nodes']:.1f} "
                   f"pred/real {ld['predicted_accepted']:.2f}/{ld['realised_accepted']:.2f}"
                   + ("" if all(r["identical_to_greedy"] for r in group) else "  MISMATCH"), flush=True)
+        if after_workload is not None:
+            after_workload(info, runs)
     info["load_average_after"] = load_average()
     return info, runs
 
@@ -312,18 +317,24 @@ def main(argv=None) -> int:
     infos, runs = [], []
     for threads in args.threads:
         fixed = args.fixed if threads in args.fixed_threads else []
+        # after each workload the result so far is written (a run cut short keeps what it measured),
+        # after each setting it is also printed
         info, r = bench_threads(threads, model, tokenizer, workloads, args.max_new_tokens, fixed,
-                                all_logits=args.all_logits, no_prefix_cache=args.no_prefix_cache)
+                                all_logits=args.all_logits, no_prefix_cache=args.no_prefix_cache,
+                                after_workload=lambda i, so_far: report(args, argv, meta, workloads, load_s,
+                                                                         [*infos, i], [*runs, *so_far], echo=False))
         infos.append(info)
         runs.extend(r)
-        report(args, argv, meta, workloads, load_s, infos, runs)  # after each setting: a cut run keeps its part
+        report(args, argv, meta, workloads, load_s, infos, runs)
     return 0
 
 
-def report(args, argv, meta, workloads, load_s, infos, runs) -> None:
+def report(args, argv, meta, workloads, load_s, infos, runs, echo: bool = True) -> None:
+    """Write the result JSON and its plot from ``runs``; with ``echo``, print the table too."""
     rows = summarize_runs(runs)
-    print()
-    print(format_table(rows, TABLE))
+    if echo:
+        print()
+        print(format_table(rows, TABLE))
     totals = {}
     for model in dict.fromkeys(r["model"] for r in runs):
         mine = [r for r in runs if r["model"] == model]
@@ -334,8 +345,9 @@ def report(args, argv, meta, workloads, load_s, infos, runs) -> None:
                          "lookupdec/pld": round(rate["lookupdec"] / rate["pld"], 3),
                          "pld/greedy": round(rate["pld"] / rate["greedy"], 3),
                          "mismatches": sum(not r["identical_to_greedy"] for r in mine)}
-        print(f"{model}: all workloads, lookupdec/greedy {totals[model]['lookupdec/greedy']:.2f}, "
-              f"lookupdec/pld {totals[model]['lookupdec/pld']:.2f}, mismatches {totals[model]['mismatches']}")
+        if echo:
+            print(f"{model}: all workloads, lookupdec/greedy {totals[model]['lookupdec/greedy']:.2f}, "
+                  f"lookupdec/pld {totals[model]['lookupdec/pld']:.2f}, mismatches {totals[model]['mismatches']}")
     config = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
               "model": args.model, "device": args.device, "prompts_per_workload": args.prompts, "prompt_offset": args.prompt_offset,
               "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
@@ -345,7 +357,7 @@ def report(args, argv, meta, workloads, load_s, infos, runs) -> None:
     write_result(args.out, "real_model", config, {"per_workload": rows, "totals": totals, "threads": infos,
                                                   "runs": runs}, meta=meta)
     plot(rows, runs, Path(args.out).with_suffix(".png"))
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}" + ("" if echo else " (so far)"), flush=True)
 
 
 def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
