@@ -186,9 +186,7 @@ def test_batched_greedy_identical_to_transformers(max_batch, joint_prefill):
     # So 4 rows must accept drafts; 13 rows must where they verified a few dozen nodes.
     accepted = sum(sum(gen.stats.accepted_by_source.values()) for gen in outs)
     verified = sum(sum(gen.stats.nodes_by_source.values()) for gen in outs)
-    if max_batch <= 4:
-        assert max(gen.stats.mean_accepted for gen in outs) > 1.0
-    assert verified < 50 or accepted > 0, (verified, accepted)
+    assert accepted > 0 or (max_batch > 4 and verified < 50), (verified, accepted)
 
 
 def test_batched_sampling_equals_alone():
