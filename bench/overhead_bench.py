@@ -11,8 +11,9 @@ the verify forward, in µs per step:
     merge    ``TokenTree.from_drafts`` with the calibrator, as ``StepCore.plan`` (the
              reference: ``AcceptanceCalibrator.calibration()``'s whole table first)
     choose   ``choose_tree_nodes`` with the ``SizeRecord`` (its scales) (``CostModel``: a measured 150M-parameter curve,
-             one per set of paths, observed every step) + ``prune``
-             (timed; the verified tree stays the fixed budget's, as with ``budget="fixed"``)
+             one per set of paths, observed every step), the step's smallest candidates kept for their
+             hindsight (``step.Shadow.of``) + ``prune`` (timed; the verified tree stays the fixed
+             budget's, as with ``budget="fixed"``)
     inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]; the
              fast paths write them into the ``InputBuffers`` kept across steps, as ``TargetModel``
     accept   ``sampling.accept`` (greedy) on logits [1+n, 49152] (SmolLM2's vocabulary) whose
@@ -40,7 +41,8 @@ the verify forward, in µs per step:
              ``Mixture.finish``, as ``StepCore.finish`` calls it: the recycling table's
              hand-off, the observe and the calibrator's learn in one compiled call (learn then
              reads 0; a step whose drafts add a calibrator row learns apart, inside it)
-    learn    ``AcceptanceCalibrator.learn``
+    learn    ``AcceptanceCalibrator.learn`` (fast paths: in ``observe``), then the size records'
+             hindsight of the candidates kept (``step.SizeHindsight.observe``, as ``StepCore.finish``)
 
 Two sets of code paths run the same steps, record by record in turn: ``reference`` (the pure
 Python reference of every fast path) and ``fast`` (what the engine runs); every step's tree and
@@ -90,6 +92,7 @@ from lookupdec.proposers.recycle import RecycleProposer  # noqa: E402
 from lookupdec.proposers.suffix import SuffixProposer  # noqa: E402
 from lookupdec.sampling import PartialLogits, SamplingParams, accept, accept_reference, head_rows  # noqa: E402
 from lookupdec.simulate import accepted_path, tokenize_record  # noqa: E402
+from lookupdec.step import SizeHindsight  # noqa: E402
 from lookupdec import budget  # noqa: E402
 from lookupdec.tree import TokenTree, observe_draft, observe_draft_reference  # noqa: E402
 from lookupdec.workloads import WORKLOADS  # noqa: E402
@@ -151,6 +154,7 @@ class Mode:
     mixture: Mixture
     calibrator: AcceptanceCalibrator
     sizes: SizeRecord = field(default_factory=SizeRecord)  # StepCore.sizes: what each tree size accepted
+    hindsight: SizeHindsight = field(default_factory=SizeHindsight)  # StepCore.hindsight: the sizes not verified
     cost: CostModel = field(default_factory=lambda: CostModel(COST_SIZES, COST_SECONDS))  # the engine's curve, observed
     times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # phase -> [ns per step], wall clock
     cpu_times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # ... this thread's CPU time
@@ -169,8 +173,9 @@ class Mode:
         if paths.drafting == "reference":  # the recycling table's pure-Python definition
             proposers = [RecycleProposer(p.config, backend="reference") if isinstance(p, RecycleProposer) else p
                          for p in proposers]
-        calibrator = AcceptanceCalibrator(backend="reference" if paths.drafting == "reference" else "auto")
-        return cls(paths, Mixture(proposers), calibrator)
+        backend = "reference" if paths.drafting == "reference" else "auto"
+        return cls(paths, Mixture(proposers), AcceptanceCalibrator(backend=backend),
+                   hindsight=SizeHindsight(backend=backend))
 
 
 class KVBuffer:
@@ -274,6 +279,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
                                    calibration=calibrator)  # as StepCore.plan
                 marks.append(_now())
             chosen = paths.choose(tree, cost, 0.0, MAX_NODES, 1.0, record=mode.sizes)
+            shadow = mode.hindsight.capture(tree, 1.0)  # as StepCore.plan: the smallest candidates, for their hindsight
             paths.prune(tree, chosen)
             marks.append(_now())
             paths.inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)
@@ -321,8 +327,12 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
                 mixture.observe(rid, new_tokens)
                 marks.append(_now())
                 calibrator.learn(drafts, new_tokens)
+            mode.hindsight.observe(mode.sizes, rid, shadow, new_tokens)  # as StepCore.finish
             marks.append(_now())
-            mode.sizes.observe(len(tree), promised=tree.expected_total(), accepted=len(accepted))  # (untimed: a few µs)
+            if shadow is None:  # as StepCore.finish (untimed: a few µs)
+                mode.sizes.observe(len(tree), promised=tree.expected_total(), accepted=len(accepted))
+            elif tree.num_draft_nodes >= len(shadow):
+                mode.sizes.add(len(tree), promised=tree.expected_total(), accepted=len(accepted))
             walk.restore()
             if new_tokens != rest[: len(new_tokens)]:
                 raise AssertionError(f"{rid}: greedy acceptance left the recorded response")
@@ -339,6 +349,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
                 mode.chosen.append(chosen)
     finally:
         mixture.stop(rid)
+        mode.hindsight.drop(rid)
 
 
 def summarize(mode: Mode) -> dict:

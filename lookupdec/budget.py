@@ -696,7 +696,9 @@ class SizeRecord:
     correction, and a record leans on it for ``SIZE_PRIOR_STEPS`` mean steps' worth. Records
     decay with every step observed, whatever its size: a size no longer chosen (its record made
     on other text, e.g. chat before log rewriting) fades back to the overall correction and is
-    tried again.
+    tried again. A single sequence's step also adds what its smallest unverified sizes would have
+    accepted, once the tokens after it tell (``step.SizeHindsight``), so sizes 2-9 are fitted on
+    every step, not only where the chooser picked them.
 
     >>> r = SizeRecord()
     >>> r.scales(3, 1.0)            # nothing observed: the overall correction everywhere
@@ -714,19 +716,50 @@ class SizeRecord:
         self.steps = 0  # steps observed, at any size
 
     def observe(self, size: int, *, promised: float, accepted: float) -> None:
+        """One step observed (``tick``) whose tree of ``size`` tokens accepted ``accepted`` draft
+        tokens of the ``promised`` (``add``)."""
+        self.tick()
+        self.add(size, promised=promised, accepted=accepted)
+
+    def tick(self) -> None:
+        """One step observed: every record not added to from now on decays once more."""
         self.steps += 1
+
+    def add(self, size: int, *, promised: float, accepted: float) -> None:
+        """What a tree of ``size`` tokens accepted against its ``promised`` gains, counted at the
+        current step (a step may add several sizes: ``StepCore``'s hindsight of the sizes it did
+        not verify)."""
         if size < 1:
             return
         if size > len(self.table):
-            grown = np.zeros((max(size, 2 * len(self.table), 16), 4))
-            grown[: len(self.table)] = self.table
-            self.table = grown
+            self.grow(size)
         promised_was, accepted_was, steps_was, last = self.table[size - 1].tolist()
         if not steps_was:
             last = self.steps
         keep = SIZE_DECAY ** (self.steps - last)
         self.table[size - 1] = (keep * promised_was + promised, keep * accepted_was + accepted, keep * steps_was + 1.0,
                                 self.steps)
+
+    def add_sizes(self, first: int, gains: Sequence[float], accepted: Sequence[int], factor: float = 1.0) -> None:
+        """``add`` of sizes ``first``, ``first + 1``, ... (``gains[i] * factor`` promised,
+        ``accepted[i]`` accepted), in one compiled call where the core is built."""
+        if not gains:
+            return
+        last = first + len(gains) - 1
+        if last > len(self.table):
+            self.grow(last)
+        if _core is not None and hasattr(_core, "size_record_add"):
+            _core.size_record_add(self.table, float(self.steps), first, gains, accepted, factor, SIZE_DECAY)
+            return
+        for i, (gain, count) in enumerate(zip(gains, accepted)):
+            self.add(first + i, promised=gain * factor, accepted=count)
+
+    def grow(self, sizes: int) -> None:
+        """A table of at least ``sizes`` rows (new rows: never observed)."""
+        if sizes > len(self.table):
+            grown = np.zeros((max(sizes, 2 * len(self.table), 16), 4))
+            grown[: len(self.table)] = self.table
+            self.table = grown
 
     def scales(self, longest: int, scale: float, factor: float = 1.0) -> list[float]:
         """``out[k]``, k = 0 .. ``longest``: the correction of the gains of size ``k + 1`` (``k``

@@ -33,12 +33,12 @@ served step (``tests/test_step.py`` runs both on one recorded response and compa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget, SizeRecord, choose_tree_nodes
+from lookupdec.budget import SIZE_DECAY, AcceptanceCalibrator, CostModel, DraftBudget, SizeRecord, choose_tree_nodes
 from lookupdec.mixture import Mixture
-from lookupdec.tree import Draft, TokenTree
+from lookupdec.tree import Draft, TokenTree, _core
 
 SCALE_PRIOR = 2.0  # accepted draft tokens behind the initial correction of 1
 SCALE_DECAY = 0.95  # per verified tree
@@ -48,6 +48,165 @@ SCALE_MIN, SCALE_MAX = 0.2, 1.5
 REQUEST_PRIOR = 2.0
 REQUEST_DECAY = 0.95
 REQUEST_MIN = 0.02  # the lowest step correction a request's record can bring (shared x its own)
+# the chooser's smallest candidate sizes whose hindsight every step adds to the size records
+# (``StepCore.sizes``): the first this many nodes of the merged tree in prune order
+SHADOW_NODES = 8
+
+
+def hindsight(tokens: Sequence[int], parents: Sequence[int], depth: Sequence[int],
+              committed: Sequence[int]) -> tuple[list[int] | None, int]:
+    """A ``Shadow``'s nodes (node 0 the root, then the draft nodes in prune order, every parent
+    before its children): per prefix size ``k`` (0 .. ``len(tokens) - 1``), the draft tokens a
+    tree of the first ``k`` nodes would have accepted, were ``committed`` the target's tokens
+    after the root (the deepest node of the prefix whose whole path matches them); and 0. Or
+    (None, the number of committed tokens needed before it can tell) while a path matches all of
+    them and goes deeper.
+
+    >>> hindsight([9, 5, 7, 6], [-1, 0, 1, 0], [0, 1, 2, 1], [5, 7, 1])
+    ([0, 1, 2, 2], 0)
+    >>> hindsight([9, 5, 7, 6], [-1, 0, 1, 0], [0, 1, 2, 1], [5])   # node 2 waits for a second token
+    (None, 2)
+    """
+    known = len(committed)
+    matched = [False] * len(tokens)
+    matched[0] = True
+    out, best = [0], 0
+    for node in range(1, len(tokens)):
+        if matched[parents[node]]:
+            d = depth[node]
+            if d > known:
+                return None, d
+            if tokens[node] == committed[d - 1]:
+                matched[node] = True
+                if d > best:
+                    best = d
+        out.append(best)
+    return out, 0
+
+
+@dataclass
+class Shadow:
+    """A step's smallest candidate sizes, kept until their hindsight is known (``hindsight``): the
+    root and the first ``SHADOW_NODES`` draft nodes of the merged tree in prune order, renumbered
+    in that order (``tokens``, ``parents``, ``depth``), the gains the chooser added up for each
+    prefix size (``gains[k]``, before the corrections), the request's factor then, and the tokens
+    committed since (``needed``: how many before ``hindsight`` is worth asking again)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depth: list[int]
+    gains: list[float]
+    factor: float
+    committed: list[int] = field(default_factory=list)
+    needed: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def lists(self) -> tuple:
+        return self.tokens, self.parents, self.depth, self.gains
+
+    @classmethod
+    def of(cls, tree: TokenTree, factor: float, nodes: int = SHADOW_NODES) -> "Shadow | None":
+        """The tree's shadow; None where a prefix of its prune order does not hold its nodes'
+        parents (a prefix is then not what ``prune`` keeps). For a tree the compiled core holds,
+        the core's (``_core.Tree.shadow``: a ``_core.Shadow``, the same ``lists()``, ``factor``
+        and length, kept in the core for ``_core.ShadowBook``)."""
+        core = tree.__dict__.get("_core")
+        if core is not None and hasattr(core, "shadow"):
+            return core.shadow(nodes, factor)
+        return cls.of_reference(tree, factor, nodes)
+
+    @classmethod
+    def of_reference(cls, tree: TokenTree, factor: float, nodes: int = SHADOW_NODES) -> "Shadow | None":
+        """``of`` by its definition, from the tree's lists."""
+        order = tree.prune_order()[: max(nodes, 0)]
+        local = {0: 0}
+        tokens, parents, depth, gains, total = [tree.token_ids[0]], [-1], [0], [0.0], 0.0
+        for node in order:
+            parent = local.get(tree.parents[node])
+            if parent is None:
+                return None
+            local[node] = len(tokens)
+            tokens.append(tree.token_ids[node])
+            parents.append(parent)
+            depth.append(tree.depth[node])
+            total += tree.expected[node]
+            gains.append(total)
+        return cls(tokens, parents, depth, gains, factor)
+
+
+class SizeHindsight:
+    """The size records (``budget.SizeRecord``) learn from every candidate size of a step, not only
+    the one verified: corrections fitted on verified trees alone are fitted where the chooser's
+    promise was high (it verifies more nodes when its gains look large, and looked larger than
+    they were), and weak trees, verified seldom, were corrected down with them (SmolLM2's greedy
+    outputs replayed, ``bench/cost_replay.py``: the 4-node trees of steps that verified the root
+    alone promised 0.03-0.08 tokens after the corrections and would have accepted 0.15-0.32). So
+    each step's smallest candidates (``Shadow``) wait for the tokens committed after them, and when
+    those tell what each prefix size would have accepted (``hindsight``), every one of those sizes'
+    records adds it, at the step when it is known. The step itself counts at its own finish
+    (``SizeRecord.tick``); a size past the shadow's is recorded when verified, as before. A request
+    stopped before its last steps are known drops them.
+
+    ``backend``: "auto" (the pending shadows and their hindsight in the compiled core,
+    ``_core.ShadowBook``, where it is built) or "reference" (this class's Python: the definition;
+    the two leave the record's table bit for bit alike, ``tests/test_step.py``)."""
+
+    def __init__(self, backend: str = "auto") -> None:
+        if backend not in ("auto", "reference"):
+            raise ValueError(f"SizeHindsight: backend must be 'auto' or 'reference', not {backend!r}")
+        compiled = backend == "auto" and _core is not None and hasattr(_core, "ShadowBook")
+        self.book = _core.ShadowBook() if compiled else None
+        self.pending: dict[str, list[Shadow]] = {}  # (reference) per request: the steps not known yet, oldest first
+
+    def capture(self, tree: TokenTree, factor: float) -> "Shadow | None":
+        """A step's candidates (``Shadow.of``), compiled or not as this book keeps them."""
+        if self.book is None:
+            return Shadow.of_reference(tree, factor)
+        shadow = Shadow.of(tree, factor)
+        if isinstance(shadow, Shadow):  # a tree in Python lists: its shadow handed to the core
+            shadow = _core.Shadow(*shadow.lists(), factor)
+        return shadow
+
+    def waiting(self, request_id: str) -> bool:
+        """Whether shadows of the request wait for its next tokens."""
+        return bool(self.book.waiting(request_id)) if self.book is not None else request_id in self.pending
+
+    def observe(self, sizes: SizeRecord, request_id: str, shadow, new_tokens: Sequence[int]) -> None:
+        """A step of ``request_id`` committed ``new_tokens``; ``shadow``: its candidates (None: the
+        step chose nothing, e.g. a batch's row)."""
+        if shadow is not None:
+            sizes.tick()
+            if len(sizes.table) < len(shadow):
+                sizes.grow(len(shadow))
+        if self.book is not None:
+            self.book.observe(sizes.table, float(sizes.steps), request_id, shadow, new_tokens, SIZE_DECAY)
+            return
+        pending = self.pending.setdefault(request_id, [])
+        if shadow is not None:
+            pending.append(shadow)
+        kept = []
+        for entry in pending:
+            entry.committed += new_tokens
+            if len(entry.committed) < entry.needed:
+                kept.append(entry)
+                continue
+            accepted, entry.needed = hindsight(entry.tokens, entry.parents, entry.depth, entry.committed)
+            if accepted is None:
+                kept.append(entry)
+                continue
+            for k in range(1, len(accepted)):
+                sizes.add(k + 1, promised=entry.gains[k] * entry.factor, accepted=accepted[k])
+        if kept:
+            self.pending[request_id] = kept
+        else:
+            del self.pending[request_id]
+
+    def drop(self, request_id: str) -> None:
+        if self.book is not None:
+            self.book.drop(request_id)
+        self.pending.pop(request_id, None)
 
 
 @dataclass
@@ -72,6 +231,7 @@ class Plan:
     tree_s: float
     shared: float = 1.0  # ``StepCore.scale`` then
     factor: float = 1.0  # ``scale / shared``: the request's own correction as applied (``request_factor``, clipped)
+    shadow: "Shadow | None" = None  # the chooser's candidates, for their hindsight (a step that chose; or a _core.Shadow)
 
 
 @dataclass
@@ -119,6 +279,8 @@ class StepCore:
         # per request: decayed sums of the accepted draft tokens the shared correction predicted
         # for its trees and those accepted (``request_factor``)
         self._requests: dict[str, list[float]] = {}
+        # the size records also learn each step's smallest candidate sizes, once known (``SizeHindsight``)
+        self.hindsight = SizeHindsight()
 
     def start(self, request_id: str, prompt_ids: Sequence[int], params=None, seed=None) -> None:
         self.mixture.start(request_id, prompt_ids, params, seed)
@@ -127,6 +289,7 @@ class StepCore:
     def stop(self, request_id: str) -> None:
         self.mixture.stop(request_id)
         self._requests.pop(request_id, None)
+        self.hindsight.drop(request_id)
 
     def first(self, request_id: str, new_tokens: Sequence[int], successors: tuple | None = None) -> None:
         """A request's first token, taken from its prefill's logits (no tree, no step): every
@@ -163,9 +326,11 @@ class StepCore:
             merged = TokenTree.from_drafts(context[-1], drafts, max_nodes=max_nodes, max_depth=max_depth,
                                            calibration=self.calibrator)
         factor = scale / shared
+        shadow = (self.hindsight.capture(merged, factor)
+                  if cost is not None and not self.chain_only and merged.num_draft_nodes else None)
         tree = self.select(merged, max_nodes=max_nodes, cost=cost, overhead_s=overhead_s, scale=shared, factor=factor)
         return Plan(tree, drafts, scale, propose_s=t1 - t0, tree_s=time.perf_counter() - t1, shared=shared,
-                    factor=factor)
+                    factor=factor, shadow=shadow)
 
     def finish(self, request_id: str, plan: "Plan", judged: Verdict) -> StepResult:
         """After the verdict on ``plan.tree``: every proposer observes the new tokens, the
@@ -178,8 +343,10 @@ class StepCore:
             accepted = len(judged.accepted)
             self._promised = SCALE_DECAY * self._promised + promised
             self._accepted = SCALE_DECAY * self._accepted + accepted
-            # (a size's record: what the request's correction left to correct)
-            self.sizes.observe(len(tree), promised=promised * plan.factor, accepted=accepted)
+            if plan.shadow is None:  # (a size's record: what the request's correction left to correct)
+                self.sizes.observe(len(tree), promised=promised * plan.factor, accepted=accepted)
+            elif tree.num_draft_nodes >= len(plan.shadow):  # past the shadow's sizes: this one, verified
+                self.sizes.add(len(tree), promised=promised * plan.factor, accepted=accepted)
             if record is not None:
                 record[0] = REQUEST_DECAY * record[0] + promised * plan.shared
                 record[1] = REQUEST_DECAY * record[1] + accepted
@@ -189,6 +356,8 @@ class StepCore:
             if record is not None:  # the request's record fades alike, so a request that stopped drafting tries again
                 record[0] *= REQUEST_DECAY
                 record[1] *= REQUEST_DECAY
+        if plan.shadow is not None or self.hindsight.waiting(request_id):
+            self.hindsight.observe(self.sizes, request_id, plan.shadow, judged.new_tokens)
         return StepResult(tree, plan.drafts, judged.accepted[: len(judged.new_tokens)], judged.new_tokens,
                           propose_s=plan.propose_s, tree_s=plan.tree_s, promised=promised, scale=plan.scale)
 

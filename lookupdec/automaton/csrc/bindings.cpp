@@ -32,6 +32,7 @@
 #include <omp.h>
 #endif
 #include "tree.hpp"
+#include "hindsight.hpp"
 
 namespace nb = nanobind;
 using lookupdec::Automaton;
@@ -640,6 +641,30 @@ int64_t choose_tree_nodes_record(const CoreTree& t, const std::vector<double>& s
                                       scales.data(), static_cast<int64_t>(scales.size()));
 }
 
+// SizeRecord.add_sizes: lookupdec::size_record_add on the record's table, in place.
+void size_record_add(CountsOut table, double steps, int64_t first, const std::vector<double>& gains,
+                     const std::vector<int64_t>& accepted, double factor, double decay) {
+  if (table.shape(1) != 4) throw std::invalid_argument("size_record_add: a record row is (promised, accepted, steps, last)");
+  if (gains.size() != accepted.size()) throw std::invalid_argument("size_record_add: a gain per accepted count");
+  if (!lookupdec::size_record_add(table.data(), static_cast<int64_t>(table.shape(0)), steps, first, gains.data(),
+                                  accepted.data(), static_cast<int64_t>(gains.size()), factor, decay))
+    throw std::invalid_argument("size_record_add: sizes past the table");
+}
+
+// Tree.shadow: step.Shadow.of, or None where the tree's parents do not come first in prune order.
+nb::object tree_shadow(const CoreTree& t, int64_t nodes, double factor) {
+  lookupdec::Shadow shadow;
+  if (!lookupdec::make_shadow(t.tree, nodes, factor, &shadow)) return nb::none();
+  return nb::cast(std::move(shadow));
+}
+
+void book_observe(lookupdec::ShadowBook& book, CountsOut table, double steps, const std::string& request,
+                  const lookupdec::Shadow* shadow, const std::vector<int64_t>& new_tokens, double decay) {
+  if (table.shape(1) != 4) throw std::invalid_argument("ShadowBook.observe: a record row is (promised, accepted, steps, last)");
+  book.observe(table.data(), static_cast<int64_t>(table.shape(0)), steps, request, shadow, new_tokens.data(),
+               static_cast<int64_t>(new_tokens.size()), decay);
+}
+
 // budget.CostModel.dense from its estimates (ints taken as floats): the curve as float64 bytes.
 nb::bytes cost_curve(const std::vector<double>& sizes, const std::vector<double>& seconds,
                      std::vector<double> counts, int64_t upto, double optimism, bool optimistic, bool padded,
@@ -1106,6 +1131,7 @@ NB_MODULE(_core, m) {
   m.def("learn_drafts", &learn_drafts);
   m.def("choose_num_nodes", &choose_num_nodes);
   m.def("size_scales", &size_scales);
+  m.def("size_record_add", &size_record_add);
   m.def("cost_curve", &cost_curve);
   m.def("top_tokens", &top_tokens);
   m.def("gather_slots", &gather_slots);
@@ -1125,6 +1151,28 @@ NB_MODULE(_core, m) {
 #else
   m.attr("OPENMP") = false;
 #endif
+  nb::class_<lookupdec::Shadow>(m, "Shadow")
+      .def("__init__", [](lookupdec::Shadow* s, std::vector<int32_t> tokens, std::vector<int32_t> parents,
+                          std::vector<int32_t> depth, std::vector<double> gains, double factor) {
+        size_t n = tokens.size();
+        if (n == 0 || parents.size() != n || depth.size() != n || gains.size() != n)
+          throw std::invalid_argument("Shadow: tokens, parents, depth and gains: one per node, the root first");
+        for (size_t i = 1; i < n; ++i)
+          if (parents[i] < 0 || static_cast<size_t>(parents[i]) >= i || depth[i] != depth[parents[i]] + 1)
+            throw std::invalid_argument("Shadow: every node's parent comes before it, one level up");
+        new (s) lookupdec::Shadow{std::move(tokens), std::move(parents), std::move(depth), std::move(gains), factor, {}, 0};
+      })
+      .def("lists", [](const lookupdec::Shadow& s) {
+        return nb::make_tuple(int_list(s.tokens), int_list(s.parents), int_list(s.depth), float_list(s.gains));
+      })
+      .def_ro("factor", &lookupdec::Shadow::factor)
+      .def("__len__", [](const lookupdec::Shadow& s) { return s.tokens.size(); });
+  nb::class_<lookupdec::ShadowBook>(m, "ShadowBook")
+      .def(nb::init<>())
+      .def("observe", &book_observe, nb::arg("table"), nb::arg("steps"), nb::arg("request"), nb::arg("shadow").none(),
+           nb::arg("new_tokens"), nb::arg("decay"))
+      .def("drop", &lookupdec::ShadowBook::drop)
+      .def("waiting", &lookupdec::ShadowBook::waiting);
   nb::class_<CoreTree>(m, "Tree")
       .def("__len__", [](const CoreTree& t) { return t.tree.token_ids.size(); })
       .def("token_ids", [](const CoreTree& t) { return int_list(t.tree.token_ids); })
@@ -1156,6 +1204,7 @@ NB_MODULE(_core, m) {
       })
       .def("choose_num_nodes", &choose_tree_nodes)
       .def("choose_num_nodes_record", &choose_tree_nodes_record)
+      .def("shadow", &tree_shadow)
       .def("prune", [](const CoreTree& t, int32_t max_nodes) {
         return CoreTree{lookupdec::prune_prefix(t.tree, max_nodes), t.names};
       })
