@@ -339,6 +339,8 @@ class StepCore:
         self.mixture.finish(request_id, judged.new_tokens, judged.successors, plan.drafts, self.calibrator)
         promised = tree.expected_total() if tree.num_draft_nodes else 0.0
         record = self._requests.get(request_id)
+        if plan.shadow is not None or self.hindsight.waiting(request_id):  # (first: the step counts, then its sizes)
+            self.hindsight.observe(self.sizes, request_id, plan.shadow, judged.new_tokens)
         if tree.num_draft_nodes:
             accepted = len(judged.accepted)
             self._promised = SCALE_DECAY * self._promised + promised
@@ -356,8 +358,6 @@ class StepCore:
             if record is not None:  # the request's record fades alike, so a request that stopped drafting tries again
                 record[0] *= REQUEST_DECAY
                 record[1] *= REQUEST_DECAY
-        if plan.shadow is not None or self.hindsight.waiting(request_id):
-            self.hindsight.observe(self.sizes, request_id, plan.shadow, judged.new_tokens)
         return StepResult(tree, plan.drafts, judged.accepted[: len(judged.new_tokens)], judged.new_tokens,
                           propose_s=plan.propose_s, tree_s=plan.tree_s, promised=promised, scale=plan.scale)
 
