@@ -740,20 +740,6 @@ class SizeRecord:
         self.table[size - 1] = (keep * promised_was + promised, keep * accepted_was + accepted, keep * steps_was + 1.0,
                                 self.steps)
 
-    def add_sizes(self, first: int, gains: Sequence[float], accepted: Sequence[int], factor: float = 1.0) -> None:
-        """``add`` of sizes ``first``, ``first + 1``, ... (``gains[i] * factor`` promised,
-        ``accepted[i]`` accepted), in one compiled call where the core is built."""
-        if not gains:
-            return
-        last = first + len(gains) - 1
-        if last > len(self.table):
-            self.grow(last)
-        if _core is not None and hasattr(_core, "size_record_add"):
-            _core.size_record_add(self.table, float(self.steps), first, gains, accepted, factor, SIZE_DECAY)
-            return
-        for i, (gain, count) in enumerate(zip(gains, accepted)):
-            self.add(first + i, promised=gain * factor, accepted=count)
-
     def grow(self, sizes: int) -> None:
         """A table of at least ``sizes`` rows (new rows: never observed)."""
         if sizes > len(self.table):

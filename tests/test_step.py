@@ -131,36 +131,6 @@ def test_hindsight_is_what_each_prefix_tree_would_accept():
     assert undecided > 100 and decided > 100 and deep > 30 and compiled > 300, (undecided, decided, deep, compiled)
 
 
-def test_size_record_add_sizes_is_add_one_size_after_another():
-    """``SizeRecord.add_sizes`` (compiled) leaves the table bit for bit as ``add`` per size does."""
-    import random
-
-    import numpy as np
-
-    from lookupdec.budget import SizeRecord
-
-    rng = random.Random(3)
-    fast, slow = SizeRecord(), SizeRecord()
-    for step in range(300):
-        for record in (fast, slow):
-            record.tick()
-        if rng.random() < 0.3:
-            size = rng.randint(1, 70)
-            promised, accepted = rng.uniform(0, 5), rng.randint(0, 6)
-            fast.add(size, promised=promised, accepted=accepted)
-            slow.add(size, promised=promised, accepted=accepted)
-        first, n = rng.randint(1, 40), rng.randint(0, 9)
-        gains = [rng.uniform(0, 3) for _ in range(n)]
-        accepted = [rng.randint(0, 5) for _ in range(n)]
-        factor = rng.uniform(0.1, 2)
-        fast.add_sizes(first, gains, accepted, factor)
-        for i in range(n):
-            slow.add(first + i, promised=gains[i] * factor, accepted=accepted[i])
-    rows = min(len(fast.table), len(slow.table))
-    assert np.array_equal(fast.table[:rows], slow.table[:rows]) and not fast.table[rows:].any()
-    assert not slow.table[rows:].any() and fast.table[:, 2].sum() > 100
-
-
 def test_compiled_hindsight_book_is_its_reference():
     """``SizeHindsight`` in the core (``_core.ShadowBook``) and its Python reference, fed the same
     steps of several interleaved requests (random trees, committed tokens often along them, steps

@@ -641,16 +641,6 @@ int64_t choose_tree_nodes_record(const CoreTree& t, const std::vector<double>& s
                                       scales.data(), static_cast<int64_t>(scales.size()));
 }
 
-// SizeRecord.add_sizes: lookupdec::size_record_add on the record's table, in place.
-void size_record_add(CountsOut table, double steps, int64_t first, const std::vector<double>& gains,
-                     const std::vector<int64_t>& accepted, double factor, double decay) {
-  if (table.shape(1) != 4) throw std::invalid_argument("size_record_add: a record row is (promised, accepted, steps, last)");
-  if (gains.size() != accepted.size()) throw std::invalid_argument("size_record_add: a gain per accepted count");
-  if (!lookupdec::size_record_add(table.data(), static_cast<int64_t>(table.shape(0)), steps, first, gains.data(),
-                                  accepted.data(), static_cast<int64_t>(gains.size()), factor, decay))
-    throw std::invalid_argument("size_record_add: sizes past the table");
-}
-
 // Tree.shadow: step.Shadow.of, or None where the tree's parents do not come first in prune order.
 nb::object tree_shadow(const CoreTree& t, int64_t nodes, double factor) {
   lookupdec::Shadow shadow;
@@ -1131,7 +1121,6 @@ NB_MODULE(_core, m) {
   m.def("learn_drafts", &learn_drafts);
   m.def("choose_num_nodes", &choose_num_nodes);
   m.def("size_scales", &size_scales);
-  m.def("size_record_add", &size_record_add);
   m.def("cost_curve", &cost_curve);
   m.def("top_tokens", &top_tokens);
   m.def("gather_slots", &gather_slots);
