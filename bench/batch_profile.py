@@ -155,7 +155,7 @@ def main(argv=None) -> int:
                    metavar="ROWSxWIDTH", help="batched forwards to time (1x1 1x64 8x1 8x8 8x16)")
     p.add_argument("--context", type=int, default=700, help="prefix tokens per row for the forwards (700)")
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per shape (5; the median is kept)")
-    p.add_argument("--prompts", type=int, default=16, help="rewrite prompts for the split (16; 0: the forwards only)")
+    p.add_argument("--prompts", type=int, default=16, help="rewrite prompts for the split (16; 0: none)")
     p.add_argument("--offset", type=int, default=17,
                    help="skip this many rewrite prompts first (17: server_batch_bench's 8-client set)")
     p.add_argument("--batch", type=int, default=8, help="rows of the split's batch (8)")
@@ -182,8 +182,9 @@ def main(argv=None) -> int:
     rows = forwards(engine, args.shapes, args.context, args.repeats)
     print(format_table(rows, [("rows", "rows", "d"), ("width", "width", "d"), ("tokens", "tokens", "d"),
                               ("median_ms", "forward ms", ".1f"), ("ms_per_token", "ms/token", ".2f")]))
-    summary = split(engine, pool[args.offset : needed], args.batch, args.max_tokens, args.cprofile) if args.prompts else None
-    if summary is not None:
+    summary = None  # --prompts 0: the forwards only
+    if args.prompts:
+        summary = split(engine, pool[args.offset : needed], args.batch, args.max_tokens, args.cprofile)
         print(f"\nsplit: {summary['requests']} rewrite prompts ({summary['mean_prompt_tokens']:.0f} tokens on average), "
               f"B = {summary['batch']}: {summary['tokens']} tokens in {summary['seconds']:.1f} s "
               f"({summary['tokens_per_s']:.1f} tokens/s): prefill {summary['prefill_s']:.1f} s, verify "
