@@ -50,6 +50,9 @@ from lookupdec.stops import StopStrings, TextAssembler
 # would have made.
 BATCH_DRAFT_MIN = 4
 BATCH_DRAFT_HEADROOM = 2.0
+# the widths a batch's first curve times before it trusts its prices (``BatchDecoder._cost``)
+PROBE_WIDTHS = (1, 2, 4, 8)
+PROBE_PRIOR_COUNT = 0.01  # ... one row's prices stand in for them as this many forwards (the first one replaces them)
 
 
 @dataclass
@@ -110,7 +113,8 @@ class BatchDecoder:
         self.active: list[_Sequence] = []  # by row
         self.done: list[_Sequence] = []
         self._count = 0
-        self._costs: dict[tuple[int, int], CostModel] = {}  # (context bucket, rows) -> t(rows x width)
+        self._costs = engine.batch_costs  # (context bucket, rows) -> t(rows x width), the engine's
+        self._probes = engine.batch_probes  # (context bucket, rows) -> widths not timed yet (``_cost``)
         self.overhead_s = 0.0  # mean batch step time outside the forward (decayed)
         self.widths: list[int] = []  # the chosen width of every step (for benchmarks)
         self.width_record = SizeRecord()
@@ -208,6 +212,7 @@ class BatchDecoder:
                 seq.timer.head_rows += len(tree)
         if engine.config.budget == "auto":
             self._cost(rows).observe(rows * width, forward)
+            self._probes.get(self._key(rows), set()).discard(width)
             if self._promised is not None:
                 chosen, promised = self._promised
                 self.width_record.observe(chosen, promised=promised, accepted=sum(len(a) for a in accepted))
@@ -312,14 +317,56 @@ class BatchDecoder:
         return engine._accept(tree, logits, seq.params, seq.generator, seq.seen, limit, prev)
 
     # -- the joint budget ----------------------------------------------------------------------
+    def _key(self, rows: int) -> tuple[int, int]:
+        return self.engine._cost_bucket(max(len(seq.context) for seq in self.active)), rows
+
     def _cost(self, rows: int) -> CostModel:
+        """``t(rows x width)`` at the batch's context bucket, learnt from the batch's forwards. A
+        new (bucket, rows) curve starts from the nearest one the engine has for several rows
+        (fewest rows apart, then nearest bucket: the sizes it observed lately, ``CostModel
+        .trusted``), with the widths that one has still to time. The first starts from one row's
+        prices of as many tokens at ``rows x`` each of ``PROBE_WIDTHS`` only, and times each of
+        them, one step each on the batch's own trees (``_probe``), its first forward replacing
+        the prior. One row's curve prices a batch's widths badly: at one CPU thread (SmolLM2,
+        ``bench/batch_profile.py``) one row's 64 tokens cost 2.5x its 16 where 16 rows of width
+        4 cost 1.5x width 2, and a batch of 16 rows of width 1 costs 1.3-1.5x one row's 16
+        tokens. A copy of the whole curve also kept one row's prices of sizes no batch of these
+        rows verifies (17-31 tokens for 16 rows): the padded curve priced width 1 at the
+        cheapest of them (99 ms where 16 rows cost 171), and the batch verified roots alone."""
         engine = self.engine
-        longest = max(len(seq.context) for seq in self.active)
-        bucket = engine._cost_bucket(longest)
-        key = (bucket, rows)
+        key = self._key(rows)
         if key not in self._costs:
-            self._costs[key] = engine.cost_model(bucket).copy()  # one row's curve of n tokens, then learnt
+            bucket = key[0]
+            near = sorted((abs(r - rows), abs(b.bit_length() - bucket.bit_length()), b, r)
+                          for b, r in self._costs if r > 1)
+            cost = None
+            for *_, b, r in near if rows > 1 else ():
+                if (cost := self._costs[b, r].trusted()) is not None:
+                    if self._probes.get((b, r)):  # what that curve has still to time, this one too
+                        self._probes[key] = set(self._probes[b, r])
+                    break
+            if cost is None:
+                single = engine.cost_model(bucket)
+                if rows == 1:
+                    cost = single.copy()
+                else:  # one row's prices at rows x each probe width, each replaced by its first forward
+                    widths = sorted(w for w in PROBE_WIDTHS if w <= engine.config.max_nodes + 1)
+                    sizes = [rows * w for w in widths]
+                    prices = single.dense(sizes[-1], padded=False)
+                    cost = CostModel(sizes, [float(prices[n]) for n in sizes], [PROBE_PRIOR_COUNT] * len(sizes))
+                    self._probes[key] = set(widths)
+            self._costs[key] = cost
         return self._costs[key]
+
+    def _probe(self, rows: int, width: int, widest: int) -> int:
+        """The width to verify given the joint budget's ``width``: itself while it or no width
+        up to ``widest`` (the widest tree's nodes) is left to time on this batch's curve; else
+        the narrowest such width (``_cost``; one step each, every row's tokens accepted as at
+        any width: the sampling stays exact)."""
+        pending = self._probes.get(self._key(rows))
+        if not pending or width in pending:
+            return width
+        return min((w for w in pending if w <= widest), default=width)
 
     def _choose(self, seqs: list[_Sequence]) -> list:
         """Every row's tree for the joint budget's width ``W`` (``choose_width``): a row whose tree
@@ -337,6 +384,7 @@ class BatchDecoder:
         longest = min(max((len(g) for g in gains), default=0), engine.config.max_nodes)
         width = choose_width(gains, self._cost(len(trees)), self.overhead_s, engine.config.max_nodes,
                              self.width_record.scales(longest, core.scale))
+        width = self._probe(len(trees), width, longest + 1)
         self._promised = (width, float(sum(sum(g[: width - 1]) for g in gains)))
         out = []
         for seq, tree in zip(seqs, trees):

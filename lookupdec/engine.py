@@ -156,6 +156,10 @@ class Engine:
                                   draft_budget=self.draft_budget, chain_only=not self.target.tree_mode)
         self._costs: dict[int, CostModel] = {}  # context bucket -> t(n) (budget="auto"), learnt online
         self.cost_origin: dict[int, str] = {}  # context bucket -> "measured" | "cached" | "bucket N" (seeded from)
+        # a batch's curves, t(rows x width) per (context bucket, rows), kept across BatchDecoders,
+        # and the widths each curve seeded from one row's has still to time (``BatchDecoder._cost``)
+        self.batch_costs: dict[tuple[int, int], CostModel] = {}
+        self.batch_probes: dict[tuple[int, int], set[int]] = {}
         self._cost_stored: dict[int, float] = {}  # context bucket -> when its curve was last written to the cache
         # the kernel forms another process chose on this machine (model/kernels.py): no trials for them
         self._forms_key = self._forms_stored = None

@@ -235,6 +235,34 @@ def test_batch_asks_proposers_for_about_the_width_it_keeps():
 
 
 
+def test_a_batchs_first_curve_times_its_probe_widths_then_hands_on():
+    """An engine's first batch curve starts from one row's curve of as many tokens (which prices
+    wide batches badly: ``BatchDecoder._cost``), so its first steps verify each of
+    ``PROBE_WIDTHS`` (up to the widest tree) once on the batch's own trees, a curve of the next
+    context bucket taking over what is left; outputs unchanged. A batch of other rows, in a
+    later decoder of the same engine, starts from the curve learnt (its sizes observed lately)
+    with the widths that curve has still to time, not from one row's."""
+    from lookupdec.batch import PROBE_WIDTHS
+
+    model = cached_tiny("llama")
+    refs = [cached_references("llama")[i] for i in (1, 5, 7, 9)]  # prompts of 39-55 tokens, 47-64 new
+    engine = Engine(model, FakeTokenizer(), EngineConfig(max_nodes=16))
+    outs, decoder = run_batch(engine, [BatchRequest(list(p), n) for p, n, _ in refs], max_batch=4)
+    assert [g.token_ids for g in outs] == [want for _, _, want in refs]
+    assert set(PROBE_WIDTHS) <= set(decoder.widths[:10]), decoder.widths
+    fours = [engine.batch_costs[k] for k in engine.batch_probes]
+    assert all(k[1] == 4 for k in engine.batch_probes) and len(fours) >= 1
+    for w in PROBE_WIDTHS:  # each timed by a batch forward of its own
+        assert any(curve.count(4 * w) > 0.5 for curve in fours), w
+    again = BatchDecoder(engine, 4)
+    assert again._costs is engine.batch_costs
+    again.active = decoder.done + decoder.done[:1]  # five rows (the first batch's end: its last bucket)
+    bucket = again._key(5)[0]
+    five = again._cost(5)  # (four rows: the nearest)
+    assert five.sizes == engine.batch_costs[bucket, 4].trusted().sizes
+    assert engine.batch_probes.get((bucket, 5), set()) == engine.batch_probes.get((bucket, 4), set())
+
+
 def test_joint_budget_weighs_each_row_by_its_requests_record(monkeypatch):
     """The joint budget multiplies each row's gains by its request's own correction
     (``Plan.factor``, from ``StepCore.request_factor``): each prompt runs in two rows at once, so
