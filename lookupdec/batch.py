@@ -336,15 +336,15 @@ class BatchDecoder:
         engine = self.engine
         key = self._key(rows)
         if key not in self._costs:
-            bucket = key[0]
-            near = sorted((abs(r - rows), abs(b.bit_length() - bucket.bit_length()), b, r)
-                          for b, r in self._costs if r > 1)
-            cost = None
-            for *_, b, r in near if rows > 1 else ():
-                if (cost := self._costs[b, r].trusted()) is not None:
-                    if self._probes.get((b, r)):  # what that curve has still to time, this one too
-                        self._probes[key] = set(self._probes[b, r])
-                    break
+            bucket, cost = key[0], None
+            if rows > 1:  # the nearest batch curve: fewest rows apart, then nearest bucket
+                near = sorted((abs(r - rows), abs(b.bit_length() - bucket.bit_length()), b, r)
+                              for b, r in self._costs if r > 1)
+                for *_, b, r in near:
+                    if (cost := self._costs[b, r].trusted()) is not None:
+                        if self._probes.get((b, r)):  # what that curve has still to time, this one too
+                            self._probes[key] = set(self._probes[b, r])
+                        break
             if cost is None:
                 single = engine.cost_model(bucket)
                 if rows == 1:
