@@ -14,8 +14,9 @@ For each torch thread setting, workload and batch size B, side by side in an ord
   per sequence: the joint budget's distance to the best fixed setting
 
 Tokens/s = the records' new tokens (each up to its first EOS) over the run's wall time, prefill
-included. Every lookupdec output must equal ``transformers`` greedy of that record alone (the
-B = 1 run); mismatches are counted, never hidden.
+included (with ``--repeat N``: over the median of N runs, each round in an order rotated once more).
+Every lookupdec output must equal ``transformers`` greedy of that record alone (the B = 1 run, every
+repeat); mismatches are counted, never hidden.
 
     python bench/batch_bench.py                       # 16 records, 96 tokens, B = 1 4 8 16, 1 and 2 threads
     python bench/batch_bench.py --threads 1 --records 8 --batch-sizes 1 8   # a quick look
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -98,25 +100,30 @@ def bench(threads: int, model, tokenizer, workloads, args) -> list[dict]:
             methods = ["transformers", "lookupdec"]
             if batch in args.fixed_batch:
                 methods += [f"fixed{n}" for n in args.fixed]
-            k = args.batch_sizes.index(batch) % len(methods)
-            results = {}
-            for method in methods[k:] + methods[:k]:
-                if method == "transformers":
-                    outs, seconds, info = tf_batched(model, prompts, batch, args.max_new_tokens, pad_id, eos)
-                else:
-                    config = (EngineConfig(budget="fixed", max_nodes=int(method[5:])) if method.startswith("fixed")
-                              else None)
-                    outs, seconds, info = ld_batched(model, tokenizer, prompts, batch, args.max_new_tokens, config,
-                                                     sequential=batch == 1)
-                results[method] = (outs, seconds, info)
+            runs: dict[str, list] = {m: [] for m in methods}
+            for rep in range(args.repeat):  # each repeat starts one method later
+                k = (args.batch_sizes.index(batch) + rep) % len(methods)
+                for method in methods[k:] + methods[:k]:
+                    if method == "transformers":
+                        runs[method].append(tf_batched(model, prompts, batch, args.max_new_tokens, pad_id, eos))
+                    else:
+                        config = (EngineConfig(budget="fixed", max_nodes=int(method[5:])) if method.startswith("fixed")
+                                  else None)
+                        runs[method].append(ld_batched(model, tokenizer, prompts, batch, args.max_new_tokens, config,
+                                                       sequential=batch == 1))
             if batch == 1:
-                reference = results["transformers"][0]
-            for method, (outs, seconds, info) in results.items():
+                reference = runs["transformers"][0][0]
+            results = {m: runs[m] for m in methods}
+            for method, done in results.items():
+                outs, _, info = done[0]
+                seconds = statistics.median(s for _, s, _ in done)  # the median run's rate: one slow run is noise here
                 tokens = sum(len(o) for o in outs)
-                identical = None if reference is None else sum(o == r for o, r in zip(outs, reference))
+                identical = None if reference is None else min(sum(o == r for o, r in zip(outs_i, reference))
+                                                               for outs_i, _, _ in done)
                 rows.append({"threads": threads, "workload": workload, "batch": batch, "method": method,
                              "records": len(prompts), "new_tokens": tokens, "seconds": round(seconds, 3),
-                             "tokens_per_s": round(tokens / seconds, 2), "identical": identical, **info})
+                             "tokens_per_s": round(tokens / seconds, 2), "identical": identical, **info,
+                             **({"seconds_each": [round(s, 3) for _, s, _ in done]} if len(done) > 1 else {})})
             tf_rate = next(r["tokens_per_s"] for r in rows[-len(results):] if r["method"] == "transformers")
             for r in rows[-len(results):]:
                 r["vs_transformers"] = round(r["tokens_per_s"] / tf_rate, 3)
@@ -172,12 +179,17 @@ def main(argv=None) -> int:
     p.add_argument("--fixed", type=int, nargs="*", default=[4, 16], metavar="N", help="fixed per-sequence budgets (4 16)")
     p.add_argument("--fixed-batch", type=int, nargs="*", default=[8], metavar="B",
                    help="batch sizes that also run the fixed budgets (8)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="runs of every method at each batch size, each round rotated one method on; tokens/s from "
+                        "the median run (1). Single runs at two threads spread 10-25%% on a 2-core machine")
     add_device_option(p)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "batch.json", help="result JSON (and .png)")
     args = p.parse_args(argv)
     if 1 not in args.batch_sizes:
         p.error("--batch-sizes must include 1 (transformers alone gives the reference outputs)")
     args.batch_sizes = sorted(args.batch_sizes)
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
 
     from lookupdec import Engine
 
