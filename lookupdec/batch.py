@@ -125,15 +125,16 @@ class BatchDecoder:
         self.draft_budget = DraftBudget(min_nodes=BATCH_DRAFT_MIN, headroom=BATCH_DRAFT_HEADROOM)
 
     # -- requests --------------------------------------------------------------------------------
-    def submit(self, request: BatchRequest) -> int:
-        """Queue ``request`` (checked now: a bad value raises ``ParamError``); its index."""
+    def submit(self, request: BatchRequest, field: str = "prompt") -> int:
+        """Queue ``request`` (checked now: a bad value raises ``ParamError``, a bad prompt's
+        ``.field`` ``field``); its index."""
         from lookupdec.engine import GenerationStats, _cancel_check, _Timer
 
         engine = self.engine
         ids = engine.check_request(request.prompt, max_new_tokens=request.max_new_tokens,
                                    temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                    repetition_penalty=request.repetition_penalty, seed=request.seed,
-                                   stop=request.stop)
+                                   stop=request.stop, field=field)
         params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                 repetition_penalty=request.repetition_penalty)
         generator = None
@@ -250,18 +251,22 @@ class BatchDecoder:
             return
         del self.waiting[: len(joining)]
         rows, logits, prefill_ms = [], [], []
-        if self.target.joint_prefill and len(joining) > 1:  # one forward for all (each gets its share)
-            t = time.perf_counter()
-            rows = self.target.add_many([seq.context for seq in joining])
-            logits = self.target.last_logits
-            prefill_ms = [(time.perf_counter() - t) * 1e3 / len(joining)] * len(joining)
-        else:
-            for seq in joining:
+        try:
+            if self.target.joint_prefill and len(joining) > 1:  # one forward for all (each gets its share)
                 t = time.perf_counter()
-                rows.append(self.target.add(seq.context))
-                logits.append(self.target.last_logits[0])
-                prefill_ms.append((time.perf_counter() - t) * 1e3)
-                seq.stats.prefix_reused = self.target.last_reused
+                rows = self.target.add_many([seq.context for seq in joining])
+                logits = self.target.last_logits
+                prefill_ms = [(time.perf_counter() - t) * 1e3 / len(joining)] * len(joining)
+            else:
+                for seq in joining:
+                    t = time.perf_counter()
+                    rows.append(self.target.add(seq.context))
+                    logits.append(self.target.last_logits[0])
+                    prefill_ms.append((time.perf_counter() - t) * 1e3)
+                    seq.stats.prefix_reused = self.target.last_reused
+        except BaseException:  # (an out-of-memory prefill): they wait again, so that the caller's
+            self.waiting[:0] = joining  # recovery of active + waiting sees them, none lost
+            raise
         for seq, row, ms in zip(joining, rows, prefill_ms):
             seq.row = row
             seq.stats.prefill_ms = ms

@@ -21,6 +21,10 @@ DEFAULT_MAX_MATCH = 64
 # alone the same latency (bench/results/server_batch_*.json). The batch's K/V buffer holds this
 # many rows of the longest context (model/cache.py, BatchStore).
 SERVE_MAX_BATCH = 8
+# most sequences per verify forward for ``rewrite --batch-size`` and ``serve --max-batch`` (a
+# program calling ``Engine.generate_batch`` sizes its own): each row reserves K/V memory for the
+# longest context, and past 16 rows a CPU gains nothing
+MAX_BATCH = 64
 
 
 def _require(cond: bool, name: str, value, rule: str) -> None:

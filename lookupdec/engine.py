@@ -7,7 +7,9 @@ simulator shares) with the target's verify forward and exact acceptance as its v
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import numbers
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
@@ -129,6 +131,17 @@ class TextStream:
         self.generation = yield from self._pieces
 
 
+@contextlib.contextmanager
+def _naming_prompt(index: int):
+    """A bad prompt of ``generate_batch``'s list says which (``prompts[3]: prompt is empty``)."""
+    try:
+        yield
+    except ParamError as exc:
+        if exc.field == f"prompts[{index}]":
+            raise ParamError(f"prompts[{index}]: {exc}", exc.field) from None
+        raise
+
+
 class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, draft_model=None,
                  proposers: Sequence[Proposer] | None = None) -> None:
@@ -242,11 +255,18 @@ class Engine:
         ``Generation`` per prompt, in order; each is the one ``generate`` gives for that prompt
         alone (greedy: identical; sampled: identical for the same seed). ``seed``: one for all,
         or a list with one per prompt. Every request is checked before any forward (a bad one
-        raises ``ParamError``). Models without tree masks or with sliding windows decode the
-        prompts one at a time. Per-request control (stop strings, cancel flags, streaming):
+        raises ``ParamError``, a bad prompt named by its place: ``prompts[3]``); ``prompts`` is a
+        list (a lone string is refused), ``max_batch`` an integer >= 1, and the batch reserves
+        rows (K/V memory) for at most ``len(prompts)``. Models without tree masks or with sliding
+        windows decode the prompts one at a time. Per-request control (stop strings, cancel flags, streaming):
         ``lookupdec.batch.BatchDecoder``."""
         from lookupdec.batch import BatchDecoder, BatchRequest
 
+        if isinstance(prompts, (str, bytes)):
+            raise bad("prompts", prompts, "expected a list of prompts (strings or token-id lists), got one string: "
+                      "pass [prompt], or use generate")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:
+            raise bad("max_batch", max_batch, "expected an integer >= 1")
         prompts = list(prompts)
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
@@ -254,15 +274,18 @@ class Engine:
         requests = [BatchRequest(p, max_new_tokens, temperature, top_k, top_p, repetition_penalty, s, stop)
                     for p, s in zip(prompts, seeds)]
         if not self.batchable:
-            for r in requests:  # all checked first, as in the batched path
-                self.check_request(r.prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, repetition_penalty=repetition_penalty, seed=r.seed, stop=stop)
+            for i, r in enumerate(requests):  # all checked first, as in the batched path
+                with _naming_prompt(i):
+                    self.check_request(r.prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                       top_p=top_p, repetition_penalty=repetition_penalty, seed=r.seed, stop=stop,
+                                       field=f"prompts[{i}]")
             return [self.generate(r.prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                   top_p=top_p, repetition_penalty=repetition_penalty, seed=r.seed, stop=stop)
                     for r in requests]
-        decoder = BatchDecoder(self, max_batch)
-        for r in requests:
-            decoder.submit(r)
+        decoder = BatchDecoder(self, max(1, min(int(max_batch), len(requests))))  # rows reserve K/V memory
+        for i, r in enumerate(requests):
+            with _naming_prompt(i):
+                decoder.submit(r, field=f"prompts[{i}]")
         return decoder.run()
 
     @property

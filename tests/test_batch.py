@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import cached_references, cached_tiny
-from helpers import FakeTokenizer, SpyProposer, first_difference
+from helpers import FakeTokenizer, SpyProposer, failing_call, first_difference
 from lookupdec import Engine, EngineConfig
 from lookupdec.batch import BatchDecoder, BatchRequest, choose_width
 from lookupdec.budget import CostModel
@@ -333,6 +333,55 @@ def test_generate_batch_api_and_seeds():
         engine.generate_batch(prompts, max_new_tokens=4, seed=[1])
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.generate_batch(prompts, max_new_tokens=0)
+
+
+def test_generate_batch_names_bad_arguments():
+    from lookupdec.validate import ParamError
+
+    engine = Engine(cached_tiny("llama"), FakeTokenizer())
+    with pytest.raises(ParamError, match="list of prompts") as exc:
+        engine.generate_batch("one string", max_new_tokens=4)  # not split into its characters
+    assert exc.value.field == "prompts"
+    for bad_rows in (0, -3, 2.5, "4", None, True):
+        with pytest.raises(ParamError, match="max_batch") as exc:
+            engine.generate_batch([[5, 6, 7]], max_new_tokens=4, max_batch=bad_rows)
+        assert exc.value.field == "max_batch"
+    with pytest.raises(ParamError, match=r"prompts\[1\]: prompt is empty") as exc:
+        engine.generate_batch([[5, 6, 7], [], [8, 9]], max_new_tokens=4)
+    assert exc.value.field == "prompts[1]"
+    assert engine.generate_batch([], max_new_tokens=4) == []
+
+
+def test_generate_batch_reserves_no_more_rows_than_prompts(monkeypatch):
+    import lookupdec.batch as batch_module
+
+    sizes = []
+    init = batch_module.BatchDecoder.__init__
+
+    def spy(self, engine, max_batch, *args, **kwargs):
+        sizes.append(max_batch)
+        init(self, engine, max_batch, *args, **kwargs)
+
+    monkeypatch.setattr(batch_module.BatchDecoder, "__init__", spy)
+    engine = Engine(cached_tiny("llama"), FakeTokenizer())
+    prompts = [[5, 6, 7, 5, 6, 7], [9, 10, 11, 12]]
+    outs = engine.generate_batch(prompts, max_new_tokens=6, max_batch=64)
+    assert sizes == [2]  # each row reserves K/V memory for the longest context
+    assert [g.token_ids for g in outs] == [engine.generate(p, max_new_tokens=6).token_ids for p in prompts]
+
+
+def test_a_failed_prefill_loses_no_sequence():
+    """A prefill that raises (an out-of-memory one) leaves every joining sequence waiting, so a
+    caller's recovery of ``active + waiting`` (the server's 500s, rewrite's one at a time) meets
+    them all; before, the ones taken from the queue were in neither list."""
+    engine = Engine(cached_tiny("llama"), FakeTokenizer())
+    decoder = BatchDecoder(engine, 4, joint_prefill=False)
+    indices = [decoder.submit(BatchRequest([5, 6, 7, i + 1], 4)) for i in range(3)]
+    decoder.target.add = failing_call(decoder.target.add, 2)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        decoder.step()
+    assert sorted(seq.index for seq in decoder.active + decoder.waiting) == indices
+    assert [seq.index for seq in decoder.waiting] == indices  # in their order, none active yet
 
 
 def test_stop_strings_and_cancel_are_per_request():

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from helpers import hf_greedy
+from helpers import failing_call, hf_greedy
 from lookupdec.cli import main
 from lookupdec.pipelines import PromptFormat, ReadOptions, Record, ResultsFile, ResultsFileError, read_records
 from lookupdec.pipelines.results import TMP_SUFFIX
@@ -428,6 +428,41 @@ def test_batched_sampling_uses_each_records_seed(tmp_path, run):
                    "--temperature", "0.8", "--seed", "5", "--token-ids", "--batch-size", batch)[0] == 0
         outs.append({line["id"]: line["token_ids"] for line in lines_of(out)})
     assert outs[0] == outs[1]
+
+
+@needs_stories
+def test_batched_prefill_failure_redoes_every_record(tmp_path, run, monkeypatch):
+    """A prefill that fails while records join a batch (out of memory): the records then in
+    flight are done one at a time, every one gets its line, exit 0."""
+    from lookupdec.model.batch import BatchTarget
+
+    failing = failing_call(BatchTarget.add, 2)
+    monkeypatch.setattr(BatchTarget, "add", failing)
+    source = write(tmp_path / "in.txt", "".join(f"Ann had {i} cats.\n" for i in range(3)))
+    out = str(tmp_path / "out.jsonl")
+    code, _, err = run("--input", source, "--output", out, "--instruction", INSTRUCTION, "--max-new-tokens", "6",
+                       "--batch-size", "4")
+    assert code == 0, err
+    assert "3 records rewritten, 0 failed" in err and failing.calls >= 2
+    assert sorted(line["id"] for line in lines_of(out)) == [f"{source}:{n}" for n in range(1, 4)]
+
+
+@needs_stories
+def test_batch_size_above_the_records_takes_as_many_rows_as_records(tmp_path, run):
+    source = write(tmp_path / "in.txt", "Ann had a cat.\nTom had a dog.\n")
+    code, _, err = run("--input", source, "--output", str(tmp_path / "o.jsonl"), "--instruction", INSTRUCTION,
+                       "--max-new-tokens", "4", "--batch-size", "16")
+    assert code == 0, err
+    assert "batches of 2" in err  # each row reserves K/V memory: 16 for 2 records would waste 14
+
+
+def test_a_record_with_no_line_is_an_error_exit(tmp_path, run, monkeypatch):
+    """Should a bug ever lose a record (no line written), the run says so and exits 1."""
+    rewrite_module = sys.modules["lookupdec.pipelines.rewrite"]  # (the package's `rewrite` is the function)
+    monkeypatch.setattr(rewrite_module, "run_records", lambda *a, **k: None)  # writes nothing
+    source = write(tmp_path / "in.txt", "a\nb\n")
+    code, _, err = run("--input", source, "--output", str(tmp_path / "o.jsonl"), "--instruction", "x")
+    assert code == 1 and "2 records got no line" in err
 
 
 def test_batch_size_option_is_checked(tmp_path, run):

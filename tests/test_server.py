@@ -470,6 +470,16 @@ def test_serve_bad_arguments_one_line_error(capsys, args, message):
     assert message in err and err.startswith("lookupdec: error:") and "Traceback" not in err
 
 
+@pytest.mark.parametrize("rows", ["0", "65", "x", "2.5"])
+def test_serve_max_batch_is_checked(capsys, rows):
+    from lookupdec.cli import main
+
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error, before anything loads
+        main(["serve", "--model", STORIES, "--max-batch", rows])
+    assert exc.value.code == 2
+    assert "argument --max-batch" in capsys.readouterr().err
+
+
 # -- hardening: API key from the environment, request body limit ---------------------------------
 API_KEY = "s3cret-key"
 BIG = 20 << 20  # the 20 MB request

@@ -25,6 +25,7 @@ import httpx  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from conftest import STORIES, load_stories  # noqa: E402
+from helpers import failing_call  # noqa: E402
 from lookupdec import Engine, EngineConfig  # noqa: E402
 from lookupdec.server import create_app  # noqa: E402
 from lookupdec.server import worker as worker_module  # noqa: E402
@@ -85,6 +86,26 @@ def test_health_is_not_running_once_the_reply_is_sent(client, monkeypatch, strea
     bad = client.post("/v1/completions", json=completion(prompt=[1, 10**9]))  # fails on the engine thread
     assert bad.status_code == 400
     assert client.get("/health").json()["running"] == 0
+
+
+def test_a_failed_batched_prefill_is_a_500_not_a_hang(engine, monkeypatch):
+    """A request whose prefill fails as it joins the batch (out of memory) gets a 500 and is
+    counted failed; the server goes on (before, it was in no list and its client waited forever)."""
+    from lookupdec.model.batch import BatchTarget
+
+    monkeypatch.setattr(BatchTarget, "add", failing_call(BatchTarget.add, 1))
+    with TestClient(create_app(engine, MODEL, max_batch=4)) as c:
+        first = c.post("/v1/completions", json=completion(), timeout=30)
+        assert first.status_code == 500
+        health = c.get("/health").json()
+        assert health["failed"] == 1 and health["running"] == 0 and health["batch"]["max"] == 4
+        assert c.post("/v1/completions", json=completion(), timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("rows", [0, 65, 2.5, "4", True])
+def test_max_batch_is_checked(engine, rows):
+    with pytest.raises(ValueError, match="max_batch"):
+        create_app(engine, MODEL, max_batch=rows)
 
 
 # -- API key --------------------------------------------------------------------------------------

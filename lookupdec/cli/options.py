@@ -33,6 +33,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def batch_rows(text: str) -> int:
+    """Sequences per forward (``serve --max-batch``): an integer in [1, MAX_BATCH]."""
+    from lookupdec.config import MAX_BATCH
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= value <= MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_BATCH}], got {value}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     try:
         value = int(text)

@@ -45,7 +45,8 @@ worker that dies has its records redone by another. --ray or --ray auto: ray.ini
 (RAY_ADDRESS, a cluster started on this machine with `ray start`, else a new local instance);
 --ray HOST:PORT: that cluster (every node needs lookupdec installed and the --model path).
 
-exit status: 0 every record has a result, 1 some records failed (see their lines), 2 a usage
+exit status: 0 every record has a result, 1 some records failed (see their lines) or have no
+line (said on stderr: run again), 2 a usage
 error (bad path, template without {text}, ...), 130 interrupted."""
 
 
@@ -106,7 +107,7 @@ def add_parser(sub) -> None:
 
 def batch_size(text: str):
     """``--batch-size``: ``auto`` or an integer in [1, MAX_BATCH]."""
-    from lookupdec.pipelines.rewrite import MAX_BATCH
+    from lookupdec.config import MAX_BATCH
 
     if text == "auto":
         return text
@@ -181,5 +182,8 @@ def run(args) -> int:
         sys.stdout.write("\n")
     if not args.quiet:
         print(f"lookupdec: {summary.line()}", file=sys.stderr)
-    return 1 if summary.failed else 0
+    if summary.missing:
+        print(f"lookupdec: error: {summary.missing} records got no line in {args.output} (a bug: please report it); "
+              "run the same command again to do them", file=sys.stderr)
+    return 1 if summary.failed or summary.missing else 0
 

@@ -1,9 +1,9 @@
 """``lookupdec serve``: the OpenAI-compatible HTTP server (``lookupdec.server``)."""
 from __future__ import annotations
 
-from lookupdec.cli.options import (CliError, add_engine_options, check_engine_options, engine_config, engine_kwargs,
-                                   non_negative_int, positive_int)
-from lookupdec.config import SERVE_MAX_BATCH
+from lookupdec.cli.options import (CliError, add_engine_options, batch_rows, check_engine_options, engine_config,
+                                   engine_kwargs, non_negative_int)
+from lookupdec.config import MAX_BATCH, SERVE_MAX_BATCH
 
 
 def add_parser(sub) -> None:
@@ -25,9 +25,10 @@ def add_parser(sub) -> None:
                    "$LOOKUPDEC_API_KEY if set, else no key; the variable keeps the key out of `ps`)")
     p.add_argument("--max-request-bytes", type=non_negative_int, default=4 << 20, metavar="N",
                    help="larger request bodies are refused with 413 before they are read (4194304 = 4 MiB; 0 = no limit)")
-    p.add_argument("--max-batch", type=positive_int, default=SERVE_MAX_BATCH, metavar="N",
-                   help=f"requests verified together in each forward ({SERVE_MAX_BATCH}; 1 = one at a time); "
-                   "they join and leave the batch between steps, outputs unchanged; /health shows the running batch")
+    p.add_argument("--max-batch", type=batch_rows, default=SERVE_MAX_BATCH, metavar="N",
+                   help=f"requests verified together in each forward, 1-{MAX_BATCH} ({SERVE_MAX_BATCH}; 1 = one at a "
+                   "time); they join and leave the batch between steps, outputs unchanged; /health shows the running "
+                   "batch. Models without tree masks or with sliding windows take requests one at a time whatever N")
     p.add_argument("--openapi", action="store_true",
                    help="also serve the OpenAPI schema at /openapi.json (off by default; no /docs pages)")
     p.set_defaults(func=run)

@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
+from lookupdec.config import MAX_BATCH  # most records per forward (--batch-size)
 from lookupdec.model_files import DEFAULT_MODEL  # noqa: F401  (the model when --model is not given)
 from lookupdec.pipelines.inputs import Record
 from lookupdec.pipelines.results import ResultsFile
@@ -43,7 +44,6 @@ OUTPUT_CUE = "Output:\n"  # ends an --instruction prompt: where the model's answ
 MAX_WARNINGS = 10  # failed records named on stderr before the rest are only counted
 SEED_BYTES = 8  # bytes of SHA-256(seed, id) forming a record's seed (kept below 2**63)
 STATS_DIGITS = 4  # decimals of the floats in an output line's stats
-MAX_BATCH = 64  # most records per forward (--batch-size)
 AUTO_BATCH_SIZES = (1, 2, 4, 8, 16)  # what --batch-size auto chooses from
 AUTO_BATCH_GAIN = 1.15  # ... the largest size whose plain-decoding throughput beats half its size's by this
 
@@ -177,6 +177,12 @@ class RewriteSummary:
     output: str = ""
 
     @property
+    def missing(self) -> int:
+        """Records of the input with no line from this run nor an earlier one (0 unless a bug lost
+        them: a run again does them)."""
+        return max(0, self.records - self.skipped - self.done - self.failed)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
@@ -210,6 +216,7 @@ def rewrite(engine, work: Plan, prompts: PromptFormat, results: ResultsFile, opt
     total = records if records is not None else len(work.to_do) + work.skipped
     summary = RewriteSummary(records=total, skipped=work.skipped, output=results.path)
     batch = resolve_batch_size(engine, options.batch_size) if work.needs_model and cluster is None else 1
+    batch = max(1, min(batch, len(work.to_do)))  # rows reserve K/V memory: never more than the records
     start = time.perf_counter()
     with tqdm(total=total, initial=work.skipped, unit="rec", desc="rewrite", disable=not progress,
               dynamic_ncols=True) as bar, (logging_redirect_tqdm() if progress else contextlib.nullcontext()):
@@ -298,8 +305,9 @@ def _rewrite_batched(engine, take, prompts: PromptFormat, options: RewriteOption
         except Exception:  # noqa: BLE001 -- redo what was in flight alone: a failure then names its record
             log.warning("a batched step failed; its %d records are done one at a time", len(decoder.active)
                         + len(decoder.waiting), exc_info=log.isEnabledFor(logging.DEBUG))
-            for seq in decoder.active + decoder.waiting:
+            for seq in decoder.active:  # (the waiting ones have no state yet)
                 engine.step_core.stop(seq.rid)
+            for seq in decoder.active + decoder.waiting:
                 write(result_line(engine, seq.request.tag, prompts, options))
             decoder = BatchDecoder(engine, batch)
             continue

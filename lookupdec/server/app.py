@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import os
 import socket
 import sys
@@ -25,10 +26,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lookupdec.config import SERVE_MAX_BATCH
+from lookupdec.config import MAX_BATCH, SERVE_MAX_BATCH
 from lookupdec.server import protocol
 from lookupdec.server.protocol import ChatRequest, CompletionRequest, RequestError, error_body
 from lookupdec.server.worker import BatchingWorker, EngineWorker, Job
+
+log = logging.getLogger("lookupdec.server")
 
 
 HTTP_BAD_REQUEST = 400
@@ -226,6 +229,11 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
     No docs pages (/docs, /redoc): FastAPI's load their scripts from a CDN. ``max_batch`` > 1:
     up to that many requests share each verify forward (``BatchingWorker``) where the model can
     batch; else requests run one at a time."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
+        raise ValueError(f"max_batch={max_batch!r}: expected an integer in [1, {MAX_BATCH}]")
+    if max_batch > 1 and not engine.batchable:
+        log.warning("max_batch=%d: this model cannot share a forward (no tree masks, or sliding windows): "
+                    "requests run one at a time", max_batch)
     worker = BatchingWorker(engine, max_batch) if max_batch > 1 and engine.batchable else EngineWorker(engine)
     api = Api(worker, model_name)
 
