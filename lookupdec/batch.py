@@ -149,6 +149,16 @@ class BatchDecoder:
         self.waiting.append(seq)
         return index
 
+    def abandon(self) -> list[_Sequence]:
+        """After a ``step`` that raised: every sequence not done (active, then waiting), the
+        active ones' step state released; the decoder is not to be stepped again. The caller
+        answers or redoes each (the server's 500s, rewrite's records one at a time)."""
+        for seq in self.active:  # (the waiting ones have no step state yet)
+            self.engine.step_core.stop(seq.rid)
+        left = self.active + self.waiting
+        self.active, self.waiting = [], []
+        return left
+
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.active

@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 
-from lookupdec.cli.options import (CliError, add_engine_options, add_sampling_options, check_engine_options,
+from lookupdec.cli.options import (CliError, add_engine_options, add_sampling_options, batch_rows, check_engine_options,
                                    engine_config, engine_kwargs, load_engine, positive_int)
 
 REWRITE_HELP = """\
@@ -112,12 +112,9 @@ def batch_size(text: str):
     if text == "auto":
         return text
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_BATCH:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer in [1, {MAX_BATCH}], got {text!r}")
-    return value
+        return batch_rows(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer in [1, {MAX_BATCH}], got {text!r}") from None
 
 
 def non_negative_float(text: str) -> float:

@@ -303,11 +303,10 @@ def _rewrite_batched(engine, take, prompts: PromptFormat, options: RewriteOption
         try:
             finished = decoder.step()
         except Exception:  # noqa: BLE001 -- redo what was in flight alone: a failure then names its record
-            log.warning("a batched step failed; its %d records are done one at a time", len(decoder.active)
-                        + len(decoder.waiting), exc_info=log.isEnabledFor(logging.DEBUG))
-            for seq in decoder.active:  # (the waiting ones have no state yet)
-                engine.step_core.stop(seq.rid)
-            for seq in decoder.active + decoder.waiting:
+            left = decoder.abandon()
+            log.warning("a batched step failed; its %d records are done one at a time", len(left),
+                        exc_info=log.isEnabledFor(logging.DEBUG))
+            for seq in left:
                 write(result_line(engine, seq.request.tag, prompts, options))
             decoder = BatchDecoder(engine, batch)
             continue

@@ -194,9 +194,7 @@ class BatchingWorker(EngineWorker):
                 finished = decoder.step()
             except Exception as exc:  # a bug, not a bad request: every request in flight gets a 500
                 log.exception("batched generation failed")
-                for seq in decoder.active:  # (the waiting ones have no state yet)
-                    self.engine.step_core.stop(seq.rid)
-                for seq in decoder.active + decoder.waiting:
+                for seq in decoder.abandon():
                     self._end(seq.index, "failed", ("error", exc))
                 decoder = BatchDecoder(self.engine, self.max_batch)
                 continue
