@@ -21,11 +21,15 @@ is ``t(prompt)`` (its prefill) plus, per step, ``t(1 + nodes)`` and ``--overhead
   choosers read ``prices``
 * ``raw``     -- ``learnt`` with the prices at the raw estimates (``SHRINK_COUNT = 0``: the code
   before stale high estimates were drawn down)
+* ``unearned`` -- ``learnt`` with every tree free to take the whole budget from a request's first
+  step (``step.EARN_START`` unbounded: the code before a request earned its trees,
+  ``StepCore.request_nodes``)
 * ``fixed4``, ``fixed16`` -- ``budget="fixed"`` (no cost model)
 
 over ``--seeds`` seeds of the noise. Reported per curve, method and workload: the modelled
 speedup over greedy (total tokens over total time), the default's over the best fixed budget
-and the worst prompt; for the learnt methods the mean and the worst over seeds. Acceptance is
+and the worst prompt; for the learnt methods the mean and the worst over seeds, and the prompts
+below 0.97x greedy in any seed; a row ``all`` per curve totals every prompt. Acceptance is
 exact (the recorded output is what greedy verification accepts); only time is modelled.
 
     python bench/cost_replay.py                   # outputs generated first (~8 min, 2 threads), then ~15 s
@@ -48,7 +52,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS_DIR, format_table, run_metadata, write_result  # noqa: E402
 
-from lookupdec import budget  # noqa: E402
+from lookupdec import budget, step  # noqa: E402
 from lookupdec.budget import SEED_SIZES, AcceptanceCalibrator, CostModel, DraftBudget  # noqa: E402
 from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
@@ -59,8 +63,9 @@ from lookupdec.step import StepCore, Verdict  # noqa: E402
 DEFAULT_OUTPUTS = Path(os.path.expanduser("~")) / ".cache" / "lookupdec" / "bench" / "smollm2_outputs.json"
 DEFAULT_CURVES = [RESULTS_DIR / "chain_curve_2t.json", RESULTS_DIR / "chain_curve_1t.json"]
 SPIKE_FACTOR = 2.0
-# the learnt methods: the engine's cost model as it is, and with settings of budget.py changed
-LEARNT = {"learnt": {}, "raw": {"SHRINK_COUNT": 0.0}}
+# the learnt methods: the engine's cost model as it is, and with settings of budget.py (or, named
+# "step.X", of step.py) changed
+LEARNT = {"learnt": {}, "raw": {"SHRINK_COUNT": 0.0}, "unearned": {"step.EARN_START": 10**6}}
 MAX_NEW = 128
 
 
@@ -217,27 +222,31 @@ def run(outputs: dict, curve_path: Path, args) -> tuple[list[dict], dict]:
     learnt: dict[str, list[dict]] = {name: [] for name in LEARNT}
     for seed in range(args.seeds):
         for method, settings in LEARNT.items():
-            original = {name: getattr(budget, name) for name in settings}
+            modules = {name: (step, name[5:]) if name.startswith("step.") else (budget, name) for name in settings}
+            original = {name: getattr(*modules[name]) for name in settings}
             try:
                 for name, value in settings.items():
-                    setattr(budget, name, value)
+                    setattr(*modules[name], value)
                 learnt[method].append(replay_method(outputs, t, method, sigma=args.sigma, spikes=args.spikes,
                                                     seed=seed, overhead_s=overhead, shared=args.shared,
                                                     persistence=args.persistence))
             finally:
                 for name, value in original.items():
-                    setattr(budget, name, value)
+                    setattr(*modules[name], value)
     rows = []
-    for name in outputs:
-        best = max(total(fixed[m][name]) for m in fixed)
-        row = {"curve": label, "workload": name, "oracle": total(oracle[name]),
-               "fixed4": total(fixed["fixed4"][name]), "fixed16": total(fixed["fixed16"][name])}
+    for name in [*outputs, "all"]:
+        def of(result: dict) -> list[tuple[float, int]]:  # a workload's prompts, or every prompt
+            return [x for n in outputs for x in result[n]] if name == "all" else result[name]
+        best = max(total(of(fixed[m])) for m in fixed)
+        row = {"curve": label, "workload": name, "oracle": total(of(oracle)),
+               "fixed4": total(of(fixed["fixed4"])), "fixed16": total(of(fixed["fixed16"]))}
         for method, runs in learnt.items():
-            speed = [total(r[name]) for r in runs]
+            speed = [total(of(r)) for r in runs]
             row[f"{method}_mean"] = float(np.mean(speed))
             row[f"{method}_worst"] = min(speed)
             row[f"{method}/best_fixed_worst"] = min(speed) / best
-            row[f"{method}_worst_prompt"] = min(min(x for x, _ in r[name]) for r in runs)
+            row[f"{method}_worst_prompt"] = min(min(x for x, _ in of(r)) for r in runs)
+            row[f"{method}_below_0.97"] = sum(any(of(r)[i][0] < 0.97 for r in runs) for i in range(len(of(runs[0]))))
         rows.append(row)
     return rows, {"curve": str(curve_path), "label": label, "sizes": sizes, "seconds": seconds}
 
@@ -284,9 +293,11 @@ def main(argv=None) -> int:
                ("fixed4", "fixed4", ".2f"), ("fixed16", "fixed16", ".2f"),
                ("learnt_mean", "learnt mean", ".2f"), ("learnt_worst", "worst seed", ".2f"),
                ("learnt/best_fixed_worst", "/best fixed", ".2f"), ("learnt_worst_prompt", "worst prompt", ".2f"),
-               ("raw_mean", "raw mean", ".2f"), ("raw_worst", "worst seed", ".2f"),
-               ("raw/best_fixed_worst", "/best fixed", ".2f"), ("raw_worst_prompt", "worst prompt", ".2f")]
-    print("modelled speedup over greedy (SmolLM2's outputs, model-free); learnt and raw over "
+               ("learnt_below_0.97", "< 0.97", "d"),
+               ("unearned_mean", "unearned mean", ".2f"), ("unearned/best_fixed_worst", "/best fixed", ".2f"),
+               ("unearned_worst_prompt", "worst prompt", ".2f"), ("unearned_below_0.97", "< 0.97", "d"),
+               ("raw_mean", "raw mean", ".2f"), ("raw_worst_prompt", "worst prompt", ".2f")]
+    print("modelled speedup over greedy (SmolLM2's outputs, model-free); learnt methods over "
           f"{args.seeds} seeds (sigma {args.sigma}, {args.shared:.0%} of it shared, persistence {args.persistence}, "
           f"{args.spikes:.0%} spikes):")
     print(format_table(rows, columns))
