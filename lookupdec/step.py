@@ -404,13 +404,16 @@ class StepCore:
         (``max_nodes`` for a request not started). The chooser weighs a tree's expected gain
         against its cost as if the calibrated estimates held for this request; on a short answer
         whose drafts never match they do not, and the request's own correction
-        (``request_factor``) learns that too late: in SmolLM2's replay (``bench/cost_replay.py``,
-        the Intel Xeon's cost curves, 16 seeds of timing noise) a 13-token translation verified
-        trees of 7-20 nodes on four of its 11 steps, at 0.87-0.91x greedy (0.94x with the true
-        curve), and two 17-token QA answers fell below 0.97x. Earned this way every prompt kept
-        0.99x or better while all 80 prompts together sped up the same (1.530x against 1.524x at two
-        threads; 1.532x against 1.534x at one): a log line's first tree, which copies 20 tokens, now
-        reaches that size in two or three steps (log lines to JSON 2-3% slower). History only
+        (``request_factor``) learns that too late: in SmolLM2's replay on the Intel Xeon's cost
+        curves (``bench/results/cost_replay_xeon_9b6d753.json``, 16 seeds of timing noise) a
+        13-token translation verified trees of 7-20 nodes on four of its 11 steps, at 0.87x greedy
+        in its worst seed (0.94x with the true curve), and two 17-token QA answers fell below 0.97x.
+        Earned this way every prompt kept 0.99x or better (before: 3 prompts below 0.97x at two
+        threads, 4 at one) and all 80 together 1.53x either way; a log line's first tree, which
+        copies 20 tokens, now reaches that size in two or three steps (log lines to JSON 2.61x
+        against 2.65x at two threads, 2.42x against 2.48x at one; translation 2.05x against 2.07x,
+        1.95x against 2.00x). Drafts are still merged whole (the shadow's sizes learn what the
+        request has not earned yet). History only
         (accepted counts), so sampling stays exact."""
         earned = self._earned.get(request_id)
         if earned is None:
