@@ -21,9 +21,6 @@ is ``t(prompt)`` (its prefill) plus, per step, ``t(1 + nodes)`` and ``--overhead
   choosers read ``prices``
 * ``raw``     -- ``learnt`` with the prices at the raw estimates (``SHRINK_COUNT = 0``: the code
   before stale high estimates were drawn down)
-* ``unearned`` -- ``learnt`` with every tree free to take the whole budget from a request's first
-  step (``step.EARN_START`` unbounded: the code before a request earned its trees,
-  ``StepCore.request_nodes``)
 * ``fixed4``, ``fixed16`` -- ``budget="fixed"`` (no cost model)
 
 over ``--seeds`` seeds of the noise. Reported per curve, method and workload: the modelled
@@ -65,7 +62,7 @@ DEFAULT_CURVES = [RESULTS_DIR / "chain_curve_2t.json", RESULTS_DIR / "chain_curv
 SPIKE_FACTOR = 2.0
 # the learnt methods: the engine's cost model as it is, and with settings of budget.py (or, named
 # "step.X", of step.py) changed
-LEARNT = {"learnt": {}, "raw": {"SHRINK_COUNT": 0.0}, "unearned": {"step.EARN_START": 10**6}}
+LEARNT = {"learnt": {}, "raw": {"SHRINK_COUNT": 0.0}}
 MAX_NEW = 128
 
 
@@ -294,9 +291,9 @@ def main(argv=None) -> int:
                ("learnt_mean", "learnt mean", ".2f"), ("learnt_worst", "worst seed", ".2f"),
                ("learnt/best_fixed_worst", "/best fixed", ".2f"), ("learnt_worst_prompt", "worst prompt", ".2f"),
                ("learnt_below_0.97", "< 0.97", "d"),
-               ("unearned_mean", "unearned mean", ".2f"), ("unearned/best_fixed_worst", "/best fixed", ".2f"),
-               ("unearned_worst_prompt", "worst prompt", ".2f"), ("unearned_below_0.97", "< 0.97", "d"),
-               ("raw_mean", "raw mean", ".2f"), ("raw_worst_prompt", "worst prompt", ".2f")]
+               ("raw_mean", "raw mean", ".2f"), ("raw_worst", "worst seed", ".2f"),
+               ("raw/best_fixed_worst", "/best fixed", ".2f"), ("raw_worst_prompt", "worst prompt", ".2f"),
+               ("raw_below_0.97", "< 0.97", "d")]
     print("modelled speedup over greedy (SmolLM2's outputs, model-free); learnt methods over "
           f"{args.seeds} seeds (sigma {args.sigma}, {args.shared:.0%} of it shared, persistence {args.persistence}, "
           f"{args.spikes:.0%} spikes):")

@@ -48,10 +48,6 @@ SCALE_MIN, SCALE_MAX = 0.2, 1.5
 REQUEST_PRIOR = 2.0
 REQUEST_DECAY = 0.95
 REQUEST_MIN = 0.02  # the lowest step correction a request's record can bring (shared x its own)
-# a request earns its trees (``StepCore.request_nodes``): under a cost model its first tree may hold
-# this many draft nodes, and each draft token its trees have had accepted adds ``EARN_PER_TOKEN``
-EARN_START = 1
-EARN_PER_TOKEN = 4
 # the chooser's smallest candidate sizes whose hindsight every step adds to the size records
 # (``StepCore.sizes``): the first this many nodes of the merged tree in prune order
 SHADOW_NODES = 8
@@ -283,20 +279,16 @@ class StepCore:
         # per request: decayed sums of the accepted draft tokens the shared correction predicted
         # for its trees and those accepted (``request_factor``)
         self._requests: dict[str, list[float]] = {}
-        # per request: the draft tokens its trees have had accepted (``request_nodes``)
-        self._earned: dict[str, int] = {}
         # the size records also learn each step's smallest candidate sizes, once known (``SizeHindsight``)
         self.hindsight = SizeHindsight()
 
     def start(self, request_id: str, prompt_ids: Sequence[int], params=None, seed=None) -> None:
         self.mixture.start(request_id, prompt_ids, params, seed)
         self._requests[request_id] = [0.0, 0.0]
-        self._earned[request_id] = 0
 
     def stop(self, request_id: str) -> None:
         self.mixture.stop(request_id)
         self._requests.pop(request_id, None)
-        self._earned.pop(request_id, None)
         self.hindsight.drop(request_id)
 
     def first(self, request_id: str, new_tokens: Sequence[int], successors: tuple | None = None) -> None:
@@ -336,9 +328,7 @@ class StepCore:
         factor = scale / shared
         shadow = (self.hindsight.capture(merged, factor)
                   if cost is not None and not self.chain_only and merged.num_draft_nodes else None)
-        # (drafted and merged whole: the shadow's sizes learn what the request has not earned yet)
-        chosen = min(max_nodes, self.request_nodes(request_id)) if cost is not None else max_nodes
-        tree = self.select(merged, max_nodes=chosen, cost=cost, overhead_s=overhead_s, scale=shared, factor=factor)
+        tree = self.select(merged, max_nodes=max_nodes, cost=cost, overhead_s=overhead_s, scale=shared, factor=factor)
         return Plan(tree, drafts, scale, propose_s=t1 - t0, tree_s=time.perf_counter() - t1, shared=shared,
                     factor=factor, shadow=shadow)
 
@@ -349,8 +339,6 @@ class StepCore:
         self.mixture.finish(request_id, judged.new_tokens, judged.successors, plan.drafts, self.calibrator)
         promised = tree.expected_total() if tree.num_draft_nodes else 0.0
         record = self._requests.get(request_id)
-        if request_id in self._earned:
-            self._earned[request_id] += len(judged.accepted[: len(judged.new_tokens)])
         if plan.shadow is not None or self.hindsight.waiting(request_id):  # (first: the step counts, then its sizes)
             self.hindsight.observe(self.sizes, request_id, plan.shadow, judged.new_tokens)
         if tree.num_draft_nodes:
@@ -397,28 +385,6 @@ class StepCore:
         if record is None:
             return 1.0
         return (record[1] + REQUEST_PRIOR) / (record[0] + REQUEST_PRIOR)
-
-    def request_nodes(self, request_id: str) -> int:
-        """The most draft nodes the request's next tree may hold when a cost model chooses:
-        ``EARN_START``, plus ``EARN_PER_TOKEN`` for every draft token its trees have had accepted
-        (``max_nodes`` for a request not started). The chooser weighs a tree's expected gain
-        against its cost as if the calibrated estimates held for this request; on a short answer
-        whose drafts never match they do not, and the request's own correction
-        (``request_factor``) learns that too late: in SmolLM2's replay on the Intel Xeon's cost
-        curves (``bench/results/cost_replay_xeon_9b6d753.json``, 16 seeds of timing noise) a
-        13-token translation verified trees of 7-20 nodes on four of its 11 steps, at 0.87x greedy
-        in its worst seed (0.94x with the true curve), and two 17-token QA answers fell below 0.97x.
-        Earned this way every prompt kept 0.99x or better (before: 3 prompts below 0.97x at two
-        threads, 4 at one) and all 80 together 1.53x either way; a log line's first tree, which
-        copies 20 tokens, now reaches that size in two or three steps (log lines to JSON 2.61x
-        against 2.65x at two threads, 2.42x against 2.48x at one; translation 2.05x against 2.07x,
-        1.95x against 2.00x). Drafts are still merged whole (the shadow's sizes learn what the
-        request has not earned yet). History only
-        (accepted counts), so sampling stays exact."""
-        earned = self._earned.get(request_id)
-        if earned is None:
-            return self.max_nodes
-        return min(self.max_nodes, EARN_START + EARN_PER_TOKEN * earned)
 
     def select(self, tree: TokenTree, *, max_nodes: int, cost: CostModel | None, overhead_s: float,
                scale: float = 1.0, factor: float = 1.0) -> TokenTree:

@@ -398,16 +398,14 @@ def _interleaved_requests(steps: int):
     return nodes, core
 
 
-def test_a_request_whose_drafts_fail_stops_drafting_while_another_keeps_its_trees(monkeypatch):
+def test_a_request_whose_drafts_fail_stops_drafting_while_another_keeps_its_trees():
     """The shared correction and the cells learn from every request: where one request copies and
     another never does, both alike, the second verifies a tree every step (SmolLM2, a translation
     whose answer never copies its prompt: 0.09 accepted a step where 0.9 were predicted). Its own
     record (``StepCore.request_factor``) brings it to the root alone within a few steps, with a
-    retry now and then as the record fades, and leaves the first request its trees. (Trees here
-    are not held to what their request earned, ``StepCore.request_nodes``: the record alone.)"""
+    retry now and then as the record fades, and leaves the first request its trees."""
     from lookupdec import step
 
-    monkeypatch.setattr(step, "EARN_START", 10**6)
     nodes, core = _interleaved_requests(40)
     assert nodes["never"][0] > 0 and nodes["copies"][0] > 0  # the drafts' scores are believed at first
     assert nodes["never"].index(0) <= 6  # within a few steps: the root alone
@@ -427,36 +425,6 @@ def test_a_request_whose_drafts_fail_stops_drafting_while_another_keeps_its_tree
     finally:
         step.REQUEST_PRIOR = original
     assert min(nodes["never"]) > 0
-
-
-def test_a_request_earns_its_trees():
-    """Under a cost model a request's tree holds at most ``EARN_START`` draft nodes plus
-    ``EARN_PER_TOKEN`` for every draft token its trees have had accepted
-    (``StepCore.request_nodes``): a request whose drafts never match verifies one draft node a
-    step at most (a short answer no longer pays for trees of 7-20 nodes it was never going to
-    accept), while one that copies reaches its whole chain within a few steps. Without a cost
-    model (a fixed budget, the batch's joint budget) nothing is held back."""
-    from lookupdec.step import EARN_PER_TOKEN, EARN_START
-
-    nodes, core = _interleaved_requests(40)
-    assert max(nodes["never"]) <= EARN_START
-    earned = 0
-    for n in nodes["copies"]:
-        assert n <= EARN_START + EARN_PER_TOKEN * earned
-        earned += n  # (every node of the copying request's chain is accepted)
-    assert nodes["copies"][0] == EARN_START and nodes["copies"][1] > EARN_START  # earned at once
-    assert nodes["copies"].index(8) <= 5 and min(nodes["copies"][5:]) == 8  # its whole chain, kept
-    assert core.request_nodes("never") == EARN_START
-    assert core.request_nodes("copies") == 64  # earned past the cap: max_nodes
-    assert core.request_nodes("other") == 64  # a request not started: nothing held back
-    core.stop("never")
-    assert core.request_nodes("never") == 64
-    # a fixed budget (no cost model): the whole tree from the first step
-    from lookupdec.step import Verdict
-
-    core.start("fixed", [1, 2, 3])
-    result = core.run("fixed", [1, 2, 3], lambda tree: Verdict([], [7]), max_depth=48)
-    assert result.tree.num_draft_nodes == 8
 
 
 def _replay_calibration(workload: str, limit: int, calibrated: bool):
