@@ -49,7 +49,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS_DIR, format_table, run_metadata, write_result  # noqa: E402
 
-from lookupdec import budget, step  # noqa: E402
+from lookupdec import budget  # noqa: E402
 from lookupdec.budget import SEED_SIZES, AcceptanceCalibrator, CostModel, DraftBudget  # noqa: E402
 from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
@@ -60,8 +60,7 @@ from lookupdec.step import StepCore, Verdict  # noqa: E402
 DEFAULT_OUTPUTS = Path(os.path.expanduser("~")) / ".cache" / "lookupdec" / "bench" / "smollm2_outputs.json"
 DEFAULT_CURVES = [RESULTS_DIR / "chain_curve_2t.json", RESULTS_DIR / "chain_curve_1t.json"]
 SPIKE_FACTOR = 2.0
-# the learnt methods: the engine's cost model as it is, and with settings of budget.py (or, named
-# "step.X", of step.py) changed
+# the learnt methods: the engine's cost model as it is, and with settings of budget.py changed
 LEARNT = {"learnt": {}, "raw": {"SHRINK_COUNT": 0.0}}
 MAX_NEW = 128
 
@@ -219,17 +218,16 @@ def run(outputs: dict, curve_path: Path, args) -> tuple[list[dict], dict]:
     learnt: dict[str, list[dict]] = {name: [] for name in LEARNT}
     for seed in range(args.seeds):
         for method, settings in LEARNT.items():
-            modules = {name: (step, name[5:]) if name.startswith("step.") else (budget, name) for name in settings}
-            original = {name: getattr(*modules[name]) for name in settings}
+            original = {name: getattr(budget, name) for name in settings}
             try:
                 for name, value in settings.items():
-                    setattr(*modules[name], value)
+                    setattr(budget, name, value)
                 learnt[method].append(replay_method(outputs, t, method, sigma=args.sigma, spikes=args.spikes,
                                                     seed=seed, overhead_s=overhead, shared=args.shared,
                                                     persistence=args.persistence))
             finally:
                 for name, value in original.items():
-                    setattr(*modules[name], value)
+                    setattr(budget, name, value)
     rows = []
     for name in [*outputs, "all"]:
         def of(result: dict) -> list[tuple[float, int]]:  # a workload's prompts, or every prompt
