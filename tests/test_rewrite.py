@@ -274,6 +274,10 @@ def test_too_long_record_is_an_error_line_then_retried(tmp_path, run):
     (lambda p: ["--input", write(p / "in.txt", "a"), "--template", str(p / "none.txt")], "none.txt: No such file"),
     (lambda p: ["--input", write(p / "in.txt", "a"), "--instruction", " "], "--instruction is empty"),
     (lambda p: ["--input", write(p / "in.txt", "a"), "--instruction", "x", "--temperature", "-1"], "temperature"),
+    (lambda p: ["--input", write(p / "in.txt", "a"), "--instruction", "x", "--top-p", "1.5"], "top_p"),
+    (lambda p: ["--input", write(p / "in.txt", "a"), "--instruction", "x", "--top-k", "0"], "top_k"),
+    (lambda p: ["--input", write(p / "in.txt", "a"), "--instruction", "x", "--repetition-penalty", "nan"],
+     "repetition_penalty"),
     (lambda p: ["--input", str(p / "out.jsonl"), "--instruction", "x"], "is the output file"),
 ])
 def test_user_errors_are_one_line_exit_2(tmp_path, run, make_args, message):
@@ -428,6 +432,37 @@ def test_batched_sampling_uses_each_records_seed(tmp_path, run):
                    "--temperature", "0.8", "--seed", "5", "--token-ids", "--batch-size", batch)[0] == 0
         outs.append({line["id"]: line["token_ids"] for line in lines_of(out)})
     assert outs[0] == outs[1]
+
+
+@needs_stories
+def test_every_sampling_option_reaches_each_record(stories, tmp_path, run):
+    """--top-k, --top-p and --repetition-penalty (as in ``generate``) reach every record's
+    generation, one at a time and batched: each output is ``Engine.generate`` with those values
+    and the record's derived seed; without them the same seed gives other outputs (so the
+    comparison can fail)."""
+    from lookupdec import Engine, EngineConfig
+    from lookupdec.pipelines import RewriteOptions
+
+    texts = [f"Sue had {i} red hats and a big dog." for i in range(4)]
+    source = write(tmp_path / "in.txt", "".join(t + "\n" for t in texts))
+    base = ["--input", source, "--instruction", INSTRUCTION, "--max-new-tokens", "12", "--token-ids",
+            "--temperature", "0.9", "--seed", "7"]
+    extra = ["--top-k", "6", "--top-p", "0.85", "--repetition-penalty", "1.4"]
+    outs = {}
+    for name, args in (("plain", base), ("1", [*base, *extra]), ("3", [*base, *extra, "--batch-size", "3"])):
+        out = str(tmp_path / f"{name}.jsonl")
+        code, _, err = run(*args, "--output", out)
+        assert code == 0, err
+        outs[name] = {line["id"]: line["token_ids"] for line in lines_of(out)}
+    assert outs["1"] == outs["3"] and len(outs["1"]) == len(texts)
+    assert outs["plain"] != outs["1"]
+    engine = Engine(*stories, EngineConfig())
+    seeds = RewriteOptions(seed=7)
+    for i, text in enumerate(texts):
+        rid = f"{source}:{i + 1}"
+        gen = engine.generate(f"{INSTRUCTION}\n\n{text}\n\nOutput:\n", max_new_tokens=12, temperature=0.9,
+                              top_k=6, top_p=0.85, repetition_penalty=1.4, seed=seeds.record_seed(rid))
+        assert outs["1"][rid] == list(gen.token_ids)
 
 
 @needs_stories

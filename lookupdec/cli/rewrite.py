@@ -70,7 +70,7 @@ def add_parser(sub) -> None:
                    help="--split lines: non-blank lines per record (1)")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the first N records")
     add_sampling_options(
-        p, ("max_new_tokens", "stop", "temperature", "seed"),
+        p, ("max_new_tokens", "stop", "temperature", "top_k", "top_p", "repetition_penalty", "seed"),
         max_new_tokens=dict(default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
                             help=f"most tokens per output ({DEFAULT_MAX_NEW_TOKENS}; fewer where the context ends)"),
         stop=dict(help="end each output before any of these strings"),
@@ -154,7 +154,8 @@ def run(args) -> int:
                else PromptFormat.from_file(args.template))
     if args.chat:
         prompts = prompts.with_chat()
-    options = RewriteOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+    options = RewriteOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                              stop=tuple(args.stop) if args.stop else None, token_ids=args.token_ids,
                              batch_size=args.batch_size)
     records, skipped_files = read_records(

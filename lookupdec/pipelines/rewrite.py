@@ -105,6 +105,9 @@ class PromptFormat:
 class RewriteOptions:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # per record; also capped by the model's context
     temperature: float = 0.0  # 0: greedy (identical to plain greedy decoding)
+    top_k: int | None = None  # sampling: among the k most likely tokens (``Engine.generate``'s)
+    top_p: float | None = None  # sampling: nucleus mass, in (0, 1]
+    repetition_penalty: float | None = None  # > 1 discourages repeats (greedy too)
     seed: int | None = None  # sampling: each record's seed is derived from this and its id
     stop: tuple[str, ...] | None = None  # outputs end before the first of these strings
     token_ids: bool = False  # also write the generated token ids in each line
@@ -117,10 +120,16 @@ class RewriteOptions:
 
         from lookupdec.validate import bad
 
-        check_generation(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
+        check_generation(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
+                         top_p=self.top_p, repetition_penalty=self.repetition_penalty, seed=self.seed,
                          stop=self.stop)
         if self.batch_size != "auto" and not (isinstance(self.batch_size, int) and 1 <= self.batch_size <= MAX_BATCH):
             raise bad("batch_size", self.batch_size, f"expected 'auto' or an integer in [1, {MAX_BATCH}]")
+
+    def sampling(self) -> dict:
+        """The keywords ``Engine.generate`` and ``BatchRequest`` take for the sampling options."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "repetition_penalty": self.repetition_penalty}
 
     def record_seed(self, record_id: str) -> int | None:
         """Per record, so that an output does not depend on which records ran before it."""
@@ -291,7 +300,7 @@ def _rewrite_batched(engine, take, prompts: PromptFormat, options: RewriteOption
                 continue
             try:
                 index = decoder.submit(BatchRequest(
-                    prompts.engine_prompt(engine, record), options.max_new_tokens, temperature=options.temperature,
+                    prompts.engine_prompt(engine, record), options.max_new_tokens, **options.sampling(),
                     seed=options.record_seed(record.id), stop=list(options.stop) if options.stop else None,
                     tag=record))
             except Exception as exc:  # noqa: BLE001 -- as result_line: the record's line says why
@@ -356,7 +365,7 @@ def result_line(engine, record: Record, prompts: PromptFormat, options: RewriteO
     start = time.perf_counter()
     try:
         gen = engine.generate(prompts.engine_prompt(engine, record), max_new_tokens=options.max_new_tokens,
-                              temperature=options.temperature, seed=options.record_seed(record.id),
+                              **options.sampling(), seed=options.record_seed(record.id),
                               stop=list(options.stop) if options.stop else None)
     except Exception as exc:  # noqa: BLE001 -- a failed record is reported in its line; the run goes on
         return _error_line(record, exc)
