@@ -44,6 +44,10 @@ the verify forward, in µs per step:
     learn    ``AcceptanceCalibrator.learn`` (fast paths: in ``observe``), then the size records'
              hindsight of the candidates kept (``step.SizeHindsight.observe``, as ``StepCore.finish``)
 
+Also, inside the verify forward and so in none of the totals: the K/V writes a forward of 1 + 64
+tokens makes into the engine's cache, 30 layers (``SlotStore.write``), against indexing the
+buffer per layer (``write_reference``), in turn (``kv_writes``).
+
 Two sets of code paths run the same steps, record by record in turn: ``reference`` (the pure
 Python reference of every fast path) and ``fast`` (what the engine runs); every step's tree and
 accepted nodes must be identical between them (checked). The verify forward is replaced by
@@ -110,6 +114,7 @@ COST_SECONDS = [0.0445, 0.0764, 0.0852, 0.0842, 0.0984, 0.1301, 0.1818, 0.2995, 
 RECYCLE_SUCCESSORS = EngineConfig().recycle.successors
 FULL_TREE = 60  # steps with at least this many draft nodes count as "at 64 nodes"
 NODE_BINS = [(0, 0), (1, 15), (16, 31), (32, 47), (48, 59), (60, 63), (64, 64)]
+KV_WRITE_ROUNDS = 200  # forwards' K/V writes timed per method (kv_writes)
 DEFAULT_RECORDS = "loghub:8,code-edit:3,mtbench:6"  # workload:records (the first of each warms up)
 
 
@@ -352,6 +357,33 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
         mode.hindsight.drop(rid)
 
 
+def kv_writes(context: int, rounds: int) -> dict:
+    """Inside the verify forward, not in the step's totals: the K/V writes of one forward of
+    1 + ``MAX_NODES`` tokens into the engine's cache (``SlotStore.write``, every layer's views
+    made at once) against indexing the buffer per layer (``SlotStore.write_reference``), both
+    after a ``context``-token prefix, in turn, µs per forward (median of ``rounds``, CPU time)."""
+    from lookupdec.model.cache import SlotStore
+
+    # (laid out as a Llama attention's: projected [1, tokens, heads, dim], then transposed)
+    new = torch.randn(1, 1 + MAX_NODES, KV_HEADS, HEAD_DIM, dtype=DTYPE).transpose(1, 2)
+    prefix = torch.zeros(1, KV_HEADS, context, HEAD_DIM, dtype=DTYPE)
+    out = {}
+    stores = {"write": SlotStore(LAYERS), "write_reference": SlotStore(LAYERS)}
+    for name, store in stores.items():
+        for layer in range(LAYERS):
+            store.write_reference(layer, prefix, prefix)
+        out[name] = []
+    for _ in range(rounds):
+        for name, store in stores.items():
+            write = getattr(store, name)
+            t = time.thread_time_ns()
+            for layer in range(LAYERS):
+                write(layer, new, new)
+            out[name].append(time.thread_time_ns() - t)
+            store.crop(context)
+    return {name: float(np.median(ns)) / 1e3 for name, ns in out.items()}
+
+
 def summarize(mode: Mode) -> dict:
     nodes = np.array(mode.nodes)
     full = nodes >= FULL_TREE
@@ -475,12 +507,17 @@ def main(argv=None) -> int:
                   f"(median {float(np.median(got)) if got else float('nan'):.1f})")
     print(f"\ntrees and accepted nodes identical across paths{' and replays' if repeats else ''}: {identical}  "
           f"({seconds:.0f} s)")
+    context = int(np.median([len(p) + len(r) // 2 for _, _, p, r in records]))
+    writes = kv_writes(context, KV_WRITE_ROUNDS)
+    print(f"inside the forward (not in the totals): the K/V writes of one verify forward of {1 + MAX_NODES} tokens "
+          f"after {context}: {writes['write']:.0f} µs (per layer by indexing: {writes['write_reference']:.0f})")
     config = {**vars(args), "max_nodes": MAX_NODES, "max_depth": MAX_DEPTH, "full_tree": FULL_TREE,
               "kv_cache": f"{LAYERS} layers x [1, {KV_HEADS}, ctx+1+n, {HEAD_DIM}] {DTYPE}",
               "logits": f"[1+n, {VOCAB}] {DTYPE}", "cost_model": {"sizes": COST_SIZES, "seconds": COST_SECONDS}}
     path = write_result(args.out, "overhead", config, summaries, meta=meta, threads_set_by_benchmark=True,
                         identical_across_paths=identical, seconds=seconds,
-                        repeat_totals_cpu_us_at_64=repeats)
+                        repeat_totals_cpu_us_at_64=repeats,
+                        forward_kv_writes_cpu_us={"context": context, "rounds": KV_WRITE_ROUNDS, **writes})
     print(f"wrote {path}")
     return 0 if identical else 1
 

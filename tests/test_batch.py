@@ -441,6 +441,42 @@ def test_batch_store_gathers_rows_at_once_as_row_by_row():
     assert torch.equal(at_once.buffer, before)
 
 
+def test_slot_writes_equal_indexing_each_layer():
+    """``write`` (views made once for every layer of a forward, ``_Spans``) leaves the buffer and
+    hands out the K, V that indexing the buffer per layer (``write_reference``) does, same shape
+    and strides, for one sequence and a batch's first rows: through prefills, steps of every
+    size (none included), crops and commits between them, the buffer's growth, a buffer swapped
+    from outside, and a write after only some layers have theirs; a layer shaped otherwise than
+    its cache still raises."""
+    rng = np.random.default_rng(1)
+    layers, heads, dim = 3, 2, 4
+    for make in (lambda: SlotStore(layers), lambda: BatchStore(layers, max_rows=4)):
+        fast, ref = make(), make()
+        rows = 1 if type(fast) is SlotStore else 3
+        for step in range(40):
+            new = int(rng.integers(0, 9)) if step else 200  # a prefill first (past INITIAL_SLOTS soon: growth)
+            upto = layers if step % 7 != 3 else 1  # (a forward cut short after its first layer)
+            for layer in range(upto):
+                keys = torch.from_numpy(rng.standard_normal((rows, heads, new, dim)).astype(np.float32))
+                values = keys.transpose(1, 2).contiguous().transpose(1, 2) * 2  # (laid out as attention's)
+                got, want = fast.write(layer, keys, values), ref.write_reference(layer, keys, values)
+                for a, b in zip(got, want):
+                    assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b), (step, layer)
+                assert fast.lengths == ref.lengths, (step, layer)
+                for i, n in enumerate(fast.lengths):  # (what no write reached is whatever torch.empty left)
+                    assert torch.equal(fast.buffer[i, :, :, :, :n], ref.buffer[i, :, :, :, :n]), (step, layer, i)
+            if upto < layers:  # as a failed forward's caller: every layer back to the shortest
+                keep = min(fast.lengths)
+            else:  # as a commit: keep some of the step's slots
+                keep = max(fast.lengths) - int(rng.integers(0, new + 1))
+            fast.crop(keep)
+            ref.crop(keep)
+            if step == 20:  # a buffer set from outside (a test's, a reused prefix's): its views are made anew
+                fast.buffer, ref.buffer = fast.buffer.clone(), ref.buffer.clone()
+        with pytest.raises((ValueError, RuntimeError)):
+            fast.write(0, torch.zeros(rows, heads + 1, 1, dim), torch.zeros(rows, heads + 1, 1, dim))
+
+
 @pytest.mark.skipif(_core is None, reason="compiled core not built")
 def test_compiled_slot_gathers_equal_torch_indexing():
     """``SlotStore.gather`` and ``BatchStore.gather_row`` move slots in place in the compiled

@@ -85,9 +85,28 @@ class SlotStore:
         self.num_layers = num_layers
         self.buffer: torch.Tensor | None = None
         self.lengths = [0] * num_layers
+        self._spans: _Spans | None = None  # the views ``write`` hands out, made for every layer at once
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``keys``/``values`` [batch, heads, new, head dim] to ``layer``; its whole K, V."""
+        """Append ``keys``/``values`` [batch, heads, new, head dim] to ``layer``; its whole K, V.
+        Every layer of a forward appends at the same slots: the views of them (and of each
+        layer's whole K, V) are made once for all layers (``_Spans``), where indexing the buffer
+        per layer cost four views a layer (SmolLM2, 30 layers: 0.9 ms a forward at one CPU
+        thread, against 0.27 ms)."""
+        start = self.lengths[layer]
+        end = start + keys.shape[-2]
+        spans = self._spans
+        if not (spans is not None and spans.buffer is self.buffer and spans.start == start and spans.end == end
+                and spans.fits(keys)):
+            spans = self._spans = self._span(keys, start, end)
+        i = 2 * layer
+        spans.new[i].copy_(keys)
+        spans.new[i + 1].copy_(values)
+        self.lengths[layer] = end
+        return spans.whole[i], spans.whole[i + 1]
+
+    def write_reference(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``write`` by indexing the buffer for the one layer."""
         start = self.lengths[layer]
         end = start + keys.shape[-2]
         buffer = self.buffer
@@ -98,6 +117,15 @@ class SlotStore:
         buffer[layer, 1, :, :, start:end] = values
         self.lengths[layer] = end
         return buffer[layer, 0, :, :, :end], buffer[layer, 1, :, :, :end]
+
+    def _span(self, keys: torch.Tensor, start: int, end: int) -> "_Spans":
+        """``write``'s views for slots ``[start, end)`` of K/V shaped like ``keys`` (the buffer
+        grown or made first where it does not hold them)."""
+        buffer = self.buffer
+        if (buffer is None or end > buffer.shape[4] or buffer.shape[2:4] != keys.shape[:2]
+                or buffer.shape[5] != keys.shape[3] or buffer.dtype != keys.dtype or buffer.device != keys.device):
+            buffer = self._grow(keys, end)
+        return _Spans(buffer, start, end, keys.shape[0])
 
     def view(self, layer: int, kind: int) -> torch.Tensor | None:
         if self.buffer is None:
@@ -159,7 +187,9 @@ class BatchStore(SlotStore):
         self.max_rows = max_rows
         self.rows = 0
 
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_reference(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``write`` (``SlotStore``'s, on the first ``keys.shape[0]`` rows) by indexing the
+        buffer for the one layer."""
         start = self.lengths[layer]
         end = start + keys.shape[-2]
         self.reserve(end, keys)
@@ -168,6 +198,10 @@ class BatchStore(SlotStore):
         self.buffer[layer, 1, :rows, :, start:end] = values
         self.lengths[layer] = end
         return self.buffer[layer, 0, :rows, :, :end], self.buffer[layer, 1, :rows, :, :end]
+
+    def _span(self, keys: torch.Tensor, start: int, end: int) -> "_Spans":
+        self.reserve(end, keys)
+        return _Spans(self.buffer, start, end, keys.shape[0])
 
     def view(self, layer: int, kind: int) -> torch.Tensor | None:
         if self.buffer is None:
@@ -240,6 +274,29 @@ class BatchStore(SlotStore):
         buf = self.buffer[:, :, row]  # [layers, 2, heads, capacity, head dim]
         src = torch.from_numpy(np.array(slots, dtype=np.int64)).to(buf.device)
         buf[:, :, :, start:start + len(slots)] = buf.index_select(3, src)
+
+
+class _Spans:
+    """``SlotStore.write``'s views of ``buffer`` [layers, 2, batch, heads, capacity, head dim],
+    its first ``rows`` batch rows, for appending at slots ``[start, end)``: per layer and K/V
+    (index ``2 * layer + kind``) the new slots (``new``) and slots ``[0, end)`` (``whole``),
+    each tuple made by one ``unbind``."""
+
+    __slots__ = ("buffer", "start", "end", "lead", "dim", "dtype", "device", "new", "whole")
+
+    def __init__(self, buffer: torch.Tensor, start: int, end: int, rows: int) -> None:
+        self.buffer, self.start, self.end = buffer, start, end
+        part = buffer if rows == buffer.shape[2] else buffer.narrow(2, 0, rows)
+        self.lead = part.shape[2:4]  # (rows, heads): what keys.shape[:2] must be
+        self.dim, self.dtype, self.device = buffer.shape[5], buffer.dtype, buffer.device
+        self.new = part.narrow(4, start, end - start).flatten(0, 1).unbind(0)
+        self.whole = part.narrow(4, 0, end).flatten(0, 1).unbind(0)
+
+    def fits(self, keys: torch.Tensor) -> bool:
+        """Whether ``keys`` [rows, heads, new, head dim] go in these views as they are."""
+        shape = keys.shape
+        return (shape[:2] == self.lead and shape[3] == self.dim and keys.dtype == self.dtype
+                and keys.device == self.device)
 
 
 def _gather_in_place(buffer: torch.Tensor, offset: int, outer: tuple[int, int], inner: tuple[int, int],
