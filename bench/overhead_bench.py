@@ -361,7 +361,8 @@ def kv_writes(context: int, rounds: int) -> dict:
     """Inside the verify forward, not in the step's totals: the K/V writes of one forward of
     1 + ``MAX_NODES`` tokens into the engine's cache (``SlotStore.write``, every layer's views
     made at once) against indexing the buffer per layer (``SlotStore.write_reference``), both
-    after a ``context``-token prefix, in turn, µs per forward (median of ``rounds``, CPU time)."""
+    after a ``context``-token prefix, in turn, µs per forward (median of ``rounds``, CPU time;
+    back to back, so warm, unlike the step's phases)."""
     from lookupdec.model.cache import SlotStore
 
     # (laid out as a Llama attention's: projected [1, tokens, heads, dim], then transposed)
