@@ -110,8 +110,7 @@ class SlotStore:
         start = self.lengths[layer]
         end = start + keys.shape[-2]
         buffer = self.buffer
-        if (buffer is None or end > buffer.shape[4] or buffer.shape[2:4] != keys.shape[:2]
-                or buffer.shape[5] != keys.shape[3] or buffer.dtype != keys.dtype or buffer.device != keys.device):
+        if not _holds(buffer, keys, end):
             buffer = self._grow(keys, end)
         buffer[layer, 0, :, :, start:end] = keys
         buffer[layer, 1, :, :, start:end] = values
@@ -122,8 +121,7 @@ class SlotStore:
         """``write``'s views for slots ``[start, end)`` of K/V shaped like ``keys`` (the buffer
         grown or made first where it does not hold them)."""
         buffer = self.buffer
-        if (buffer is None or end > buffer.shape[4] or buffer.shape[2:4] != keys.shape[:2]
-                or buffer.shape[5] != keys.shape[3] or buffer.dtype != keys.dtype or buffer.device != keys.device):
+        if not _holds(buffer, keys, end):
             buffer = self._grow(keys, end)
         return _Spans(buffer, start, end, keys.shape[0])
 
@@ -274,6 +272,13 @@ class BatchStore(SlotStore):
         buf = self.buffer[:, :, row]  # [layers, 2, heads, capacity, head dim]
         src = torch.from_numpy(np.array(slots, dtype=np.int64)).to(buf.device)
         buf[:, :, :, start:start + len(slots)] = buf.index_select(3, src)
+
+
+def _holds(buffer: torch.Tensor | None, keys: torch.Tensor, end: int) -> bool:
+    """Whether ``buffer`` [layers, 2, batch, heads, capacity, head dim] takes K/V shaped like
+    ``keys`` [batch, heads, new, head dim] up to slot ``end`` as it is (else ``SlotStore._grow``)."""
+    return (buffer is not None and end <= buffer.shape[4] and buffer.shape[2:4] == keys.shape[:2]
+            and buffer.shape[5] == keys.shape[3] and buffer.dtype == keys.dtype and buffer.device == keys.device)
 
 
 class _Spans:
