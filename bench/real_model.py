@@ -2,7 +2,11 @@
 
 The methods decode the same prompts, greedy, side by side, in an order rotated per prompt:
 
-* ``greedy``    -- ``model.generate(do_sample=False)``
+* ``greedy``    -- ``model.generate(do_sample=False)``; by default each prompt twice, right before
+  and right after lookupdec (``greedy_after``; ``--no-bracket``: once), and a prompt's greedy
+  time is the two runs' mean: this machine's forwards drift by a half within minutes (29 to 45
+  ms for SmolLM2's one token at two threads), which a single run of each side reads as a
+  speedup or a loss. The single-run ratio is reported beside it (``worst (1 greedy run)``).
 * ``pld``       -- ``model.generate(do_sample=False, prompt_lookup_num_tokens=10)``
 * ``lookupdec`` -- ``Engine(model, tokenizer, EngineConfig()).generate(...)``, the default
   configuration, one engine per thread setting kept across prompts as a server keeps it
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -154,11 +159,31 @@ def ld_run(engine, prompt, max_new) -> tuple[list[int], dict]:
         "prefill_tokens": s.prefill_tokens}
 
 
+def run_order(methods: list[str], k: int, bracket: bool) -> list[str]:
+    """The methods' order for the ``k``-th prompt: rotated by ``k``; with ``bracket``, greedy runs
+    again right after lookupdec, and the two are rotated as one block with greedy's first run.
+
+    >>> run_order(["greedy", "pld", "lookupdec", "fixed4"], 1, bracket=False)
+    ['pld', 'lookupdec', 'fixed4', 'greedy']
+    >>> run_order(["greedy", "pld", "lookupdec", "fixed4"], 1, bracket=True)
+    ['pld', 'fixed4', 'greedy', 'lookupdec', 'greedy_after']
+    """
+    units = [[m] for m in methods]
+    if bracket:
+        units = [["greedy", "lookupdec", "greedy_after"]] + [[m] for m in methods if m not in ("greedy", "lookupdec")]
+    k %= len(units)
+    return [m for unit in units[k:] + units[:k] for m in unit]
+
+
 def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed: list[int],
-                  all_logits: bool = False, no_prefix_cache: bool = False,
+                  all_logits: bool = False, no_prefix_cache: bool = False, bracket: bool = True,
                   after_workload=None) -> tuple[dict, list[dict]]:
     """Every workload's prompts through every method at ``threads``; ``after_workload(info,
-    runs)`` (if given) after each workload with what was measured so far."""
+    runs)`` (if given) after each workload with what was measured so far. With ``bracket``,
+    greedy decodes each prompt twice, right before and right after lookupdec (``greedy_after``):
+    a prompt's greedy time is the mean of the two, so a machine whose speed drifts over seconds
+    to minutes (this one's forwards: 29 to 45 ms within minutes) shifts both sides of the ratio
+    alike instead of only one."""
     label = f"{threads}t" if model.device.type == "cpu" else model.device.type  # the run's name in the tables
     from lookupdec import Engine, EngineConfig
 
@@ -171,7 +196,8 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
     if no_prefix_cache:
         engines["no-prefix-cache"] = Engine(model, tokenizer, EngineConfig(prefix_cache=False))
     methods = ["greedy", "pld", *engines]
-    info = {"threads": threads, "methods": methods, "cost_curve": cost_curve(engines["lookupdec"]),
+    info = {"threads": threads, "methods": methods + (["greedy_after"] if bracket else []),
+            "cost_curve": cost_curve(engines["lookupdec"]),
             "load_average_before": load_average()}
     print(f"\n== smollm2 on {model.device.type}, {threads} torch thread(s); verify cost t(n)/t(1) at context {COST_CONTEXT}: "
           + ", ".join(f"{n}: {r}" for n, r in zip(info["cost_curve"]["sizes"], info["cost_curve"]["relative"])),
@@ -187,14 +213,13 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
     runs = []
     for workload, prompts in workloads.items():
         for i, prompt in enumerate(prompts):
-            k = i % len(methods)
-            order = methods[k:] + methods[:k]
+            order = run_order(methods, i, bracket)
             group = []
             for method in order:
                 if method in engines:
                     out, rec = ld_run(engines[method], prompt, max_new)
                 else:
-                    out, rec = run_method(method, model, None, prompt, max_new)
+                    out, rec = run_method("greedy" if method == "greedy_after" else method, model, None, prompt, max_new)
                 group.append({"method": method, "prompt_tokens": len(prompt), "new_tokens": len(out),
                               "load_1m": round(os.getloadavg()[0], 2), **rec, "_out": out})
             outs = {r["method"]: r.pop("_out") for r in group}
@@ -205,8 +230,10 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
             runs.extend(group)
             rate = {r["method"]: r["new_tokens"] / r["seconds"] for r in group}
             ld = next(r for r in group if r["method"] == "lookupdec")
-            print(f"  {workload:13s} #{i:<2d} {len(prompt):4d} tok  greedy {rate['greedy']:5.1f} t/s  "
-                  + "  ".join(f"{m} {rate[m] / rate['greedy']:.2f}" for m in methods[1:])
+            greedy = greedy_rate(group)
+            print(f"  {workload:13s} #{i:<2d} {len(prompt):4d} tok  greedy {greedy:5.1f} t/s  "
+                  + "  ".join(f"{m} {rate[m] / greedy:.2f}" for m in methods[1:])
+                  + (f" (greedy runs {rate['greedy'] / rate['greedy_after']:.2f} apart)" if bracket else "")
                   + f"  MAT {ld['mean_accepted']:.2f} nodes {ld['mean_tree_nodes']:.1f} "
                   f"pred/real {ld['predicted_accepted']:.2f}/{ld['realised_accepted']:.2f}"
                   + ("" if all(r["identical_to_greedy"] for r in group) else "  MISMATCH"), flush=True)
@@ -214,6 +241,13 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
             after_workload(info, runs)
     info["load_average_after"] = load_average()
     return info, runs
+
+
+def greedy_rate(group: list[dict]) -> float:
+    """One prompt's greedy tokens/s: its runs' tokens over their seconds (with ``greedy_after``,
+    the rate of the two runs' mean time)."""
+    runs = [r for r in group if r["method"] in ("greedy", "greedy_after")]
+    return sum(r["new_tokens"] for r in runs) / sum(r["seconds"] for r in runs)
 
 
 def summarize_runs(runs: list[dict]) -> list[dict]:
@@ -225,11 +259,14 @@ def summarize_runs(runs: list[dict]) -> list[dict]:
         methods = list(dict.fromkeys(r["method"] for r in group))
         total = {m: sum(r["new_tokens"] for r in group if r["method"] == m)
                  / sum(r["seconds"] for r in group if r["method"] == m) for m in methods}
-        per_prompt = {}
-        for m in methods:
-            per_prompt[m] = [r["new_tokens"] / r["seconds"] for r in group if r["method"] == m]
-        ratios = [a / b for a, b in zip(per_prompt["lookupdec"], per_prompt["greedy"])]
+        total["greedy"] = greedy_rate(group)  # with greedy_after: both runs of every prompt
         ld = [r for r in group if r["method"] == "lookupdec"]
+        greedy = {r["prompt"]: greedy_rate([q for q in group if q["prompt"] == r["prompt"]]) for r in ld}
+        ratios = [r["new_tokens"] / r["seconds"] / greedy[r["prompt"]] for r in ld]
+        # against greedy's run before lookupdec alone (what a run without greedy_after reads)
+        first = {r["prompt"]: r["new_tokens"] / r["seconds"] for r in group if r["method"] == "greedy"}
+        single = [r["new_tokens"] / r["seconds"] / first[r["prompt"]] for r in ld]
+        after = {r["prompt"]: r["new_tokens"] / r["seconds"] for r in group if r["method"] == "greedy_after"}
         steps = sum(r["steps"] for r in ld)
         row = {"model": model, "workload": workload, "prompts": len(ld),
                "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in ld),
@@ -237,6 +274,10 @@ def summarize_runs(runs: list[dict]) -> list[dict]:
                "lookupdec/pld": total["lookupdec"] / total["pld"], "pld/greedy": total["pld"] / total["greedy"],
                "worst ld/greedy": min(ratios), "worst_prompt": ratios.index(min(ratios)),
                "prompts_below_0.97": sum(x < 0.97 for x in ratios),
+               "worst ld/first greedy run": min(single), "prompts_below_0.97_first_greedy_run": sum(x < 0.97 for x in single),
+               # the most a prompt's two greedy runs differ (their rates' ratio, >= 1): the drift bracketed
+               "greedy_runs_apart": (max(math.exp(abs(math.log(first[p] / after[p]))) for p in after)
+                                     if after else None),
                # tokens per step: the first of each answer is the prefill's, in no step
                "lookupdec_mean_accepted": sum(r["new_tokens"] - r.get("prefill_tokens", 0) for r in ld) / steps,
                "lookupdec_tree_nodes": sum(r["mean_tree_nodes"] * r["steps"] for r in ld) / steps,
@@ -268,6 +309,7 @@ TABLE = [("model", "run", ""), ("workload", "workload", ""), ("prompts", "n", "d
          ("mean_prompt_tokens", "prompt", ".0f"), ("greedy_tok_s", "greedy t/s", ".1f"),
          ("lookupdec/greedy", "ld/greedy", ".2f"), ("lookupdec/pld", "ld/pld", ".2f"),
          ("pld/greedy", "pld/greedy", ".2f"), ("worst ld/greedy", "worst", ".2f"),
+         ("worst ld/first greedy run", "worst (1 greedy run)", ".2f"), ("greedy_runs_apart", "greedy runs apart", ".2f"),
          ("lookupdec/best_fixed", "ld/best fixed", ".2f"), ("best_fixed", "best fixed", ""),
          ("lookupdec_mean_accepted", "MAT", ".2f"), ("lookupdec_tree_nodes", "nodes", ".1f"),
          ("lookupdec_predicted", "pred acc", ".2f"), ("lookupdec_realised", "real acc", ".2f"),
@@ -295,6 +337,9 @@ def main(argv=None) -> int:
                    help="also run the default with EngineConfig(partial_logits=False): every node's logits computed")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="also run the default with EngineConfig(prefix_cache=False): every prompt prefilled whole")
+    p.add_argument("--no-bracket", action="store_true",
+                   help="greedy decodes each prompt once, not also right after lookupdec (a run a sixth shorter; "
+                        "single prompts' ratios then carry the machine's drift between the two runs)")
     p.add_argument("--prompt-offset", type=int, default=0, metavar="K", help="skip the first K prompts of each workload")
     add_device_option(p)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "real_model.json", help="result JSON (and .png)")
@@ -321,7 +366,7 @@ def main(argv=None) -> int:
         # after each setting it is also printed
         info, r = bench_threads(threads, model, tokenizer, workloads, args.max_new_tokens, fixed,
                                 all_logits=args.all_logits, no_prefix_cache=args.no_prefix_cache,
-                                after_workload=lambda i, so_far: report(args, argv, meta, workloads, load_s,
+                                bracket=not args.no_bracket, after_workload=lambda i, so_far: report(args, argv, meta, workloads, load_s,
                                                                          [*infos, i], [*runs, *so_far], echo=False))
         infos.append(info)
         runs.extend(r)
@@ -340,7 +385,8 @@ def report(args, argv, meta, workloads, load_s, infos, runs, echo: bool = True) 
         mine = [r for r in runs if r["model"] == model]
         rate = {m: sum(r["new_tokens"] for r in mine if r["method"] == m) / sum(r["seconds"] for r in mine
                                                                              if r["method"] == m)
-                for m in ("greedy", "pld", "lookupdec")}
+                for m in ("pld", "lookupdec")}
+        rate["greedy"] = greedy_rate(mine)
         totals[model] = {"lookupdec/greedy": round(rate["lookupdec"] / rate["greedy"], 3),
                          "lookupdec/pld": round(rate["lookupdec"] / rate["pld"], 3),
                          "pld/greedy": round(rate["pld"] / rate["greedy"], 3),
@@ -352,6 +398,7 @@ def report(args, argv, meta, workloads, load_s, infos, runs, echo: bool = True) 
               "model": args.model, "device": args.device, "prompts_per_workload": args.prompts, "prompt_offset": args.prompt_offset,
               "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
               "threads": args.threads, "fixed": args.fixed, "fixed_threads": args.fixed_threads,
+              "bracket": not args.no_bracket,
               "load_s": round(load_s, 1), "workload_sizes": {k: len(v) for k, v in workloads.items()},
               "mean_prompt_tokens": {k: round(statistics.fmean(map(len, v)), 1) for k, v in workloads.items() if v}}
     write_result(args.out, "real_model", config, {"per_workload": rows, "totals": totals, "threads": infos,
@@ -380,8 +427,8 @@ def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
         ax.bar([x + 0.2 for x in xs], [r["pld/greedy"] for r in mine], 0.4, label="prompt lookup / greedy")
         for x, name in zip(xs, names):
             group = [r for r in runs if r["model"] == model and r["workload"] == name]
-            rate = {(r["method"], r["prompt"]): r["new_tokens"] / r["seconds"] for r in group}
-            dots = [rate["lookupdec", p] / rate["greedy", p] for (m, p) in rate if m == "greedy"]
+            dots = [r["new_tokens"] / r["seconds"] / greedy_rate([q for q in group if q["prompt"] == r["prompt"]])
+                    for r in group if r["method"] == "lookupdec"]
             ax.scatter([x - 0.2] * len(dots), dots, s=8, color="black", zorder=3)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.axhline(0.97, color="red", lw=0.6, ls="--")
