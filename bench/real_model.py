@@ -4,9 +4,9 @@ The methods decode the same prompts, greedy, side by side, in an order rotated p
 
 * ``greedy``    -- ``model.generate(do_sample=False)``; by default each prompt twice, right before
   and right after lookupdec (``greedy_after``; ``--no-bracket``: once), and a prompt's greedy
-  time is the two runs' mean: this machine's forwards drift by a half within minutes (29 to 45
-  ms for SmolLM2's one token at two threads), which a single run of each side reads as a
-  speedup or a loss. The single-run ratio is reported beside it (``worst (1 greedy run)``).
+  time is the two runs' mean: this machine's speed drifts within minutes (a prompt's two greedy
+  runs up to 1.34x apart, ``bench/results/real_model_2t_xeon_63de1b1.json``), which a single
+  run of each side reads as a speedup or a loss. The single-run ratio is reported beside it (``worst (1 greedy run)``).
 * ``pld``       -- ``model.generate(do_sample=False, prompt_lookup_num_tokens=10)``
 * ``lookupdec`` -- ``Engine(model, tokenizer, EngineConfig()).generate(...)``, the default
   configuration, one engine per thread setting kept across prompts as a server keeps it
@@ -182,8 +182,8 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
     runs)`` (if given) after each workload with what was measured so far. With ``bracket``,
     greedy decodes each prompt twice, right before and right after lookupdec (``greedy_after``):
     a prompt's greedy time is the mean of the two, so a machine whose speed drifts over seconds
-    to minutes (this one's forwards: 29 to 45 ms within minutes) shifts both sides of the ratio
-    alike instead of only one."""
+    to minutes (this one: a prompt's two greedy runs up to 1.34x apart) shifts both sides of the
+    ratio alike instead of only one."""
     label = f"{threads}t" if model.device.type == "cpu" else model.device.type  # the run's name in the tables
     from lookupdec import Engine, EngineConfig
 
