@@ -208,6 +208,23 @@ def total(rows: list[tuple[float, int]]) -> float:
     return sum(n for _, n in rows) / sum(n / r for r, n in rows)
 
 
+def below_prompts(of, runs: list[dict], bar: float = 0.97) -> list[dict]:
+    """The prompts below ``bar`` in any seed: index (``bench/real_model.py``'s), the worst seed's
+    ratio, the seeds below, the response's tokens.
+
+    >>> runs = [{"w": [(1.2, 100), (0.9, 13)]}, {"w": [(1.1, 100), (0.95, 13)]}]
+    >>> below_prompts(lambda r: r["w"], runs)
+    [{'prompt': 1, 'worst': 0.9, 'seeds_below': 2, 'tokens': 13}]
+    """
+    out = []
+    for i in range(len(of(runs[0]))):
+        ratios = [of(r)[i][0] for r in runs]
+        if min(ratios) < bar:
+            out.append({"prompt": i, "worst": round(min(ratios), 3), "seeds_below": sum(x < bar for x in ratios),
+                        "tokens": of(runs[0])[i][1]})
+    return out
+
+
 def run(outputs: dict, curve_path: Path, args) -> tuple[list[dict], dict]:
     label, sizes, seconds = read_curve(curve_path)
     t = true_cost(sizes, seconds)
@@ -242,6 +259,8 @@ def run(outputs: dict, curve_path: Path, args) -> tuple[list[dict], dict]:
             row[f"{method}/best_fixed_worst"] = min(speed) / best
             row[f"{method}_worst_prompt"] = min(min(x for x, _ in of(r)) for r in runs)
             row[f"{method}_below_0.97"] = sum(any(of(r)[i][0] < 0.97 for r in runs) for i in range(len(of(runs[0]))))
+            if name != "all":  # which prompts, to set beside a real run's (bench/real_model.py's prompt index)
+                row[f"{method}_prompts_below_0.97"] = below_prompts(of, runs)
         rows.append(row)
     return rows, {"curve": str(curve_path), "label": label, "sizes": sizes, "seconds": seconds}
 
@@ -296,6 +315,11 @@ def main(argv=None) -> int:
           f"{args.seeds} seeds (sigma {args.sigma}, {args.shared:.0%} of it shared, persistence {args.persistence}, "
           f"{args.spikes:.0%} spikes):")
     print(format_table(rows, columns))
+    for row in rows:
+        for method in LEARNT:
+            for b in row.get(f"{method}_prompts_below_0.97", ()):
+                print(f"{row['curve']} {method}: {row['workload']} #{b['prompt']} ({b['tokens']} tokens) below 0.97x "
+                      f"greedy in {b['seeds_below']} of {args.seeds} seeds, worst {b['worst']:.3f}")
     config = {"command": "python bench/cost_replay.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "outputs": str(args.outputs), "seeds": args.seeds, "sigma": args.sigma, "spikes": args.spikes,
               "spike_factor": SPIKE_FACTOR, "shared": args.shared, "persistence": args.persistence,
