@@ -142,8 +142,12 @@ def true_cost(sizes: list[int], seconds: list[float]):
 
 
 def replay_method(outputs: dict, t, method: str, *, sigma: float, spikes: float, seed: int,
-                  overhead_s: float, shared: float = 0.0, persistence: float = 0.0) -> dict[str, list[tuple[float, int]]]:
-    """Per workload, per prompt: (greedy's modelled time over the method's, tokens)."""
+                  overhead_s: float, shared: float = 0.0, persistence: float = 0.0,
+                  steps: dict | None = None) -> dict[str, list[tuple[float, int]]]:
+    """Per workload, per prompt: (greedy's modelled time over the method's, tokens). With
+    ``steps``, each verified tree's (the request's drafted step number, tokens predicted,
+    tokens accepted) is appended to ``steps[workload]`` (``StepResult.predicted``: the tree's
+    promise times the step's correction, as the chooser read it)."""
     fixed = method.startswith("fixed")
     config = EngineConfig(budget="fixed", max_nodes=int(method[5:])) if fixed else EngineConfig()
     calibrator = AcceptanceCalibrator()
@@ -174,7 +178,7 @@ def replay_method(outputs: dict, t, method: str, *, sigma: float, spikes: float,
         result[name] = []
         for i, record in enumerate(records):
             prompt, response = record["prompt"], record["response"]
-            rid, context, seconds = f"{name}-{i}", list(prompt), 0.0
+            rid, context, seconds, drafted = f"{name}-{i}", list(prompt), 0.0, 0
             tops = record["tops"]
 
             def verdict(tree, rest):  # the recorded walk, and the target's top tokens after each visited node
@@ -192,6 +196,9 @@ def replay_method(outputs: dict, t, method: str, *, sigma: float, spikes: float,
                     step = core.run(rid, context, lambda tree: verdict(tree, rest), max_depth=config.max_depth,
                                     cost=cost)
                     seconds += t(len(step.tree)) + overhead_s
+                    if steps is not None and step.tree.num_draft_nodes:
+                        drafted += 1
+                        steps.setdefault(name, []).append((drafted, step.predicted, len(step.accepted)))
                     if learns:
                         cost.observe(len(step.tree), observed(len(step.tree)))
                     context.extend(step.new_tokens)
@@ -206,6 +213,26 @@ def replay_method(outputs: dict, t, method: str, *, sigma: float, spikes: float,
 def total(rows: list[tuple[float, int]]) -> float:
     """Total tokens over total time, relative to greedy's."""
     return sum(n for _, n in rows) / sum(n / r for r, n in rows)
+
+
+STEP_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, None))  # a request's drafted steps, grouped
+
+
+def by_step(records: list[tuple[int, float, int]]) -> list[dict]:
+    """Accepted over predicted tokens per group of a request's drafted steps (``STEP_BUCKETS``):
+    whether the calibration, learnt across requests, holds at a request's start.
+
+    >>> by_step([(1, 2.0, 0), (1, 1.0, 0), (2, 1.0, 1), (3, 0.5, 1), (30, 1.0, 2)])[:3]
+    [{'steps': '1', 'trees': 2, 'predicted': 3.0, 'accepted': 0, 'ratio': 0.0}, {'steps': '2', 'trees': 1, 'predicted': 1.0, 'accepted': 1, 'ratio': 1.0}, {'steps': '3-4', 'trees': 1, 'predicted': 0.5, 'accepted': 1, 'ratio': 2.0}]
+    """
+    out = []
+    for lo, hi in STEP_BUCKETS:
+        inside = [(p, a) for k, p, a in records if k >= lo and (hi is None or k <= hi)]
+        predicted, accepted = sum(p for p, _ in inside), sum(a for _, a in inside)
+        label = str(lo) if lo == hi else f"{lo}-{hi}" if hi is not None else f"{lo}+"
+        out.append({"steps": label, "trees": len(inside), "predicted": round(predicted, 3), "accepted": accepted,
+                    "ratio": round(accepted / predicted, 3) if predicted > 0 else None})
+    return out
 
 
 def below_prompts(of, runs: list[dict], bar: float = 0.97) -> list[dict]:
@@ -233,6 +260,7 @@ def run(outputs: dict, curve_path: Path, args) -> tuple[list[dict], dict]:
              for m in ("fixed4", "fixed16")}
     oracle = replay_method(outputs, t, "oracle", sigma=0, spikes=0, seed=0, overhead_s=overhead)
     learnt: dict[str, list[dict]] = {name: [] for name in LEARNT}
+    steps: dict[str, list] = {}  # the default's ("learnt") verified trees over every seed, per workload
     for seed in range(args.seeds):
         for method, settings in LEARNT.items():
             original = {name: getattr(budget, name) for name in settings}
@@ -241,7 +269,8 @@ def run(outputs: dict, curve_path: Path, args) -> tuple[list[dict], dict]:
                     setattr(budget, name, value)
                 learnt[method].append(replay_method(outputs, t, method, sigma=args.sigma, spikes=args.spikes,
                                                     seed=seed, overhead_s=overhead, shared=args.shared,
-                                                    persistence=args.persistence))
+                                                    persistence=args.persistence,
+                                                    steps=steps if method == "learnt" else None))
             finally:
                 for name, value in original.items():
                     setattr(budget, name, value)
@@ -261,6 +290,8 @@ def run(outputs: dict, curve_path: Path, args) -> tuple[list[dict], dict]:
             row[f"{method}_below_0.97"] = sum(any(of(r)[i][0] < 0.97 for r in runs) for i in range(len(of(runs[0]))))
             if name != "all":  # which prompts, to set beside a real run's (bench/real_model.py's prompt index)
                 row[f"{method}_prompts_below_0.97"] = below_prompts(of, runs)
+        row["learnt_by_step"] = by_step([x for n in outputs for x in steps.get(n, [])] if name == "all"
+                                        else steps.get(name, []))
         rows.append(row)
     return rows, {"curve": str(curve_path), "label": label, "sizes": sizes, "seconds": seconds}
 
@@ -315,6 +346,15 @@ def main(argv=None) -> int:
           f"{args.seeds} seeds (sigma {args.sigma}, {args.shared:.0%} of it shared, persistence {args.persistence}, "
           f"{args.spikes:.0%} spikes):")
     print(format_table(rows, columns))
+    print("\nthe default's accepted over predicted tokens by the request's drafted step (every seed; "
+          "trees in parentheses):")
+    labels = [b["steps"] for b in rows[0]["learnt_by_step"]]
+    print(format_table([{"curve": row["curve"], "workload": row["workload"],
+                         **{f"s{b['steps']}": (f"{b['ratio']:.2f} ({b['trees']})" if b["ratio"] is not None else "-")
+                            for b in row["learnt_by_step"]}} for row in rows],
+                       [("curve", "curve", "s"), ("workload", "workload", "s")]
+                       + [(f"s{label}", f"step {label}", "s") for label in labels]))
+    print()
     for row in rows:
         for method in LEARNT:
             for b in row.get(f"{method}_prompts_below_0.97", ()):
