@@ -80,6 +80,7 @@ RESCALE_BELOW = 1e-3  # CostModel folds its running count scale into the raw sum
 EXPLORE_EVERY = 32
 EXPLORE_SPAN = 4
 EXPLORE_MIN_COUNT = 3.0
+EXPLORE_ROOT = True  # the root alone explored where a stale curve prices it as dear as the tree chosen (``explore``)
 CACHED_COUNT_CAP = 4.0  # a curve read from the cost cache counts as this many forwards at most per size
 CACHED_MIN_COUNT = 0.5  # ... and keeps only sizes observed this many times lately (a size seen once: for 138 forwards)
 # Within a process a size's estimate still outlived what made it where the chooser stopped taking
@@ -133,6 +134,7 @@ class CostModel:
         self.raw_counts = [float(c) for c in counts] if counts is not None else [1.0] * len(self.sizes)
         self.count_scale = 1.0
         self._since_explore = 0  # choices since the last exploration (``explore``)
+        self._root_explored = 0  # the size chosen when ``explore`` last took the root alone instead (0: none pending)
         self._curves: dict[tuple[bool, bool], np.ndarray] = {}  # (optimistic, padded) -> dense()
         self._prices: list[float] | None = None  # ``prices()``
         self._lines: list[float | None] = []  # each size's neighbours' line behind its price (``shrunk``)
@@ -212,6 +214,9 @@ class CostModel:
             self._prices = None  # every line may move: computed whole when next read
         old = self.seconds[i]
         seconds = min(seconds, COST_SPIKE * old)
+        if self._root_explored and n == 1:
+            self._follow_level(i, seconds / old, below=self._root_explored)
+            self._root_explored = 0
         self.count_scale *= COUNT_DECAY  # every count decays (recent forwards weigh more) ...
         if self.count_scale < RESCALE_BELOW:  # (the raw sums grow as the scale shrinks: fold it in now and then)
             self.raw_counts, self.count_scale = self.counts, 1.0
@@ -223,6 +228,21 @@ class CostModel:
         if self._prices is not None:
             self._prices[i] = _blend(self.seconds[i], count, self._lines[i], SHRINK_COUNT)
             self._since_prices += 1
+
+    def _follow_level(self, i: int, ratio: float, below: int) -> None:
+        """The root alone, explored because the curve priced it as dear as the larger size
+        ``below`` that the chooser took (``explore``), ran at ``ratio`` of its estimate: where
+        faster, the machine's speed has changed since the stale estimates were made, so every
+        size between the two observed under ``SHRINK_BELOW`` times lately moves by the same
+        ratio (the root's own estimate follows its observation). Never up: a size priced too low
+        is taken, so measured, anyway; the larger sizes, which the chooser does not take, stay."""
+        if ratio >= 1.0:
+            return
+        counts = self.counts
+        for j, m in enumerate(self.sizes):
+            if j != i and 1 < m < below and counts[j] < SHRINK_BELOW:
+                self.seconds[j] *= ratio
+        self._prices = None
 
     def prices(self) -> list[float]:
         """What the choosers take each size to cost: its estimate drawn down towards the line
@@ -241,13 +261,21 @@ class CostModel:
         return self.raw_counts[i] * self.count_scale if i < len(self.sizes) and self.sizes[i] == n else 0.0
 
     def explore(self, nodes: int, available: int) -> int:
-        """The draft nodes to verify given the chooser's ``nodes`` (of ``available``): ``nodes``,
-        or once every ``EXPLORE_EVERY`` calls the size observed least lately (``count``) among
-        one node fewer, up to ``EXPLORE_SPAN`` more and twice ``nodes`` plus one (at most
-        ``available``), if under ``EXPLORE_MIN_COUNT`` (ties: the nearest larger), so that no
-        size's estimate outlives what it measured and a larger tree that costs less is found,
-        past a plateau of stale estimates too. The root alone (``nodes`` = 0: no draft worth its
-        cost) is never explored. History only (the curve's own timings): sampling stays exact.
+        """The draft nodes to verify given the chooser's ``nodes`` (of ``available``): ``nodes``, or
+        once every ``EXPLORE_EVERY`` calls the size observed least lately (``count``) among one node
+        fewer, up to ``EXPLORE_SPAN`` more and twice ``nodes`` plus one (at most ``available``), if
+        under ``EXPLORE_MIN_COUNT`` (ties: the nearest larger), so that no size's estimate outlives
+        what it measured and a larger tree that costs less is found, past a plateau of stale
+        estimates too. Where the root alone (one token) is priced at or above the ``nodes`` chosen
+        and was observed less lately than the size exploration would try (and under
+        ``EXPLORE_MIN_COUNT`` times), it is what is explored: a stale estimate may say one token
+        costs as much as more, and the chooser would never take it to find out (SmolLM2, two
+        threads: a curve learnt while the machine ran slow held 1-15 tokens at 66-109 ms, then 16
+        tokens were measured at 58 ms, and the chooser verified 15 draft nodes on every step, never
+        timing the root alone again; a 13-token translation ran at 0.66x greedy); where it then runs
+        faster than its estimate, the stale sizes follow (``_follow_level``). When the chooser takes
+        the root alone (``nodes`` = 0) nothing is explored. History only (the curve's own timings):
+        sampling stays exact.
 
         >>> cost = CostModel([1, 4, 8], [1.0, 1.1, 1.5])
         >>> [cost.explore(3, 7) for _ in range(EXPLORE_EVERY)][-2:]   # 5 tokens never observed
@@ -265,6 +293,11 @@ class CostModel:
         if far > nodes + EXPLORE_SPAN:
             candidates.append(far)
         other = min(candidates, key=lambda m: self.count(m + 1))  # the first of equal counts: nearest larger
+        if EXPLORE_ROOT and self.count(1) < min(self.count(other + 1), EXPLORE_MIN_COUNT):
+            prices = self.dense(nodes + 1, padded=False)
+            if prices[1] >= prices[nodes + 1]:  # (the root alone priced as dear as the tree chosen)
+                other = 0
+                self._root_explored = nodes + 1
         if self.count(other + 1) >= EXPLORE_MIN_COUNT:
             return nodes
         self._since_explore = 0

@@ -538,6 +538,50 @@ def test_a_stale_plateau_in_a_cached_curve_is_left_behind(tmp_path, monkeypatch)
     assert sum(abs(p - best) <= 1 for p in late) >= 0.95 * len(late)
     assert CostModel([1, 4], [1.0, 2.0], [0.4, 9]).trusted() is None  # fewer than two sizes left: measure
 
+def test_a_root_alone_priced_stale_high_is_explored_and_the_sizes_below_the_choice_follow(monkeypatch):
+    """SmolLM2 at two threads, the 128-token bucket's curve as cached after a run (2026-12-04):
+    1-15 tokens at 66-109 ms, learnt while the machine ran slow, and 16 tokens at 58 ms, measured
+    since (decayed count 136). Every tree then looked cheaper at 16 tokens than the root alone:
+    the chooser verified 15 nodes on every step, weak drafts too, and never timed the root again.
+    Exploration now takes the root alone where the curve prices it at or above the size chosen
+    and it was seldom observed lately; found faster than its estimate, the stale sizes between
+    the two follow by the same ratio, and the chooser takes what the true curve says."""
+    from lookupdec import budget
+
+    sizes = list(range(1, 27)) + [30, 31, 32, 33, 34, 65]
+    ms = [66.4, 65.6, 69.1, 75.7, 70.8, 84.1, 77.9, 77.6, 83.2, 74.2, 80.0, 91.8, 94.7, 109.4, 66.8, 57.8, 65.5,
+          70.3, 69.3, 67.3, 69.4, 73.2, 65.5, 72.4, 68.4, 79.4, 77.4, 73.8, 73.0, 103.0, 78.2, 143.7]
+    counts = [2.7, 4.2, 1.8, 0.4, 1.5, 0.6, 1.8, 5.1, 1.4, 0.3, 0.8, 0.4, 0.3, 0.2, 3.2, 135.7, 4.0, 2.5, 2.2,
+              3.3, 1.3, 0.2, 11.9, 1.1, 2.4, 0.3, 0.9, 2.2, 3.8, 0.0, 1.6, 0.4]
+
+    def truth(n):
+        return (40 + 1.2 * n) / 1e3
+
+    weak = [0.15, 0.05, 0.04, 0.03] + [0.02] * 28  # a short answer's drafts
+    qa = [0.35, 0.15, 0.1, 0.06, 0.05] + [0.02] * 27
+    true = CostModel(range(1, 66), [truth(n) for n in range(1, 66)], [50] * 65)
+    assert choose_num_nodes(weak, true, 0.0, 32) == 3 and choose_num_nodes(qa, true, 0.0, 32) == 5
+
+    def run() -> list[int]:
+        cost = CostModel(sizes, [t / 1e3 for t in ms], counts).trusted()  # as read from the cache
+        picks = []
+        for step in range(12 * EXPLORE_EVERY):
+            gains = (weak, qa)[step % 2]
+            chosen = choose_num_nodes(gains, cost, 0.0, 32)
+            picks.append(chosen)
+            n = cost.explore(chosen, len(gains))
+            cost.observe(n + 1, truth(n + 1))
+        return picks
+
+    picks = run()
+    late = picks[6 * EXPLORE_EVERY:]  # (the stale sizes between found within the first few explorations)
+    assert sum(abs(p - 3) <= 2 for p in late[0::2]) >= 0.9 * len(late[0::2])  # weak drafts: about 3 nodes
+    assert sum(abs(p - 5) <= 2 for p in late[1::2]) >= 0.9 * len(late[1::2])  # QA: about 5
+    monkeypatch.setattr(budget, "EXPLORE_ROOT", False)  # the code before: the root alone never explored
+    before = run()
+    assert min(before[6 * EXPLORE_EVERY:]) >= 10  # locked on large trees, weak drafts too
+
+
 def test_a_size_priced_high_by_one_slow_forward_is_taken_again_once_stale():
     """One slow forward of 5 tokens (a spike, another process) while the chooser took 9: it
     stops taking 5, and exploration (around 9) never reaches it again. Weak drafts (two likely
@@ -606,8 +650,9 @@ def test_prices_kept_between_whole_computations_are_the_definition_for_the_obser
 
 def test_exploration_takes_the_size_seen_least_and_stays_within_the_tree():
     """From a tree of 2 tokens (weak drafts), exploration reaches up to EXPLORE_SPAN larger
-    sizes: the one observed least lately first. Sizes seen often enough are left alone, and
-    the root alone is never explored."""
+    sizes: the one observed least lately first. Sizes seen often enough are left alone; the
+    root alone is explored only where the curve prices it as dear as the tree chosen and it was
+    seen less lately than the size exploration would try."""
     cost = CostModel([1, 2, 3], [52.0, 64.0, 54.0], counts=[50, 50, 50])
     picks = [cost.explore(1, 10) for _ in range(EXPLORE_EVERY)]
     assert picks[:-1] == [1] * (EXPLORE_EVERY - 1) and picks[-1] == 3  # 4 tokens: never observed; 5, 6 neither
@@ -617,6 +662,11 @@ def test_exploration_takes_the_size_seen_least_and_stays_within_the_tree():
     assert [cost.explore(0, 10) for _ in range(2 * EXPLORE_EVERY)] == [0] * (2 * EXPLORE_EVERY)  # the root alone
     settled = CostModel([1, 2, 3, 4, 5, 6], [1.0] * 6, counts=[EXPLORE_MIN_COUNT] * 6)
     assert [settled.explore(1, 5) for _ in range(2 * EXPLORE_EVERY)] == [1] * (2 * EXPLORE_EVERY)
+    sizes = list(range(1, 9))
+    stale_root = CostModel(sizes, [60.0, 50.0, 52.0, 54.0, 56.0, 58.0, 60.0, 62.0], counts=[1.0] + [50] * 7)
+    assert [stale_root.explore(3, 10) for _ in range(EXPLORE_EVERY)] == [3] * (EXPLORE_EVERY - 1) + [0]  # dearer than 4 tokens
+    cheap_root = CostModel(sizes, [40.0, 50.0, 52.0, 54.0, 56.0, 58.0, 60.0, 62.0], counts=[1.0] + [50] * 7)
+    assert [cheap_root.explore(3, 10) for _ in range(EXPLORE_EVERY)] == [3] * EXPLORE_EVERY  # priced below: left
 
 
 def test_counts_decay_so_an_old_estimate_gives_way():
