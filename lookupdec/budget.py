@@ -214,9 +214,9 @@ class CostModel:
             self._prices = None  # every line may move: computed whole when next read
         old = self.seconds[i]
         seconds = min(seconds, COST_SPIKE * old)
-        if self._root_explored and n == 1:
-            self._follow_level(i, seconds / old, below=self._root_explored)
-            self._root_explored = 0
+        below, self._root_explored = self._root_explored, 0  # (pending for this forward only)
+        if below and n == 1:
+            self._follow_level(seconds / old, below)
         self.count_scale *= COUNT_DECAY  # every count decays (recent forwards weigh more) ...
         if self.count_scale < RESCALE_BELOW:  # (the raw sums grow as the scale shrinks: fold it in now and then)
             self.raw_counts, self.count_scale = self.counts, 1.0
@@ -229,7 +229,7 @@ class CostModel:
             self._prices[i] = _blend(self.seconds[i], count, self._lines[i], SHRINK_COUNT)
             self._since_prices += 1
 
-    def _follow_level(self, i: int, ratio: float, below: int) -> None:
+    def _follow_level(self, ratio: float, below: int) -> None:
         """The root alone, explored because the curve priced it as dear as the larger size
         ``below`` that the chooser took (``explore``), ran at ``ratio`` of its estimate: where
         faster, the machine's speed has changed since the stale estimates were made, so every
@@ -240,7 +240,7 @@ class CostModel:
             return
         counts = self.counts
         for j, m in enumerate(self.sizes):
-            if j != i and 1 < m < below and counts[j] < SHRINK_BELOW:
+            if 1 < m < below and counts[j] < SHRINK_BELOW:
                 self.seconds[j] *= ratio
         self._prices = None
 

@@ -538,6 +538,7 @@ def test_a_stale_plateau_in_a_cached_curve_is_left_behind(tmp_path, monkeypatch)
     assert sum(abs(p - best) <= 1 for p in late) >= 0.95 * len(late)
     assert CostModel([1, 4], [1.0, 2.0], [0.4, 9]).trusted() is None  # fewer than two sizes left: measure
 
+
 def test_a_root_alone_priced_stale_high_is_explored_and_the_sizes_below_the_choice_follow(monkeypatch):
     """SmolLM2 at two threads, the 128-token bucket's curve as cached after a run (2026-12-04):
     1-15 tokens at 66-109 ms, learnt while the machine ran slow, and 16 tokens at 58 ms, measured
