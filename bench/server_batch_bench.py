@@ -158,6 +158,7 @@ def main(argv=None) -> int:
                              "seconds": round(r["seconds"], 2), "tokens_per_s": round(r["tokens"] / r["seconds"], 2),
                              "vs_one_at_a_time": round((r["tokens"] / r["seconds"]) / (base["tokens"] / base["seconds"]), 3),
                              "median_latency_s": round(statistics.median(r["latencies"]), 3),
+                             "latencies_s": [round(s, 3) for s in r["latencies"]],
                              "texts_differing": diff})
             print("  " + "  ".join(f"{r['measure']} {r['server']}: {r['tokens_per_s']:.1f} tok/s "
                                    f"({r['vs_one_at_a_time']:.2f}x), median latency {r['median_latency_s']:.2f} s"

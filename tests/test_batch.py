@@ -235,6 +235,45 @@ def test_batch_asks_proposers_for_about_the_width_it_keeps():
 
 
 
+def test_a_lone_row_is_chosen_for_as_alone(monkeypatch):
+    """A sequence alone in the batch (a client alone on the server, a batch's last row) is
+    planned as alone: ``StepCore.plan`` gets the engine's own cost curve of its bucket (the
+    single-sequence chooser) and that curve observes its forwards; with two or more rows the
+    joint budget chooses (no curve to ``plan``); outputs unchanged either way. With
+    ``LONE_ROW_ALONE`` off, every step is the joint budget's."""
+    import lookupdec.batch as batch_module
+
+    model = cached_tiny("llama")
+    refs = [cached_references("llama")[i] for i in (1, 5)]  # 47 and 64 new tokens: a tail alone
+    for lone in (True, False):
+        monkeypatch.setattr(batch_module, "LONE_ROW_ALONE", lone)
+        engine = Engine(model, FakeTokenizer(), EngineConfig(max_nodes=16))
+        decoder = BatchDecoder(engine, 2)
+        calls, plan = [], engine.step_core.plan
+
+        def spy(*args, **kwargs):
+            calls.append((len(decoder.active), kwargs.get("cost")))
+            return plan(*args, **kwargs)
+
+        engine.step_core.plan = spy
+        for p, n, _ in refs:
+            decoder.submit(BatchRequest(list(p), n))
+        observed, observe = [], CostModel.observe
+        monkeypatch.setattr(CostModel, "observe", lambda self, n, seconds: observed.append(self) or observe(self, n, seconds))
+        outs = decoder.run()
+        monkeypatch.setattr(CostModel, "observe", observe)
+        assert [g.token_ids for g in outs] == [want for _, _, want in refs]
+        alone = [cost for rows, cost in calls if rows == 1]
+        assert alone and all(cost is None for rows, cost in calls if rows > 1)
+        if lone:
+            assert all(cost is not None and cost in engine._costs.values() for cost in alone)
+            assert any(curve is alone[-1] for curve in observed)  # it observed the lone steps' forwards
+            assert all(k[1] > 1 for k in engine.batch_costs)  # no one-row batch curve was made
+        else:
+            assert all(cost is None for cost in alone)
+            assert any(k[1] == 1 for k in engine.batch_costs)
+
+
 def test_a_batchs_first_curve_times_its_probe_widths_then_hands_on():
     """An engine's first batch curve starts from one row's curve of as many tokens (which prices
     wide batches badly: ``BatchDecoder._cost``), so its first steps verify each of
