@@ -204,7 +204,7 @@ class BatchDecoder:
             seq = self.active[0]
             self._promised = None
             seq.plan = core.plan(seq.rid, seq.context, cost=lone, overhead_s=seq.timer.overhead_s(),
-                                 max_depth=min(engine.config.max_depth, engine._room(seq.context)))
+                                 max_depth=self._depth(seq))
             trees = [seq.plan.tree]
         else:
             # drafts made for about the width the joint budget has kept lately (DraftBudget): a
@@ -212,11 +212,11 @@ class BatchDecoder:
             asked = self.draft_budget.nodes(engine.config.max_nodes) if auto else None
             for seq in self.active:
                 seq.plan = core.plan(seq.rid, seq.context, cost=None, max_nodes=asked,
-                                     max_depth=min(engine.config.max_depth, engine._room(seq.context)))
+                                     max_depth=self._depth(seq))
             trees = self._choose(self.active)
         t1 = time.perf_counter()
         logits = self.target.verify(trees, [engine._head_rows(tree, seq.params) for seq, tree in zip(self.active, trees)])
-        if engine.config.budget == "auto":  # timed to the device's end, as alone (TargetModel.sync)
+        if auto:  # timed to the device's end, as alone (TargetModel.sync)
             engine.target.sync()
         t2 = time.perf_counter()
         forward = t2 - t1 - engine.target.last_prepare_s
@@ -391,6 +391,10 @@ class BatchDecoder:
             self._costs[key] = cost
         return self._costs[key]
 
+    def _depth(self, seq: _Sequence) -> int:
+        """The deepest tree ``seq`` may verify: the step's cap, or the room left in its context."""
+        return min(self.engine.config.max_depth, self.engine._room(seq.context))
+
     def _lone_cost(self, seq: _Sequence) -> CostModel:
         """The cost curve of a sequence alone in the batch: the engine's own, at the bucket it
         would take alone (``Engine._steps``), which the step then observes; its tree is chosen
@@ -437,7 +441,7 @@ class BatchDecoder:
                 first = seq.plan
                 self.redrafted += 1
                 seq.plan = core.plan(seq.rid, seq.context, cost=None, max_nodes=width - 1,
-                                     max_depth=min(engine.config.max_depth, engine._room(seq.context)))
+                                     max_depth=self._depth(seq))
                 seq.plan.propose_s += first.propose_s  # the step's drafting time is both plans'
                 seq.plan.tree_s += first.tree_s
                 pruned = seq.plan.tree.prune(width - 1)  # (the merge keeps at most W - 1 already)
