@@ -5,7 +5,10 @@ the server and batch benchmarks (why batching gives rewrites about 2x, not more)
 
 * ``forwards`` -- one batched verify forward (``BatchTarget.verify``) of ``rows x width``
   chain tokens after a ``--context``-token prefix per row, median of ``--repeats``, for each
-  ``--shapes`` ROWSxWIDTH (a 1-row shape is one sequence's tree of that many nodes);
+  ``--shapes`` ROWSxWIDTH (a 1-row shape is one sequence's tree of that many nodes), and of it
+  the time inside attention (``torch.nn.functional.scaled_dot_product_attention``, every
+  layer's call summed; the median forward's) with the K/V bytes those calls read: on a CPU
+  rows multiply the K/V a forward reads, which memory bandwidth, not arithmetic, bounds;
 * ``split``    -- ``--prompts`` rewrite prompts (log lines to JSON and code edits, alternating,
   as ``server_batch_bench.py --workload rewrite`` sends them) through one ``BatchDecoder`` of
   ``--batch`` rows, greedy, ``--max-tokens`` each: the wall time split into prefill forwards
@@ -49,6 +52,43 @@ def chain(root: int, width: int, generator: torch.Generator):
     return TokenTree.from_drafts(root, drafts, max_nodes=width - 1, max_depth=width)
 
 
+class AttentionTimer:
+    """Inside ``with``: every ``scaled_dot_product_attention`` call timed (``seconds``, summed)
+    with the bytes of the K and V it reads (``kv_bytes``). On a GPU each call waits for the
+    device, so the forward it sits in runs slower than untimed.
+
+    >>> q, kv = torch.zeros(2, 4, 1, 8), torch.zeros(2, 2, 16, 8)
+    >>> original = torch.nn.functional.scaled_dot_product_attention
+    >>> with AttentionTimer(lambda: None) as timer:
+    ...     out = torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    >>> out.shape, timer.kv_bytes, timer.seconds > 0   # K and V: 2 x 2 x 16 x 8 floats each
+    (torch.Size([2, 4, 1, 8]), 4096, True)
+    >>> torch.nn.functional.scaled_dot_product_attention is original
+    True
+    """
+
+    def __init__(self, sync) -> None:
+        self.sync, self.seconds, self.kv_bytes = sync, 0.0, 0
+
+    def __enter__(self):
+        self._original = torch.nn.functional.scaled_dot_product_attention
+
+        def timed(query, key, value, *args, **kwargs):
+            self.sync()
+            start = time.perf_counter()
+            out = self._original(query, key, value, *args, **kwargs)
+            self.sync()
+            self.seconds += time.perf_counter() - start
+            self.kv_bytes += (key.numel() + value.numel()) * key.element_size()
+            return out
+
+        torch.nn.functional.scaled_dot_product_attention = timed  # (transformers calls it through the module)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.nn.functional.scaled_dot_product_attention = self._original
+
+
 def forwards(engine, shapes, context: int, repeats: int) -> list[dict]:
     from lookupdec.model.batch import BatchTarget
 
@@ -58,18 +98,27 @@ def forwards(engine, shapes, context: int, repeats: int) -> list[dict]:
         target = BatchTarget(engine.target, rows)
         for _ in range(rows):
             target.add(torch.randint(0, 40000, (context,), generator=generator).tolist())
-        seconds = []
-        for r in range(repeats + 2):  # two first forwards choose the kernels' forms, untimed
-            trees = [chain(5, width, generator) for _ in range(rows)]
+        seconds, attention = [], []
+        for r in range(2 * repeats + 2):  # two first forwards choose the kernels' forms, untimed;
+            trees = [chain(5, width, generator) for _ in range(rows)]  # then untimed attention and timed alternate
+            timer = AttentionTimer(engine.target.sync) if r >= 2 and r % 2 else None
             start = time.perf_counter()
-            target.verify(trees)
+            if timer is None:
+                target.verify(trees)
+            else:
+                with timer:
+                    target.verify(trees)
             engine.target.sync()  # (a GPU's forward ends on the device, not at its launch)
-            if r >= 2:
+            if timer is not None:
+                attention.append((timer.seconds, timer.kv_bytes))
+            elif r >= 2:
                 seconds.append(time.perf_counter() - start)
             target.commit([[] for _ in range(rows)])
         median = statistics.median(seconds)
+        att_s, kv_bytes = sorted(attention)[len(attention) // 2]
         out.append({"rows": rows, "width": width, "tokens": rows * width, "median_ms": median * 1e3,
-                    "ms_per_token": median * 1e3 / (rows * width)})
+                    "ms_per_token": median * 1e3 / (rows * width), "attention_ms": att_s * 1e3,
+                    "kv_mb": kv_bytes / 2**20, "kv_gb_per_s": kv_bytes / att_s / 1e9 if att_s else None})
     return out
 
 
@@ -181,7 +230,9 @@ def main(argv=None) -> int:
     engine.generate(pool[0][:64], max_new_tokens=8)  # warm-up: kernels, cost curve
     rows = forwards(engine, args.shapes, args.context, args.repeats)
     print(format_table(rows, [("rows", "rows", "d"), ("width", "width", "d"), ("tokens", "tokens", "d"),
-                              ("median_ms", "forward ms", ".1f"), ("ms_per_token", "ms/token", ".2f")]))
+                              ("median_ms", "forward ms", ".1f"), ("ms_per_token", "ms/token", ".2f"),
+                              ("attention_ms", "of it attention ms", ".1f"), ("kv_mb", "K/V read MB", ".0f"),
+                              ("kv_gb_per_s", "K/V GB/s", ".1f")]))
     summary = None  # --prompts 0: the forwards only
     if args.prompts:
         summary = split(engine, pool[args.offset : needed], args.batch, args.max_tokens, args.cprofile)
