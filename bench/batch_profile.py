@@ -7,7 +7,7 @@ the server and batch benchmarks (why batching gives rewrites about 2x, not more)
   chain tokens after a ``--context``-token prefix per row, median of ``--repeats``, for each
   ``--shapes`` ROWSxWIDTH (a 1-row shape is one sequence's tree of that many nodes), and of it
   the time inside attention (``torch.nn.functional.scaled_dot_product_attention``, every
-  layer's call summed; the median forward's) with the K/V bytes those calls read: on a CPU
+  layer's call summed; the median forward's) with the bytes of the K/V they are given: on a CPU
   rows multiply the K/V a forward reads, which memory bandwidth, not arithmetic, bounds;
 * ``split``    -- ``--prompts`` rewrite prompts (log lines to JSON and code edits, alternating,
   as ``server_batch_bench.py --workload rewrite`` sends them) through one ``BatchDecoder`` of
@@ -54,8 +54,8 @@ def chain(root: int, width: int, generator: torch.Generator):
 
 class AttentionTimer:
     """Inside ``with``: every ``scaled_dot_product_attention`` call timed (``seconds``, summed)
-    with the bytes of the K and V it reads (``kv_bytes``). On a GPU each call waits for the
-    device, so the forward it sits in runs slower than untimed.
+    with the bytes of the K and V tensors it is given (``kv_bytes``; each read at least once).
+    On a GPU each call waits for the device, so the forward it sits in runs slower than untimed.
 
     >>> q, kv = torch.zeros(2, 4, 1, 8), torch.zeros(2, 2, 16, 8)
     >>> original = torch.nn.functional.scaled_dot_product_attention
