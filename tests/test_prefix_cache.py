@@ -201,6 +201,34 @@ def test_kv_restored_from_an_earlier_prompt_is_a_fresh_prefills():
         torch.testing.assert_close(k, target.cache.slot_store.view(layer, kind))
 
 
+def test_prefix_copy_and_restore_match_their_references():
+    """``SlotStore.copy_prefix``/``load`` (one copy of every layer) against each layer's K and V
+    stacked and restored one layer at a time (``PrefixStore.copy_reference``/``restore_reference``):
+    the same values, bit for bit, also restored into a plain ``DynamicCache``."""
+    from lookupdec.model.cache import PrefixStore, new_cache
+
+    engine = Engine(cached_tiny("qwen2"), FakeTokenizer())
+    target = engine.target
+    target.prefill(list(range(3, 60)))
+    store = target.cache.slot_store
+    fast, reference = store.copy_prefix(41), PrefixStore.copy_reference(target.cache, 41)
+    assert fast.shape == reference.shape and torch.equal(fast, reference)
+    with pytest.raises(ValueError, match="fewer slots"):
+        store.copy_prefix(58)
+    slots, plain = new_cache(target._num_layers), new_cache()
+    prefixes = PrefixStore(1 << 30)
+    prefixes.entries = [(list(range(3, 44)), (), fast)]
+    prefixes.restore(0, 30, slots)  # one copy into the slot buffer
+    prefixes.restore(0, 30, plain)  # (no slot store: each layer's update)
+    assert slots.get_seq_length() == plain.get_seq_length() == 30 and prefixes.hits == 2
+    for layer in range(target._num_layers):
+        assert slots.layers[layer].is_initialized
+        assert torch.equal(slots.layers[layer].keys, plain.layers[layer].keys)
+        assert torch.equal(slots.layers[layer].values, reference[layer, 1, :, :, :30])
+    with pytest.raises(ValueError, match="not empty"):
+        slots.slot_store.load(fast, 10)
+
+
 def test_prefix_store_bounds_and_replaces_entries():
     from lookupdec.model.cache import PrefixStore
 
