@@ -7,7 +7,7 @@ the server and batch benchmarks (why batching gives rewrites about 2x, not more)
   chain tokens after a ``--context``-token prefix per row, median of ``--repeats``, for each
   ``--shapes`` ROWSxWIDTH (a 1-row shape is one sequence's tree of that many nodes), and of it
   the time inside attention (``torch.nn.functional.scaled_dot_product_attention``, every
-  layer's call summed; the median forward's) with the bytes of the K/V they are given: on a CPU
+  layer's call summed, in forwards apart from the timed ones) with the K/V bytes they are given: on a CPU
   rows multiply the K/V a forward reads, which memory bandwidth, not arithmetic, bounds;
 * ``split``    -- ``--prompts`` rewrite prompts (log lines to JSON and code edits, alternating,
   as ``server_batch_bench.py --workload rewrite`` sends them) through one ``BatchDecoder`` of
@@ -115,7 +115,7 @@ def forwards(engine, shapes, context: int, repeats: int) -> list[dict]:
                 seconds.append(time.perf_counter() - start)
             target.commit([[] for _ in range(rows)])
         median = statistics.median(seconds)
-        att_s, kv_bytes = sorted(attention)[len(attention) // 2]
+        att_s, kv_bytes = sorted(attention)[len(attention) // 2]  # (kv_mb: MiB; the rate: GB/s, 1e9 bytes)
         out.append({"rows": rows, "width": width, "tokens": rows * width, "median_ms": median * 1e3,
                     "ms_per_token": median * 1e3 / (rows * width), "attention_ms": att_s * 1e3,
                     "kv_mb": kv_bytes / 2**20, "kv_gb_per_s": kv_bytes / att_s / 1e9 if att_s else None})
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     rows = forwards(engine, args.shapes, args.context, args.repeats)
     print(format_table(rows, [("rows", "rows", "d"), ("width", "width", "d"), ("tokens", "tokens", "d"),
                               ("median_ms", "forward ms", ".1f"), ("ms_per_token", "ms/token", ".2f"),
-                              ("attention_ms", "of it attention ms", ".1f"), ("kv_mb", "K/V read MB", ".0f"),
+                              ("attention_ms", "of it attention ms", ".1f"), ("kv_mb", "K/V MiB", ".0f"),
                               ("kv_gb_per_s", "K/V GB/s", ".1f")]))
     summary = None  # --prompts 0: the forwards only
     if args.prompts:

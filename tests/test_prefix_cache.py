@@ -218,15 +218,26 @@ def test_prefix_copy_and_restore_match_their_references():
     slots, plain = new_cache(target._num_layers), new_cache()
     prefixes = PrefixStore(1 << 30)
     prefixes.entries = [(list(range(3, 44)), (), fast)]
-    prefixes.restore(0, 30, slots)  # one copy into the slot buffer
     prefixes.restore(0, 30, plain)  # (no slot store: each layer's update)
-    assert slots.get_seq_length() == plain.get_seq_length() == 30 and prefixes.hits == 2
-    for layer in range(target._num_layers):
-        assert slots.layers[layer].is_initialized
-        assert torch.equal(slots.layers[layer].keys, plain.layers[layer].keys)
-        assert torch.equal(slots.layers[layer].values, reference[layer, 1, :, :, :30])
-    with pytest.raises(ValueError, match="not empty"):
-        slots.slot_store.load(fast, 10)
+
+    def refused(*args):
+        raise AssertionError("a slot cache took the per-layer path")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PrefixStore, "restore_reference", staticmethod(refused))
+        prefixes.restore(0, 30, slots)  # one copy into the slot buffer
+        assert slots.get_seq_length() == plain.get_seq_length() == 30 and prefixes.hits == 2
+        for layer in range(target._num_layers):
+            assert slots.layers[layer].is_initialized and slots.layers[layer].dtype == fast.dtype
+            assert torch.equal(slots.layers[layer].keys, plain.layers[layer].keys)
+            assert torch.equal(slots.layers[layer].values, reference[layer, 1, :, :, :30])
+        with pytest.raises(ValueError, match="not empty"):
+            slots.slot_store.load(fast, 10)
+        buffer = slots.slot_store.buffer
+        slots.slot_store.crop(0)
+        prefixes.restore(0, 20, slots)  # an emptied store keeps its buffer where it holds the slots
+        assert slots.slot_store.buffer is buffer and slots.get_seq_length() == 20
+        assert torch.equal(slots.layers[1].keys, reference[1, 0, :, :, :20])
 
 
 def test_prefix_store_bounds_and_replaces_entries():

@@ -142,7 +142,8 @@ class SlotStore:
             raise ValueError("load: the store is not empty")
         if kv.shape[0] != self.num_layers:
             raise ValueError(f"load: {kv.shape[0]} layers of K/V for a store of {self.num_layers}")
-        buffer = self._grow(kv[0, 0, :, :, :length], length)
+        keys = kv[0, 0, :, :, :length]
+        buffer = self.buffer if _holds(self.buffer, keys, length) else self._grow(keys, length)
         buffer[:, :, :, :, :length].copy_(kv[:, :, :, :, :length])
         self.lengths = [length] * self.num_layers
 
@@ -200,6 +201,12 @@ class BatchStore(SlotStore):
     and a shorter row's slots beyond its own length are holes its mask hides. The buffer starts
     zeroed and only ever holds K/V the model wrote, so a hole is never NaN (an additive mask
     does not hide a NaN key)."""
+
+    def copy_prefix(self, length: int) -> torch.Tensor:
+        raise NotImplementedError("a batch's rows are copied by put_row/move_row, not as one prompt's K/V")
+
+    def load(self, kv: torch.Tensor, length: int) -> None:
+        raise NotImplementedError("a batch's rows are filled by put_row, not as one prompt's K/V")
 
     def __init__(self, num_layers: int, max_rows: int) -> None:
         super().__init__(num_layers)
@@ -527,10 +534,13 @@ class PrefixStore:
         if held is not None:
             kept.append(held)  # used last
         else:
-            n, first = len(token_ids), cache.layers[0].keys
-            size = len(cache.layers) * 2 * first[:, :, :1].numel() * first.element_size() * n
+            n, store = len(token_ids), getattr(cache, "slot_store", None)
+            if store is not None:  # every layer the same shape
+                first = cache.layers[0].keys
+                size = len(cache.layers) * 2 * first[:, :, :1].numel() * first.element_size() * n
+            else:
+                size = sum(2 * layer.keys[:, :, :n].numel() * layer.keys.element_size() for layer in cache.layers)
             if size <= self.max_bytes:
-                store = getattr(cache, "slot_store", None)
                 kept.append((token_ids, weights, store.copy_prefix(n) if store is not None
                              else self.copy_reference(cache, n)))
         self.entries = kept
