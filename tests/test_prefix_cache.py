@@ -240,6 +240,22 @@ def test_prefix_copy_and_restore_match_their_references():
         assert torch.equal(slots.layers[1].keys, reference[1, 0, :, :, :20])
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_a_new_prompt_fills_the_buffer_already_there(reuse):
+    """A prompt sharing nothing, or starting from a kept copy, is written into the buffer the last
+    prompt used (emptied), not a new one; outputs stay transformers' either way."""
+    model = cached_tiny("llama")
+    engine = Engine(model, FakeTokenizer(), EngineConfig(prefix_cache=reuse))
+    a, b = list(range(3, 50)), [2] + list(range(60, 90))
+    engine.generate(a, max_new_tokens=4)
+    buffer = engine.target.cache.slot_store.buffer
+    for prompt in (b, a[:40] + [91, 92]):  # nothing shared; then (with reuse) a's kept copy
+        gen = engine.generate(prompt, max_new_tokens=8)
+        assert engine.target.cache.slot_store.buffer is buffer
+        assert gen.token_ids == hf_greedy(model, prompt, 8)
+    assert gen.stats.prefix_reused == (40 if reuse else 0)
+
+
 def test_prefix_store_bounds_and_replaces_entries():
     from lookupdec.model.cache import PrefixStore
 
