@@ -128,9 +128,8 @@ class SlotStore:
     def copy_prefix(self, length: int) -> torch.Tensor:
         """A copy of every layer's first ``length`` slots, ``[layers, 2, batch, kv heads, length,
         head dim]`` (``PrefixStore``'s entry layout): one allocation and one strided copy, where
-        stacking each layer's K and V (``PrefixStore.copy_reference``) made two copies and 31
-        allocations; a 480-token prompt of SmolLM2 (21 MiB, two CPU threads): 21 against 45 ms,
-        most of it first touches of new memory."""
+        stacking each layer's K and V (``PrefixStore.copy_reference``) makes two copies and 31
+        allocations."""
         if self.buffer is None or min(self.lengths) < length:
             raise ValueError(f"copy_prefix({length}): a layer holds fewer slots ({min(self.lengths)})")
         return self.buffer[:, :, :, :, :length].clone()
@@ -402,6 +401,14 @@ def _slot_cache_class():
             self.slot_store = store if store is not None else SlotStore(num_layers)
             Cache.__init__(self, layers=[SlotLayer(self.slot_store, i) for i in range(num_layers)])
 
+        def load(self, kv: torch.Tensor, length: int) -> None:
+            """``SlotStore.load`` into this (empty) cache, every layer marked as its first update
+            marks it."""
+            self.slot_store.load(kv, length)
+            for layer in self.layers:
+                if not layer.is_initialized:
+                    layer.dtype, layer.device, layer.is_initialized = kv.dtype, kv.device, True
+
     _SLOT_CACHE = SlotCache
     return SlotCache
 
@@ -500,10 +507,7 @@ class PrefixStore:
         kv = found[2]
         store = getattr(cache, "slot_store", None)
         if store is not None and not any(store.lengths):  # one copy into the cache's buffer
-            store.load(kv, length)
-            for layer in cache.layers:  # (as the layer's first update marks it)
-                if not layer.is_initialized:
-                    layer.dtype, layer.device, layer.is_initialized = kv.dtype, kv.device, True
+            cache.load(kv, length)
         else:
             self.restore_reference(kv, length, cache)
         self.hits += 1
@@ -535,12 +539,7 @@ class PrefixStore:
             kept.append(held)  # used last
         else:
             n, store = len(token_ids), getattr(cache, "slot_store", None)
-            if store is not None:  # every layer the same shape
-                first = cache.layers[0].keys
-                size = len(cache.layers) * 2 * first[:, :, :1].numel() * first.element_size() * n
-            else:
-                size = sum(2 * layer.keys[:, :, :n].numel() * layer.keys.element_size() for layer in cache.layers)
-            if size <= self.max_bytes:
+            if sum(2 * layer.keys[:, :, :n].numel() * layer.keys.element_size() for layer in cache.layers) <= self.max_bytes:
                 kept.append((token_ids, weights, store.copy_prefix(n) if store is not None
                              else self.copy_reference(cache, n)))
         self.entries = kept

@@ -129,11 +129,8 @@ class TargetModel:
         if reuse:
             in_place = (self.cache, self._prefix, self._prefix_weights) if self.cache is not None else None
             cache, common = start_from_prefix(token_ids, weights, in_place, self.prefixes, self._emptied)
-        if cache is None:
-            self.cache, self.n_cached = self._emptied(), 0
-            self._prefix, self._prefix_weights = [], None
-        else:  # the last prefill's tokens: none until the fill below ends (a failed one leaves nothing to reuse)
-            self.cache, self._prefix = cache, []
+        # the last prefill's tokens: none until the fill below ends (a failed one leaves nothing to reuse)
+        self.cache, self._prefix = (cache if cache is not None else self._emptied()), []
         self.n_cached = common
         self.last_logits = None
         logits = self.fill(self.cache, token_ids[common:])
@@ -146,10 +143,9 @@ class TargetModel:
         return common
 
     def _emptied(self):
-        """This model's cache emptied for a new prompt, its slot buffer kept: a new buffer's
-        memory is mapped on first touch, which on a CPU costs about what copying it does (a
-        300-token SmolLM2 prefill at two threads: 14 ms of 520); a new cache where there is no
-        slot buffer."""
+        """This model's cache emptied for a new prompt, its slot buffer kept (a new buffer's
+        memory is mapped on first touch, which on a CPU costs about what copying it does); a new
+        cache where there is no slot buffer."""
         if self.cache is not None and getattr(self.cache, "slot_store", None) is not None:
             crop_cache(self.cache, 0)
             return self.cache
