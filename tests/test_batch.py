@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import cached_references, cached_tiny
-from helpers import FakeTokenizer, SpyProposer, failing_call, first_difference
+from helpers import FakeTokenizer, SpyProposer, failing_call, first_difference, hf_greedy
 from lookupdec import Engine, EngineConfig
 from lookupdec.batch import BatchDecoder, BatchRequest, choose_width
 from lookupdec.budget import CostModel
@@ -407,6 +407,38 @@ def test_generate_batch_reserves_no_more_rows_than_prompts(monkeypatch):
     outs = engine.generate_batch(prompts, max_new_tokens=6, max_batch=64)
     assert sizes == [2]  # each row reserves K/V memory for the longest context
     assert [g.token_ids for g in outs] == [engine.generate(p, max_new_tokens=6).token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_joining_rows_fill_the_one_row_buffer_already_there(reuse):
+    """A sequence joining by its own prefill is written into the one-row buffer the last joining
+    one used (emptied), not a new one; each row's K/V are still its own (outputs transformers')."""
+    from lookupdec.model.batch import BatchTarget
+
+    model = cached_tiny("llama")
+    engine = Engine(model, FakeTokenizer(), EngineConfig(prefix_cache=reuse))
+    a, b = list(range(3, 50)), [2] + list(range(60, 90))
+    contexts = [a, b, a[:40] + [91, 92], b[:5]]
+    target = BatchTarget(engine.target, 4, joint_prefill=False, prefix_cache=reuse)
+    twin = Engine(model, FakeTokenizer(), EngineConfig(prefix_cache=reuse))  # (its own kept prompts)
+    reference = BatchTarget(twin.target, 4, joint_prefill=False, prefix_cache=reuse)
+    target.add(contexts[0])
+    buffer = target._spare.slot_store.buffer
+    for c in contexts[1:]:
+        target.add(c)
+        assert target._spare.slot_store.buffer is buffer  # nothing shared, a kept copy, a shorter prompt
+    for c in contexts:
+        reference._spare = None  # a new one-row cache for every row: the reference
+        reference.add(c)
+    assert target.lengths == reference.lengths == [len(c) for c in contexts]
+    for b_, n in enumerate(target.lengths):
+        got, want = target.store.buffer[:, :, b_, :, :n], reference.store.buffer[:, :, b_, :, :n]
+        assert torch.equal(got, want), f"row {b_}"
+    decoder = BatchDecoder(engine, 4, joint_prefill=False)
+    for c in contexts:
+        decoder.submit(BatchRequest(list(c), 8))
+    for gen, c in zip(decoder.run(), contexts):
+        assert gen.token_ids == hf_greedy(model, c, 8)
 
 
 def test_a_failed_prefill_loses_no_sequence():

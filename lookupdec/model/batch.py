@@ -20,13 +20,12 @@ place. Exactness rests on each row seeing exactly its own prefix and ancestors:
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from lookupdec.model.cache import new_batch_cache, new_cache
+from lookupdec.model.cache import crop_cache, new_batch_cache, new_cache
 from lookupdec.model.kernels import swapped
 from lookupdec.model.target import TargetModel, _RowsHead, start_from_prefix, tree_inputs
 from lookupdec.sampling import PartialLogits
@@ -61,6 +60,9 @@ class BatchTarget:
         # by prefilling on that row's one-row cache cut there; ``last_reused``: the tokens kept
         self.prefix_cache = prefix_cache
         self._prefix: tuple | None = None  # (one-row cache, its tokens, the weights' state)
+        # the one-row cache the last ``add`` filled: the next one that keeps nothing of it fills it
+        # again, emptied (``_emptied``, as ``TargetModel._emptied``), its rows already copied out
+        self._spare = None
         self.last_reused = 0
         self.last_logits: list = []  # per row the last add/add_many added: its prompt's last logits [vocab]
 
@@ -76,13 +78,13 @@ class BatchTarget:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
         token_ids = list(token_ids)
         one, common, weights = None, 0, None
-        fresh = functools.partial(new_cache, self.target._num_layers)
         if self.prefix_cache and token_ids:  # the last row's one-row cache or a kept copy (as TargetModel.prefill)
             weights = self.target._weights_state()
-            one, common = start_from_prefix(token_ids, weights, self._prefix, self.target.prefixes, fresh)
+            one, common = start_from_prefix(token_ids, weights, self._prefix, self.target.prefixes, self._emptied)
         self._prefix = None  # (until the fill below ends)
         if one is None:
-            one = fresh()
+            one = self._emptied()
+        self._spare = one
         self.last_logits = [self.target.fill(one, token_ids[common:])]
         if token_ids:
             self.store.put_row(self.rows, one.slot_store, len(token_ids))
@@ -132,6 +134,16 @@ class BatchTarget:
             add(self._add_group(group))
         self.last_logits = logits
         return out
+
+    def _emptied(self):
+        """The last ``add``'s one-row cache emptied for a new prompt (its K/V were copied into their
+        row and, with ``prefix_cache``, kept in ``TargetModel.prefixes``, so nothing reads them): on
+        a CPU a new buffer's pages cost their first touch; a new cache where there is none yet."""
+        one, self._spare = self._spare, None
+        if one is not None and getattr(one, "slot_store", None) is not None:
+            crop_cache(one, 0)
+            return one
+        return new_cache(self.target._num_layers)
 
     def _add_group(self, contexts: Sequence[Sequence[int]]) -> list[int]:
         """Rows for ``contexts`` (not empty), one right-padded forward where there are several
