@@ -732,3 +732,78 @@ def test_fused_norms_compute_what_the_models_norms_do(family):
                 got = [m(x) for m in all_norms]
             assert all(torch.equal(a, b) for a, b in zip(want, got)), (rows, scale)
     assert not any("forward" in m.__dict__ for m in all_norms)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma", "phi", "gpt_neox", "gpt2"])
+def test_fused_rotary_computes_what_the_models_rotation_does(family):
+    """``fused_rotary_for``: the compiled core's rotation is bit for bit the modeling module's
+    ``apply_rotary_pos_emb`` (queries in the layers' transposed layout, one set of cos/sin rows or
+    one per batch entry, any scale), set in the module inside ``swapped`` only; what it does not
+    take (float64, another ``unsqueeze_dim``, autograd) goes to the module's own function. GPT-2
+    has no rotation, GPT-NeoX's (partial) lays its result out otherwise: nothing fused."""
+    import sys
+
+    from lookupdec.model.kernels import fused_rotary_for
+
+    model = cached_tiny(family)
+    rotary = fused_rotary_for(model)
+    assert fused_rotary_for(model) is rotary  # one per model
+    if family in ("gpt2", "gpt_neox"):
+        assert rotary is None
+        return
+    module, fused = rotary
+    own = module.apply_rotary_pos_emb
+    assert own is fused.__wrapped_rotary__ and sys.modules[type(next(
+        m for m in model.modules() if type(m).__name__.endswith("Attention"))).__module__] is module
+    dim = model.config.head_dim if getattr(model.config, "head_dim", None) else (
+        model.config.hidden_size // model.config.num_attention_heads)
+    generator = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for batch, tokens, cos_batch, scale in [(1, 1, 1, 1.0), (1, 9, 1, 30.0), (3, 4, 3, 1e-3), (2, 6, 1, 1.0)]:
+            q = torch.randn(batch, tokens, 4, dim, generator=generator).transpose(1, 2) * scale
+            k = torch.randn(batch, 2, tokens, dim, generator=generator) * scale
+            cos, sin = (torch.randn(cos_batch, tokens, dim, generator=generator) for _ in range(2))
+            want = own(q, k, cos, sin)
+            with swapped(model, None, rotary=rotary):
+                assert module.apply_rotary_pos_emb is fused
+                got = module.apply_rotary_pos_emb(q, k, cos, sin)
+            assert module.apply_rotary_pos_emb is own
+            assert all(torch.equal(a, b) and [st for st, n in zip(a.stride(), a.shape) if n > 1]
+                       == [st for st, n in zip(b.stride(), b.shape) if n > 1] for a, b in zip(want, got)), (batch, tokens)
+        q64, k64, c64, s64 = (t.double() for t in (q, k, cos, sin))
+        assert all(torch.equal(a, b) for a, b in zip(fused(q64, k64, c64, s64), own(q64, k64, c64, s64)))
+        assert all(torch.equal(a, b) for a, b in zip(fused(q, k, cos[:, None], sin[:, None], unsqueeze_dim=2),
+                                                     own(q, k, cos[:, None], sin[:, None], unsqueeze_dim=2)))
+    q, k, cos, sin = (t.clone() for t in (q, k, cos, sin))  # (normal tensors: autograd takes no inference ones)
+    leaf = q.requires_grad_(True)  # autograd: the module's own function, which records the graph
+    assert all(torch.equal(a, b) for a, b in zip(fused(leaf, k, cos, sin), own(leaf, k, cos, sin)))
+    assert fused(leaf, k, cos, sin)[0].requires_grad
+
+
+def test_engine_forwards_use_the_fused_rotary():
+    """A SmolLM2-shaped model's verify forwards rotate through the compiled core (the module's
+    function is the fused one during the forward) and generate transformers' tokens."""
+    from helpers import hf_greedy
+
+    model = cached_tiny("llama")
+    engine = Engine(model, FakeTokenizer(), EngineConfig())
+    assert engine.target.rotary is not None
+    from lookupdec.model import kernels
+
+    module, fused = engine.target.rotary
+    calls = []
+    rotate = kernels._rotate
+
+    def counted(*args):
+        calls.append(module.apply_rotary_pos_emb is fused)
+        return rotate(*args)
+
+    prompt = [5, 9, 13, 17, 21] * 4
+    try:
+        kernels._rotate = counted
+        gen = engine.generate(prompt, max_new_tokens=12)
+    finally:
+        kernels._rotate = rotate
+    assert gen.token_ids == hf_greedy(model, prompt, 12)
+    assert calls and all(calls)  # queries and keys of every layer of every forward, through the core
+    assert module.apply_rotary_pos_emb is fused.__wrapped_rotary__

@@ -169,7 +169,8 @@ class BatchTarget:
         device = target.device
         # the logits of each row's last token only: the distinct last slots, each row's picked below
         last = sorted(set((lengths - 1).tolist()))
-        with swapped(target.model, target.fast_head, body=target.body, tokens=k * width, norms=target.norms):
+        with swapped(target.model, target.fast_head, body=target.body, tokens=k * width, norms=target.norms,
+                     rotary=target.rotary):
             logits = target.model(input_ids=torch.from_numpy(ids).to(device), position_ids=positions.to(device),
                                   attention_mask=mask.to(device), past_key_values=group, use_cache=True,
                                   logits_to_keep=torch.tensor(last, device=device)).logits
@@ -219,7 +220,7 @@ class BatchTarget:
         ids, positions, mask = self.inputs(trees, width)
         head = _RowsHead(target._head, target.fast_head or target._head, flat) if partial else target.fast_head
         with swapped(target.model, head, gqa=target._gqa, body=target.body, tokens=width * self.rows,
-                     norms=target.norms):
+                     norms=target.norms, rotary=target.rotary):
             out = target.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                past_key_values=self.cache, use_cache=True)
         target.last_prepare_s += target.take_excess()

@@ -45,6 +45,7 @@ import functools
 import logging
 import math
 import os
+import sys
 import time
 import weakref
 
@@ -732,6 +733,85 @@ def fused_norms_for(model) -> list:
     return found
 
 
+_SHARED_ROTARY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def fused_rotary_for(model) -> tuple | None:
+    """``(module, fused)``: the modeling module whose ``apply_rotary_pos_emb`` the model's
+    attention layers call, and in its place a function making each float32 CPU query and key
+    tensor's rotation in one call of the compiled core (``_core.rotary_at``: the six ATen calls
+    per tensor of transformers' ``q * cos + rotate_half(q) * sin``, each value rounded as they
+    round it, so bit for bit theirs; ``bench/forward_parts.py`` measures what the rotation
+    costs a forward); any other input (another dtype, device or layout, a keyword it does not
+    know) goes to the module's own function. Checked once per model on probes against the
+    module's own function, values and memory layout (a family whose rotation differs, e.g.
+    partial or interleaved, or whose result is laid out otherwise, keeps its own); None where there is nothing to fuse or no compiled core. Shared per model."""
+    if model in _SHARED_ROTARY:
+        return _SHARED_ROTARY[model]
+    found = None
+    module = None
+    for m in model.modules():
+        if type(m).__name__.endswith("Attention"):
+            module = sys.modules.get(type(m).__module__)
+            break
+    own = getattr(module, "apply_rotary_pos_emb", None)
+    own = getattr(own, "__wrapped_rotary__", own)  # (another model's fused one set there just now)
+    dim = getattr(model.config, "head_dim", None) or (
+        getattr(model.config, "hidden_size", 0) // max(1, getattr(model.config, "num_attention_heads", 1)))
+    if _core is not None and hasattr(_core, "rotary_at") and callable(own) and dim and dim % 2 == 0:
+        fused = _rotary_function(own)
+        g = torch.Generator().manual_seed(0)
+        ok = True
+        with torch.inference_mode():
+            for batch, tokens in ((1, 5), (2, 3)):
+                q = torch.randn(batch, tokens, 4, dim, generator=g).transpose(1, 2)  # as the layers make them
+                k = torch.randn(batch, 2, tokens, dim, generator=g)
+                cos, sin = (torch.randn(batch, tokens, dim, generator=g) for _ in range(2))
+                try:
+                    want = own(q, k, cos, sin)
+                    got = fused(q, k, cos, sin)
+                except Exception:  # noqa: BLE001 (a signature of its own: it keeps its function)
+                    ok = False
+                    break
+                if not (isinstance(want, tuple) and len(want) == 2
+                        and all(torch.equal(a, b) and _layout(a) == _layout(b) for a, b in zip(want, got))):
+                    ok = False
+                    break
+        if ok:
+            found = (module, fused)
+    _SHARED_ROTARY[model] = found
+    return found
+
+
+def _rotary_function(own):
+    def fused(q, k, cos, sin, *args, **kwargs):
+        if (args or any(kwargs.get(key, default) != default for key, default in (("unsqueeze_dim", 1), ("position_ids", None)))
+                or len(kwargs) > sum(key in kwargs for key in ("unsqueeze_dim", "position_ids"))
+                or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape
+                or any(t.dtype is not torch.float32 or t.device.type != "cpu" for t in (q, k, cos, sin))
+                or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[0] not in (1, q.shape[0])
+                or q.shape[0] != k.shape[0] or cos.shape[1:] != (q.shape[2], q.shape[3])
+                or k.shape[2:] != q.shape[2:] or q.shape[3] % 2 or torch.is_grad_enabled()):
+            return own(q, k, cos, sin, *args, **kwargs)
+        batch = cos.stride(0) if cos.shape[0] > 1 else 0
+        return _rotate(q, cos, sin, batch), _rotate(k, cos, sin, batch)
+
+    fused.__wrapped_rotary__ = own
+    return fused
+
+
+def _layout(x: torch.Tensor) -> list:
+    """The strides of ``x``'s dimensions longer than 1 (what its memory layout is)."""
+    return [stride for stride, n in zip(x.stride(), x.shape) if n > 1]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int) -> torch.Tensor:
+    out = torch.empty_like(x)  # (x's layout, as ATen's elementwise result keeps it)
+    _core.rotary_at(x.data_ptr(), *x.shape, *x.stride(), cos.data_ptr(), sin.data_ptr(), batch,
+                    out.data_ptr(), *out.stride())
+    return out
+
+
 def _choosers(head: FastHead | None, body: PackedLinears | None) -> tuple:
     return (("head", head._chooser if head is not None else None),
             ("body", body._chooser if body is not None else None))
@@ -771,7 +851,7 @@ GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: SDPA's enabl
 
 @contextlib.contextmanager
 def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLinears | None = None,
-            tokens: int | None = None, norms: list | None = None):
+            tokens: int | None = None, norms: list | None = None, rotary: tuple | None = None):
     """Inside the block: ``model``'s output projection replaced by ``fast`` (if not None), its
     body's linear layers on packed weights (``body``, if not None) and,
     with ``gqa``, transformers' SDPA told to pass grouped K/V heads to torch as they are
@@ -781,7 +861,9 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
     the same. Not on CUDA, where SDPA with a mask and enable_gqa falls back to its slowest kernel.
     ``tokens``: the forward's token count, for the body's choice of form (``PackedLinears.chosen``);
     None: packed weights whatever the count. ``norms``: ``fused_norms_for(model)``, each norm's
-    fused forward set on it for the block."""
+    fused forward set on it for the block. ``rotary``: ``fused_rotary_for(model)``, its function
+    set in the module for the block (bit for bit the module's own; what it does not take goes to
+    that one, so another thread's model of the family is unaffected)."""
     old_gqa = None
     if gqa:
         old_gqa = os.environ.get(GQA_SWITCH)
@@ -790,6 +872,8 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
         model.set_output_embeddings(fast)
     for m, forward in norms or ():
         m.__dict__["forward"] = forward  # as the body's: nn.Module.__setattr__ cost 2 µs a norm, 61 per forward
+    if rotary is not None:
+        rotary[0].apply_rotary_pos_emb = rotary[1]
     try:
         if body is None:
             context = contextlib.nullcontext()
@@ -800,6 +884,8 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
     finally:
         for m, _ in norms or ():
             m.__dict__.pop("forward", None)
+        if rotary is not None:
+            rotary[0].apply_rotary_pos_emb = rotary[1].__wrapped_rotary__
         if fast is not None:
             model.set_output_embeddings(fast.head)
         if gqa:

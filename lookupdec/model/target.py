@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from lookupdec.model.cache import PrefixStore, commit_accepted, common_prefix, crop_cache, new_cache
-from lookupdec.model.kernels import (FastHead, fast_head_for, fused_norms_for, kernel_forms, packed_linears_for,
-                                     seed_kernel_forms, skinny_threaded, swapped)
+from lookupdec.model.kernels import (FastHead, fast_head_for, fused_norms_for, fused_rotary_for, kernel_forms,
+                                     packed_linears_for, seed_kernel_forms, skinny_threaded, swapped)
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
@@ -71,6 +71,7 @@ class TargetModel:
         self.fast_head = fast_head_for(model) if fast_head else None
         self.body = packed_linears_for(model) if fast_head else None  # its linears in the fastest form (idem)
         self.norms = fused_norms_for(model) if fast_head else []  # RMS norms in one ATen call, bit for bit (idem)
+        self.rotary = fused_rotary_for(model) if fast_head else None  # rotary embedding in one call, bit for bit (idem)
         skinny = "skinny-mt" if skinny_threaded() else "skinny"  # (a threaded product: measured apart)
         body_forms = [skinny if f == "skinny" else f for f in self.body.forms if f != "linear"] if self.body is not None else []
         head = [f"head-{skinny}" if "skinny" in self.fast_head.forms else "head"] if self.fast_head is not None else []
@@ -166,7 +167,8 @@ class TargetModel:
         if not len(token_ids):
             return None
         ids = torch.tensor([list(token_ids)], device=self.device)
-        with swapped(self.model, self.fast_head, body=self.body, tokens=len(token_ids), norms=self.norms):
+        with swapped(self.model, self.fast_head, body=self.body, tokens=len(token_ids), norms=self.norms,
+                     rotary=self.rotary):
             out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         self.take_excess()  # a prefill is no verify forward: its trials' excess is not one's either
         return out.logits[0, -1].float()
@@ -208,7 +210,8 @@ class TargetModel:
         ids, positions, mask = tree_inputs(tree, self.n_cached, device=self.device, dtype=self.dtype,
                                            windows=self._windows, tree_mode=self.tree_mode, buffers=self._inputs)
         head = _RowsHead(self._head, self.fast_head or self._head, rows, picks) if partial else self.fast_head
-        with swapped(self.model, head, gqa=self._gqa, body=self.body, tokens=n, norms=self.norms):
+        with swapped(self.model, head, gqa=self._gqa, body=self.body, tokens=n, norms=self.norms,
+                     rotary=self.rotary):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                              past_key_values=self.cache, use_cache=True)
         self.n_cached += n

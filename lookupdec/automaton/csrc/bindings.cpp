@@ -28,6 +28,7 @@
 #include "recycle.hpp"
 #include "suffix_drafts.hpp"
 #include "skinny.hpp"
+#include "rotary.hpp"
 #if defined(LOOKUPDEC_OPENMP)
 #include <omp.h>
 #endif
@@ -452,6 +453,18 @@ void skinny_linear_at(uintptr_t x, int64_t ldx, int64_t m, int64_t k, uintptr_t 
   nb::gil_scoped_release release;
   lookupdec::skinny_linear(reinterpret_cast<const float*>(x), ldx, m, k, reinterpret_cast<const float*>(panels), n,
                            reinterpret_cast<float*>(y), n);
+}
+
+// The rotary embedding of a float32 CPU tensor x [B, H, T, D] into out (the same shape), from
+// addresses, sizes and strides the caller has checked (model/kernels.py, fused_rotary_for):
+// cos and sin rows of D contiguous floats (rotary.hpp).
+void rotary_at(uintptr_t x, int64_t b, int64_t h, int64_t t, int64_t d, int64_t sb, int64_t sh, int64_t st, int64_t sd,
+               uintptr_t cos, uintptr_t sin, int64_t cos_batch, uintptr_t out, int64_t ob, int64_t oh, int64_t ot,
+               int64_t od) {
+  if (b < 0 || h < 0 || t < 0 || d < 2 || d % 2 || cos_batch < 0) throw std::invalid_argument("rotary_at: bad sizes");
+  const int64_t shape[4] = {b, h, t, d}, xs[4] = {sb, sh, st, sd}, os[4] = {ob, oh, ot, od};
+  lookupdec::rotary(reinterpret_cast<const float*>(x), shape, xs, reinterpret_cast<const float*>(cos),
+                    reinterpret_cast<const float*>(sin), cos_batch, reinterpret_cast<float*>(out), os);
 }
 
 // tree.observe_draft: one draft's reached nodes counted into a calibration row's three arrays.
@@ -1128,6 +1141,7 @@ NB_MODULE(_core, m) {
   m.def("skinny_linear", &skinny_linear, nb::arg("x"), nb::arg("panels"), nb::arg("y"), nb::arg("isa") = nb::none(),
         nb::arg("tops") = nb::none(), nb::arg("weight_bound") = std::numeric_limits<float>::infinity());
   m.def("skinny_linear_at", &skinny_linear_at);
+  m.def("rotary_at", &rotary_at);
   m.def("skinny_isa", &lookupdec::skinny_isa);
   m.def("skinny_isas", &lookupdec::skinny_isas);
   m.def("skinny_threads", &lookupdec::skinny_threads);
