@@ -8,7 +8,8 @@ the kernels it chooses) for chains of ``--sizes`` tokens after a ``--context``-t
   norm replaced by the identity (timing only: those logits are thrown away), interleaved;
 * ``rotary_ms``    -- the same for the rotary embedding of queries and keys as the engine
   computes it (``fused``: the compiled core's, ``model/kernels.fused_rotary_for``; else the
-  model's ``apply_rotary_pos_emb``) against one returning them unrotated;
+  model's ``apply_rotary_pos_emb``) against one returning them unrotated; and
+  ``fused_rotary_saves_ms``: the forward with the model's own rotation against the fused one;
 * ``attention_ms`` -- time inside ``scaled_dot_product_attention`` (every layer's call,
   ``batch_profile.AttentionTimer``, in forwards apart from the timed ones);
 * ``aten_calls``   -- ATen operator calls per forward (``torch.profiler``), the dispatcher's
@@ -60,7 +61,7 @@ def measure(target, size: int, repeats: int) -> dict:
 
     def timed(variant: str) -> float:
         target.norms = identity if variant == "no-norms" else norms
-        target.rotary = skipped if variant == "no-rotary" else rotary
+        target.rotary = skipped if variant == "no-rotary" else None if variant == "own-rotary" else rotary
         try:
             start = time.perf_counter()
             forward(size)
@@ -68,7 +69,8 @@ def measure(target, size: int, repeats: int) -> dict:
         finally:
             target.norms, target.rotary = norms, rotary
 
-    variants = ["whole", "no-norms"] + (["no-rotary"] if module is not None else [])
+    variants = (["whole", "no-norms"] + (["no-rotary"] if module is not None else [])
+                + (["own-rotary"] if rotary is not None else []))
     for variant in variants * 3:  # kernel choices, caches
         timed(variant)
     times = {v: [] for v in variants}
@@ -88,6 +90,7 @@ def measure(target, size: int, repeats: int) -> dict:
     return {"tokens": size, "rotary": "fused" if rotary else "own", "forward_ms": 1e3 * median["whole"],
             "norms_ms": 1e3 * (median["whole"] - median["no-norms"]),
             "rotary_ms": 1e3 * (median["whole"] - median["no-rotary"]) if module is not None else None,
+            "fused_rotary_saves_ms": 1e3 * (median["own-rotary"] - median["whole"]) if rotary else None,
             "attention_ms": 1e3 * timer.seconds / repeats, "aten_calls": calls,
             "samples_ms": {v: [round(1e3 * x, 3) for x in t] for v, t in times.items()}}
 
@@ -129,6 +132,7 @@ def main(argv=None) -> int:
         target.reset()
     print(format_table(rows, [("tokens", "tokens", "d"), ("forward_ms", "forward ms", ".1f"),
                               ("norms_ms", "norms ms", ".2f"), ("rotary_ms", "rotary ms", ".2f"),
+                              ("fused_rotary_saves_ms", "fused saves ms", ".2f"),
                               ("attention_ms", "attention ms", ".2f"), ("aten_calls", "ATen calls", "d")]))
     config = {"model": args.model, "threads": args.threads, "context": args.context, "sizes": args.sizes,
               "repeats": args.repeats, "device": "cpu", "dtype": "float32"}
