@@ -5,7 +5,9 @@ the kernels it chooses) for chains of ``--sizes`` tokens after a ``--context``-t
 
 * ``forward_ms``   -- the whole forward, median of ``--repeats``;
 * ``norms_ms``     -- what the RMS norms add: the forward against the same forward with every
-  norm replaced by the identity (timing only: those logits are thrown away), interleaved;
+  norm replaced by the identity (timing only: those logits are thrown away), interleaved; and
+  ``core_norms_saves_ms``: the forward with each norm one ``F.rms_norm`` call (as before the
+  compiled core's norm) against the engine's (``model/kernels.fused_norms_for``);
 * ``rotary_ms``    -- the same for the rotary embedding of queries and keys as the engine
   computes it (``fused``: the compiled core's, ``model/kernels.fused_rotary_for``; else the
   model's ``apply_rotary_pos_emb``) against one returning them unrotated; and
@@ -50,17 +52,22 @@ def unrotated(q, k, *args, **kwargs):
     return q, k
 
 
+def _eps(norm) -> float:
+    return getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+
+
 def measure(target, size: int, repeats: int) -> dict:
     forward = target.chain_forward_timer(None)
     module = rotary_module(target.model)
     norms, rotary = target.norms, target.rotary
     identity = [(m, lambda x: x) for m, _ in norms]
+    aten = [(m, lambda x, m=m: torch.nn.functional.rms_norm(x, m.weight.shape, m.weight, _eps(m))) for m, _ in norms]
     if module is not None:  # (set for the forward as the engine's fused rotation is: swapped)
         unrotated.__wrapped_rotary__ = rotary[1].__wrapped_rotary__ if rotary else module.apply_rotary_pos_emb
         skipped = (module, unrotated)
 
     def timed(variant: str) -> float:
-        target.norms = identity if variant == "no-norms" else norms
+        target.norms = {"no-norms": identity, "aten-norms": aten}.get(variant, norms)
         target.rotary = skipped if variant == "no-rotary" else None if variant == "own-rotary" else rotary
         try:
             start = time.perf_counter()
@@ -70,7 +77,7 @@ def measure(target, size: int, repeats: int) -> dict:
             target.norms, target.rotary = norms, rotary
 
     variants = (["whole", "no-norms"] + (["no-rotary"] if module is not None else [])
-                + (["own-rotary"] if rotary is not None else []))
+                + (["own-rotary"] if rotary is not None else []) + (["aten-norms"] if norms else []))
     for variant in variants * 3:  # kernel choices, caches
         timed(variant)
     times = {v: [] for v in variants}
@@ -90,6 +97,7 @@ def measure(target, size: int, repeats: int) -> dict:
     return {"tokens": size, "rotary": "fused" if rotary else "own", "forward_ms": 1e3 * median["whole"],
             "norms_ms": 1e3 * (median["whole"] - median["no-norms"]),
             "rotary_ms": 1e3 * (median["whole"] - median["no-rotary"]) if module is not None else None,
+            "core_norms_saves_ms": 1e3 * (median["aten-norms"] - median["whole"]) if norms else None,
             "fused_rotary_saves_ms": 1e3 * (median["own-rotary"] - median["whole"]) if rotary else None,
             "attention_ms": 1e3 * timer.seconds / repeats, "aten_calls": calls,
             "samples_ms": {v: [round(1e3 * x, 3) for x in t] for v, t in times.items()}}
@@ -132,7 +140,8 @@ def main(argv=None) -> int:
         target.reset()
     print(format_table(rows, [("tokens", "tokens", "d"), ("forward_ms", "forward ms", ".1f"),
                               ("norms_ms", "norms ms", ".2f"), ("rotary_ms", "rotary ms", ".2f"),
-                              ("fused_rotary_saves_ms", "fused saves ms", ".2f"),
+                              ("core_norms_saves_ms", "core norms save ms", ".2f"),
+                              ("fused_rotary_saves_ms", "fused rotation saves ms", ".2f"),
                               ("attention_ms", "attention ms", ".2f"), ("aten_calls", "ATen calls", "d")]))
     config = {"model": args.model, "threads": args.threads, "context": args.context, "sizes": args.sizes,
               "repeats": args.repeats, "device": "cpu", "dtype": "float32"}

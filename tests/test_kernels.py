@@ -807,3 +807,50 @@ def test_engine_forwards_use_the_fused_rotary():
     assert gen.token_ids == hf_greedy(model, prompt, 12)
     assert calls and all(calls)  # queries and keys of every layer of every forward, through the core
     assert module.apply_rotary_pos_emb is fused.__wrapped_rotary__
+
+
+def test_core_rms_norm_equals_torch_bit_for_bit():
+    """The compiled core's RMS norm adds its sum of squares in the order of torch's CPU sum, so
+    on this build it is ``F.rms_norm`` bit for bit: row lengths with and without a vector tail,
+    one and several levels of partial sums, many rows and scales. (Where it is not, the engine
+    keeps ``F.rms_norm``: ``_core_norm_matches`` probes it per model.)"""
+    import torch.nn.functional as F
+
+    from lookupdec.model.kernels import _core_norm_matches, core_rms_norm
+
+    generator = torch.Generator().manual_seed(11)
+    with torch.inference_mode():
+        for n, rows in [(576, 1), (576, 40), (64, 7), (13, 5), (100, 3), (960, 9), (5120, 2), (8, 4)]:
+            w = torch.randn(n, generator=generator)
+            assert _core_norm_matches(w, 1e-5), n
+            for scale in (1e-4, 1.0, 300.0):
+                x = torch.randn(1, rows, n, generator=generator) * scale
+                assert torch.equal(core_rms_norm(x, w, 1e-5), F.rms_norm(x, (n,), w, 1e-5)), (n, rows, scale)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_engine_norms_run_in_the_core_and_match_transformers(family):
+    """The engine's forwards normalise through the compiled core (every norm of the model, each
+    forward) and its greedy output stays transformers'."""
+    from helpers import hf_greedy
+
+    from lookupdec.model import kernels
+
+    model = cached_tiny(family)
+    engine = Engine(model, FakeTokenizer(), EngineConfig())
+    calls = []
+    core = kernels.core_rms_norm
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return core(*args)
+
+    prompt = [5, 9, 13, 17, 21] * 4
+    try:
+        kernels.core_rms_norm = counted
+        gen = engine.generate(prompt, max_new_tokens=12)
+    finally:
+        kernels.core_rms_norm = core
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert len(calls) >= 2 * len(norms)  # the prefill and at least one step, every norm
+    assert gen.token_ids == hf_greedy(model, prompt, 12)

@@ -702,10 +702,14 @@ _SHARED_NORMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # mode
 
 def fused_norms_for(model) -> list:
     """``(module, forward)`` for each RMS norm of ``model`` that ``F.rms_norm`` computes bit for
-    bit (one ATen call instead of transformers' six small ops: 17 against 11 µs a call warm,
-    61 calls in a SmolLM2 forward, about 60 µs each cold in a real forward): CPU float32 weights,
-    checked once per module on a probe row against the module's own forward (Gemma's ``1 +
-    weight`` norm and any other formula fail it and keep their own). Shared per model."""
+    bit: CPU float32 weights, checked once per module on a probe row against the module's own
+    forward (Gemma's ``1 + weight`` norm and any other formula fail it and keep their own).
+    The forward is one call of the compiled core (``_core.rms_norm_at``, whose sum of squares
+    adds in ATen's order) where a probe of several row counts and scales finds it bit-equal to
+    ``F.rms_norm`` on this machine, else that one ATen call (which ATen runs as about ten small
+    operations; transformers' own forward makes six Python-level ones): 61 norms in a SmolLM2
+    forward, 1.9-3.2 ms of it at two threads through ``F.rms_norm``
+    (``bench/forward_parts.py``). Shared per model."""
     if model in _SHARED_NORMS:
         return _SHARED_NORMS[model]
     found = []
@@ -722,15 +726,47 @@ def fused_norms_for(model) -> list:
             if not torch.equal(m(probe), F.rms_norm(probe, shape, weight, eps)):
                 continue
         own = type(m).forward
+        core = _core_norm_matches(weight, eps)
 
-        def forward(x, m=m, shape=shape, eps=eps, own=own):
+        def forward(x, m=m, shape=shape, eps=eps, own=own, core=core, n=shape[0]):
             if x.dtype is torch.float32 and x.device.type == "cpu":
-                return F.rms_norm(x, shape, m.weight, eps)
+                w = m.weight
+                if (core and x.is_contiguous() and x.shape[-1] == n and w.dtype is torch.float32
+                        and w.device.type == "cpu" and w.is_contiguous() and w.shape[0] == n
+                        and not torch.is_grad_enabled()):
+                    return core_rms_norm(x, w, eps)
+                return F.rms_norm(x, shape, w, eps)
             return own(m, x)
 
         found.append((m, forward))
     _SHARED_NORMS[model] = found
     return found
+
+
+def core_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (n,), weight, eps)`` for a contiguous float32 CPU ``x`` [..., n] by the
+    compiled core (the caller has checked ``_core_norm_matches`` and the layouts)."""
+    n = weight.shape[0]
+    out = torch.empty_like(x)
+    _core.rms_norm_at(x.data_ptr(), n, x.numel() // n, n, weight.data_ptr(), eps, out.data_ptr(), n)
+    return out
+
+
+def _core_norm_matches(weight: torch.Tensor, eps: float) -> bool:
+    """Whether the compiled core's RMS norm equals ``F.rms_norm`` bit for bit on probes of 1, 5
+    and 37 rows at three scales (its sum adds in the order of this torch's CPU kernel; another
+    build, or one that adds otherwise, fails and keeps ``F.rms_norm``)."""
+    if _core is None or not hasattr(_core, "rms_norm_at"):
+        return False
+    g = torch.Generator().manual_seed(1)
+    n = weight.shape[0]
+    with torch.inference_mode():
+        w = weight.detach().contiguous()
+        for rows, scale in ((1, 1.0), (5, 1e-3), (37, 40.0)):
+            x = torch.randn(rows, n, generator=g) * scale
+            if not torch.equal(core_rms_norm(x, w, eps), F.rms_norm(x, (n,), w, eps)):
+                return False
+    return True
 
 
 _SHARED_ROTARY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -29,6 +29,7 @@
 #include "suffix_drafts.hpp"
 #include "skinny.hpp"
 #include "rotary.hpp"
+#include "norm.hpp"
 #if defined(LOOKUPDEC_OPENMP)
 #include <omp.h>
 #endif
@@ -465,6 +466,15 @@ void rotary_at(uintptr_t x, int64_t b, int64_t h, int64_t t, int64_t d, int64_t 
   const int64_t shape[4] = {b, h, t, d}, xs[4] = {sb, sh, st, sd}, os[4] = {ob, oh, ot, od};
   lookupdec::rotary(reinterpret_cast<const float*>(x), shape, xs, reinterpret_cast<const float*>(cos),
                     reinterpret_cast<const float*>(sin), cos_batch, reinterpret_cast<float*>(out), os);
+}
+
+// RMS norm of float32 rows (norm.hpp) from addresses and sizes the caller has checked
+// (model/kernels.py, fused_norms_for): rows of n floats at x + r * ldx into y + r * ldy.
+void rms_norm_at(uintptr_t x, int64_t ldx, int64_t rows, int64_t n, uintptr_t w, double eps, uintptr_t y,
+                 int64_t ldy) {
+  if (rows < 0 || n < 1 || ldx < n || ldy < n) throw std::invalid_argument("rms_norm_at: bad sizes");
+  lookupdec::rms_norm(reinterpret_cast<const float*>(x), ldx, rows, n, reinterpret_cast<const float*>(w),
+                      static_cast<float>(eps), reinterpret_cast<float*>(y), ldy);
 }
 
 // tree.observe_draft: one draft's reached nodes counted into a calibration row's three arrays.
@@ -1142,6 +1152,7 @@ NB_MODULE(_core, m) {
         nb::arg("tops") = nb::none(), nb::arg("weight_bound") = std::numeric_limits<float>::infinity());
   m.def("skinny_linear_at", &skinny_linear_at);
   m.def("rotary_at", &rotary_at);
+  m.def("rms_norm_at", &rms_norm_at);
   m.def("skinny_isa", &lookupdec::skinny_isa);
   m.def("skinny_isas", &lookupdec::skinny_isas);
   m.def("skinny_threads", &lookupdec::skinny_threads);
