@@ -769,7 +769,8 @@ def test_fused_rotary_computes_what_the_models_rotation_does(family):
                 got = module.apply_rotary_pos_emb(q, k, cos, sin)
             assert module.apply_rotary_pos_emb is own
             assert all(torch.equal(a, b) and [st for st, n in zip(a.stride(), a.shape) if n > 1]
-                       == [st for st, n in zip(b.stride(), b.shape) if n > 1] for a, b in zip(want, got)), (batch, tokens)
+                       == [st for st, n in zip(b.stride(), b.shape) if n > 1]
+                       for a, b in zip(want, got)), (batch, tokens)
         q64, k64, c64, s64 = (t.double() for t in (q, k, cos, sin))
         assert all(torch.equal(a, b) for a, b in zip(fused(q64, k64, c64, s64), own(q64, k64, c64, s64)))
         assert all(torch.equal(a, b) for a, b in zip(fused(q, k, cos[:, None], sin[:, None], unsqueeze_dim=2),

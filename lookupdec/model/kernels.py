@@ -781,7 +781,8 @@ def fused_rotary_for(model) -> tuple | None:
     costs a forward); any other input (another dtype, device or layout, a keyword it does not
     know) goes to the module's own function. Checked once per model on probes against the
     module's own function, values and memory layout (a family whose rotation differs, e.g.
-    partial or interleaved, or whose result is laid out otherwise, keeps its own); None where there is nothing to fuse or no compiled core. Shared per model."""
+    partial or interleaved, or whose result is laid out otherwise, keeps its own); None where
+    there is nothing to fuse or no compiled core. Shared per model."""
     if model in _SHARED_ROTARY:
         return _SHARED_ROTARY[model]
     found = None
@@ -821,8 +822,8 @@ def fused_rotary_for(model) -> tuple | None:
 
 def _rotary_function(own):
     def fused(q, k, cos, sin, *args, **kwargs):
-        if (args or any(kwargs.get(key, default) != default for key, default in (("unsqueeze_dim", 1), ("position_ids", None)))
-                or len(kwargs) > sum(key in kwargs for key in ("unsqueeze_dim", "position_ids"))
+        if (args or kwargs.get("unsqueeze_dim", 1) != 1 or kwargs.get("position_ids") is not None
+                or len(kwargs) > ("unsqueeze_dim" in kwargs) + ("position_ids" in kwargs)
                 or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape
                 or any(t.dtype is not torch.float32 or t.device.type != "cpu" for t in (q, k, cos, sin))
                 or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[0] not in (1, q.shape[0])
