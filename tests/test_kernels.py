@@ -855,3 +855,36 @@ def test_engine_norms_run_in_the_core_and_match_transformers(family):
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert len(calls) >= 2 * len(norms)  # the prefill and at least one step, every norm
     assert gen.token_ids == hf_greedy(model, prompt, 12)
+
+
+def test_a_norm_whose_weight_was_replaced_leaves_the_core():
+    """The core's norm runs only on the weight its probe passed: a weight set in its place goes
+    through ``F.rms_norm`` (same values), and the module's own forward is back after ``swapped``."""
+    import torch.nn.functional as F
+
+    from lookupdec.model import kernels
+
+    model = cached_tiny("llama")
+    norms = kernels.fused_norms_for(model)
+    m, forward = norms[0]
+    old = m.weight
+    x = torch.randn(1, 3, old.shape[0], generator=torch.Generator().manual_seed(2))
+    calls = []
+    core = kernels.core_rms_norm
+
+    def counted(*args):
+        calls.append(1)
+        return core(*args)
+
+    try:
+        kernels.core_rms_norm = counted
+        with torch.inference_mode():
+            forward(x)
+            assert calls == [1]  # the probed weight: the core
+            m.weight = torch.nn.Parameter(old.detach() * 2)
+            got = forward(x)
+            assert calls == [1]  # a new weight: F.rms_norm
+            assert torch.equal(got, F.rms_norm(x, (old.shape[0],), m.weight, m.variance_epsilon))
+    finally:
+        kernels.core_rms_norm = core
+        m.weight = old

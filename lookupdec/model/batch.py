@@ -25,8 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from lookupdec.model.cache import crop_cache, new_batch_cache, new_cache
-from lookupdec.model.kernels import swapped
+from lookupdec.model.cache import emptied_cache, new_batch_cache
 from lookupdec.model.target import TargetModel, _RowsHead, start_from_prefix, tree_inputs
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
@@ -140,10 +139,7 @@ class BatchTarget:
         row and, with ``prefix_cache``, kept in ``TargetModel.prefixes``, so nothing reads them): on
         a CPU a new buffer's pages cost their first touch; a new cache where there is none yet."""
         one, self._spare = self._spare, None
-        if one is not None and getattr(one, "slot_store", None) is not None:
-            crop_cache(one, 0)
-            return one
-        return new_cache(self.target._num_layers)
+        return emptied_cache(one, self.target._num_layers)
 
     def _add_group(self, contexts: Sequence[Sequence[int]]) -> list[int]:
         """Rows for ``contexts`` (not empty), one right-padded forward where there are several
@@ -169,8 +165,7 @@ class BatchTarget:
         device = target.device
         # the logits of each row's last token only: the distinct last slots, each row's picked below
         last = sorted(set((lengths - 1).tolist()))
-        with swapped(target.model, target.fast_head, body=target.body, tokens=k * width, norms=target.norms,
-                     rotary=target.rotary):
+        with target.forward_kernels(k * width):
             logits = target.model(input_ids=torch.from_numpy(ids).to(device), position_ids=positions.to(device),
                                   attention_mask=mask.to(device), past_key_values=group, use_cache=True,
                                   logits_to_keep=torch.tensor(last, device=device)).logits
@@ -219,8 +214,7 @@ class BatchTarget:
         target.last_prepare_s = target.prepare(len(flat) if partial else width * self.rows)
         ids, positions, mask = self.inputs(trees, width)
         head = _RowsHead(target._head, target.fast_head or target._head, flat) if partial else target.fast_head
-        with swapped(target.model, head, gqa=target._gqa, body=target.body, tokens=width * self.rows,
-                     norms=target.norms, rotary=target.rotary):
+        with target.forward_kernels(width * self.rows, head, gqa=target._gqa):
             out = target.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                past_key_values=self.cache, use_cache=True)
         target.last_prepare_s += target.take_excess()

@@ -28,6 +28,16 @@ def new_cache(num_layers: int | None = None):
     return DynamicCache()
 
 
+def emptied_cache(cache, num_layers: int | None = None):
+    """``cache`` emptied for a new prompt where it has a slot buffer (kept: on a CPU a new
+    buffer's pages cost their first touch, about what copying them does), else ``new_cache``.
+    The caller guarantees nothing still reads ``cache``'s K/V."""
+    if cache is not None and getattr(cache, "slot_store", None) is not None:
+        crop_cache(cache, 0)
+        return cache
+    return new_cache(num_layers)
+
+
 def crop_cache(cache, length: int) -> None:
     """Keep the first ``length`` slots of every layer. By slicing: ``DynamicCache.crop``'s
     meaning changed across releases (in 5.23 it takes a negative count of tokens to drop)."""

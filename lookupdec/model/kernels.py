@@ -726,14 +726,14 @@ def fused_norms_for(model) -> list:
             if not torch.equal(m(probe), F.rms_norm(probe, shape, weight, eps)):
                 continue
         own = type(m).forward
-        core = _core_norm_matches(weight, eps)
+        # the weight the core's probe passed (contiguous: checked); a weight set in its place since
+        # goes through F.rms_norm
+        probed = weight if weight.is_contiguous() and _core_norm_matches(weight, eps) else None
 
-        def forward(x, m=m, shape=shape, eps=eps, own=own, core=core, n=shape[0]):
-            if x.dtype is torch.float32 and x.device.type == "cpu":
+        def forward(x, m=m, shape=shape, eps=eps, own=own, probed=probed, n=shape[0]):
+            if x.dtype is torch.float32 and x.is_cpu:
                 w = m.weight
-                if (core and x.is_contiguous() and x.shape[-1] == n and w.dtype is torch.float32
-                        and w.device.type == "cpu" and w.is_contiguous() and w.shape[0] == n
-                        and not torch.is_grad_enabled()):
+                if w is probed and x.is_contiguous() and x.shape[-1] == n and not torch.is_grad_enabled():
                     return core_rms_norm(x, w, eps)
                 return F.rms_norm(x, shape, w, eps)
             return own(m, x)
@@ -821,17 +821,22 @@ def fused_rotary_for(model) -> tuple | None:
 
 
 def _rotary_function(own):
+    f32 = torch.float32
+
     def fused(q, k, cos, sin, *args, **kwargs):
-        if (args or kwargs.get("unsqueeze_dim", 1) != 1 or kwargs.get("position_ids") is not None
-                or len(kwargs) > ("unsqueeze_dim" in kwargs) + ("position_ids" in kwargs)
-                or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape
-                or any(t.dtype is not torch.float32 or t.device.type != "cpu" for t in (q, k, cos, sin))
-                or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[0] not in (1, q.shape[0])
-                or q.shape[0] != k.shape[0] or cos.shape[1:] != (q.shape[2], q.shape[3])
-                or k.shape[2:] != q.shape[2:] or q.shape[3] % 2 or torch.is_grad_enabled()):
-            return own(q, k, cos, sin, *args, **kwargs)
-        batch = cos.stride(0) if cos.shape[0] > 1 else 0
-        return _rotate(q, cos, sin, batch), _rotate(k, cos, sin, batch)
+        if not (args or torch.is_grad_enabled()
+                or (kwargs and (kwargs.get("unsqueeze_dim", 1) != 1 or kwargs.get("position_ids") is not None
+                                or len(kwargs) > ("unsqueeze_dim" in kwargs) + ("position_ids" in kwargs)))):
+            qs, ks, cs = q.shape, k.shape, cos.shape
+            if (len(qs) == 4 and len(ks) == 4 and len(cs) == 3 and sin.shape == cs and not qs[3] % 2
+                    and cs[1] == qs[2] and cs[2] == qs[3] and (cs[0] == 1 or cs[0] == qs[0])
+                    and ks[0] == qs[0] and ks[2] == qs[2] and ks[3] == qs[3]
+                    and q.dtype is f32 and k.dtype is f32 and cos.dtype is f32 and sin.dtype is f32
+                    and q.is_cpu and k.is_cpu and cos.is_cpu and sin.is_cpu
+                    and cos.is_contiguous() and sin.is_contiguous()):
+                batch = cos.stride(0) if cs[0] > 1 else 0
+                return _rotate(q, cos, sin, batch), _rotate(k, cos, sin, batch)
+        return own(q, k, cos, sin, *args, **kwargs)
 
     fused.__wrapped_rotary__ = own
     return fused

@@ -8,7 +8,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from lookupdec.model.cache import PrefixStore, commit_accepted, common_prefix, crop_cache, new_cache
+from lookupdec.model.cache import (PrefixStore, commit_accepted, common_prefix, crop_cache, emptied_cache,
+                                   new_cache)
 from lookupdec.model.kernels import (FastHead, fast_head_for, fused_norms_for, fused_rotary_for, kernel_forms,
                                      packed_linears_for, seed_kernel_forms, skinny_threaded, swapped)
 from lookupdec.sampling import PartialLogits
@@ -144,13 +145,15 @@ class TargetModel:
         return common
 
     def _emptied(self):
-        """This model's cache emptied for a new prompt, its slot buffer kept (a new buffer's
-        memory is mapped on first touch, which on a CPU costs about what copying it does); a new
-        cache where there is no slot buffer."""
-        if self.cache is not None and getattr(self.cache, "slot_store", None) is not None:
-            crop_cache(self.cache, 0)
-            return self.cache
-        return new_cache(self._num_layers)
+        """This model's cache emptied for a new prompt (``emptied_cache``: its slot buffer kept)."""
+        return emptied_cache(self.cache, self._num_layers)
+
+    def forward_kernels(self, tokens: int, head=None, gqa: bool = False):
+        """``kernels.swapped`` for one of this model's own forwards of ``tokens`` tokens: ``head``
+        (default ``fast_head``) as the output projection, the body's, norms' and rotation's fast
+        forms; ``gqa``: grouped K/V heads to SDPA (a masked forward on a CPU: ``self._gqa``)."""
+        return swapped(self.model, self.fast_head if head is None else head, gqa=gqa, body=self.body,
+                       tokens=tokens, norms=self.norms, rotary=self.rotary)
 
     def _weights_state(self) -> tuple:
         """Every parameter's identity and version: a weight replaced or written in place since the
@@ -167,8 +170,7 @@ class TargetModel:
         if not len(token_ids):
             return None
         ids = torch.tensor([list(token_ids)], device=self.device)
-        with swapped(self.model, self.fast_head, body=self.body, tokens=len(token_ids), norms=self.norms,
-                     rotary=self.rotary):
+        with self.forward_kernels(len(token_ids)):
             out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         self.take_excess()  # a prefill is no verify forward: its trials' excess is not one's either
         return out.logits[0, -1].float()
@@ -210,8 +212,7 @@ class TargetModel:
         ids, positions, mask = tree_inputs(tree, self.n_cached, device=self.device, dtype=self.dtype,
                                            windows=self._windows, tree_mode=self.tree_mode, buffers=self._inputs)
         head = _RowsHead(self._head, self.fast_head or self._head, rows, picks) if partial else self.fast_head
-        with swapped(self.model, head, gqa=self._gqa, body=self.body, tokens=n, norms=self.norms,
-                     rotary=self.rotary):
+        with self.forward_kernels(n, head, gqa=self._gqa):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                              past_key_values=self.cache, use_cache=True)
         self.n_cached += n
