@@ -56,6 +56,9 @@ BATCH_DRAFT_HEADROOM = 2.0
 # the widths a batch's first curve times before it trusts its prices (``BatchDecoder._cost``)
 PROBE_WIDTHS = (1, 2, 4, 8)
 PROBE_PRIOR_COUNT = 0.01  # ... one row's prices stand in for them as this many forwards (the first one replaces them)
+# new tokens a joining row reserves K/V slots for (``BatchDecoder._room``): the buffer then
+# grows as a prompt joins, not in the middle of a step, where it stalls every row
+RESERVE_NEW_TOKENS = 1024
 # a sequence alone in the batch steps as alone (``BatchDecoder._lone_cost``; False: the joint
 # budget on a one-row curve, for tests of the batched path)
 LONE_ROW_ALONE = True
@@ -280,15 +283,16 @@ class BatchDecoder:
         del self.waiting[: len(joining)]
         rows, logits, prefill_ms = [], [], []
         try:
+            rooms = [self._room(seq) for seq in joining]
             if self.target.joint_prefill and len(joining) > 1:  # one forward for all (each gets its share)
                 t = time.perf_counter()
-                rows = self.target.add_many([seq.context for seq in joining])
+                rows = self.target.add_many([seq.context for seq in joining], rooms)
                 logits = self.target.last_logits
                 prefill_ms = [(time.perf_counter() - t) * 1e3 / len(joining)] * len(joining)
             else:
-                for seq in joining:
+                for seq, room in zip(joining, rooms):
                     t = time.perf_counter()
-                    rows.append(self.target.add(seq.context))
+                    rows.append(self.target.add(seq.context, room))
                     logits.append(self.target.last_logits[0])
                     prefill_ms.append((time.perf_counter() - t) * 1e3)
                     seq.stats.prefix_reused = self.target.last_reused
@@ -390,6 +394,13 @@ class BatchDecoder:
                     self._probes[key] = set(widths)
             self._costs[key] = cost
         return self._costs[key]
+
+    def _room(self, seq: _Sequence) -> int:
+        """K/V slots ``seq``'s row reserves beyond its prompt as it joins: its new tokens (at most
+        ``RESERVE_NEW_TOKENS``; a longer answer grows the buffer as it needs) and the widest tree."""
+        engine = self.engine
+        new = min(seq.request.max_new_tokens, RESERVE_NEW_TOKENS, engine._room(seq.context))
+        return max(0, new) + engine.config.max_nodes + 1
 
     def _depth(self, seq: _Sequence) -> int:
         """The deepest tree ``seq`` may verify: the step's cap, or the room left in its context."""

@@ -104,7 +104,7 @@ def test_joint_prefill_groups_by_its_caps(monkeypatch):
     engine = Engine(cached_tiny("llama"), FakeTokenizer())
     target = BatchTarget(engine.target, 8, joint_prefill=True)
     groups, group = [], target._add_group
-    monkeypatch.setattr(target, "_add_group", lambda g: groups.append([len(c) for c in g]) or group(g))
+    monkeypatch.setattr(target, "_add_group", lambda g: groups.append([len(c) for c, _ in g]) or group(g))
     monkeypatch.setattr(model_batch, "PREFILL_MASK", 2 * 6 ** 2)  # two 6-token contexts, not three
     assert target.add_many([[1] * 6, [2] * 5, [3] * 4, [], [4] * 6]) == [0, 1, 2, 3, 4]
     assert groups == [[6, 5], [4], [6]]
@@ -489,6 +489,55 @@ def test_batch_store_rows():
     assert torch.equal(store.view(1, 0)[0, :, 1:3], one.view(1, 0)[0, :, 3:5])
     store.move_row(0, 1, 5)
     assert torch.equal(store.buffer[:, :, 1, :, :5], store.buffer[:, :, 0, :, :5])
+
+
+def test_batch_store_holds_the_rows_in_use_and_doubles_them():
+    """The buffer holds the rows joined so far, not ``max_rows``: a lone row's buffer is one row
+    (growing it then costs one row's pages, not ``max_rows``'), doubling as rows join, at most
+    ``max_rows``; each growth keeps every row's slots and zeroes the new rows; more rows than
+    ``max_rows`` is an error; ``room`` reserves slots beyond a row's length as it is put."""
+    layers, heads, dim = 2, 3, 4
+    one = SlotStore(layers)
+    for layer in range(layers):
+        one.write(layer, torch.randn(1, heads, 6, dim), torch.randn(1, heads, 6, dim))
+    store = BatchStore(layers, max_rows=5)
+    store.put_row(0, one, 6, room=10)
+    store.rows = 1
+    assert store.buffer.shape[2] == 1 and store.buffer.shape[4] >= 16
+    shapes = [1]
+    for row in range(1, 5):
+        store.put_row(row, one, 6 - row)
+        store.rows = row + 1
+        shapes.append(store.buffer.shape[2])
+        for r in range(row + 1):  # every row's slots as put (a shorter row's holes zeros)
+            n = 6 - r
+            assert torch.equal(store.view(1, 1)[r, :, :n], one.view(1, 1)[0, :, :n])
+            assert torch.count_nonzero(store.view(1, 1)[r, :, n:]) == 0
+    assert shapes == [1, 2, 4, 4, 5]
+    with pytest.raises(ValueError, match="at most 5"):
+        store.put_row(5, one, 2)
+
+
+def test_a_joining_row_reserves_its_request_so_steps_never_grow_the_buffer(monkeypatch):
+    """A sequence joining the batch reserves K/V slots for its new tokens and widest tree
+    (``BatchDecoder._room``): its steps never make a new buffer (a new one stalled every row,
+    and a client alone on a 16-row server paid 16 rows' pages for it); outputs stay transformers'."""
+    from lookupdec.model import cache
+
+    monkeypatch.setattr(cache, "INITIAL_SLOTS", 8)  # (else the first buffer holds this request anyway)
+    model = cached_tiny("llama")
+    engine = Engine(model, FakeTokenizer())
+    prompt = [5, 9, 2, 7, 1, 3, 8]
+    decoder = BatchDecoder(engine, 4)
+    decoder.submit(BatchRequest(prompt, 40))
+    decoder.step()
+    buffer = decoder.target.store.buffer
+    assert buffer.shape[2] == 1 and buffer.shape[4] >= len(prompt) + 40 + engine.config.max_nodes + 1
+    while not decoder.idle:
+        decoder.step()
+        assert decoder.target.store.buffer is buffer
+    out = decoder.generation(decoder.done[0])
+    assert out.token_ids == hf_greedy(model, prompt, 40)
 
 
 def test_batch_store_gathers_rows_at_once_as_row_by_row():

@@ -70,9 +70,10 @@ class BatchTarget:
         return len(self.lengths)
 
     @torch.inference_mode()
-    def add(self, token_ids: Sequence[int]) -> int:
+    def add(self, token_ids: Sequence[int], room: int = 0) -> int:
         """Prefill ``token_ids`` (a sequence's prompt) into a new row; its index. The logits of its
-        last token (the first new token's distribution) are ``last_logits[0]``."""
+        last token (the first new token's distribution) are ``last_logits[0]``. ``room``: slots
+        the row will take beyond its prompt, reserved now (``BatchStore.put_row``)."""
         if self.rows >= self.max_rows:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
         token_ids = list(token_ids)
@@ -86,7 +87,7 @@ class BatchTarget:
         self._spare = one
         self.last_logits = [self.target.fill(one, token_ids[common:])]
         if token_ids:
-            self.store.put_row(self.rows, one.slot_store, len(token_ids))
+            self.store.put_row(self.rows, one.slot_store, len(token_ids), room=room)
             if self.prefix_cache:
                 self._prefix = (one, token_ids, weights)
                 self.target.prefixes.save(token_ids, weights, one)
@@ -96,7 +97,7 @@ class BatchTarget:
         return self.rows - 1
 
     @torch.inference_mode()
-    def add_many(self, contexts: Sequence[Sequence[int]]) -> list[int]:
+    def add_many(self, contexts: Sequence[Sequence[int]], rooms: Sequence[int] | None = None) -> list[int]:
         """Prefill several new rows (each a sequence's prompt), in one forward per group of at
         most ``PREFILL_TOKENS`` padded tokens and ``PREFILL_MASK`` mask cells where
         ``joint_prefill``, else one forward each (``add``); their row indices, in order, and in
@@ -105,7 +106,8 @@ class BatchTarget:
         A group's rows are right-padded to its longest: row ``b``'s token ``i`` sits at slot and
         position ``i`` and sees its own slots ``[0, i]`` only, so its K/V are what its own
         prefill writes; padding slots (a copy of the row's last token) see the row's tokens and
-        land in the row's holes, which every later mask hides."""
+        land in the row's holes, which every later mask hides. ``rooms``: per context, as
+        ``add``'s ``room`` (None: none)."""
         if self.rows + len(contexts) > self.max_rows:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
         out, logits, group = [], [], []
@@ -114,22 +116,23 @@ class BatchTarget:
             out.extend(rows)
             logits.extend(self.last_logits if rows else [])
 
+        rooms = [0] * len(contexts) if rooms is None else list(rooms)
         if not self.joint_prefill:
-            for ids in contexts:
-                add([self.add(ids)])
+            for ids, room in zip(contexts, rooms):
+                add([self.add(ids, room)])
         else:
-            for ids in contexts:
+            for ids, room in zip(contexts, rooms):
                 if not len(ids):  # an empty context: nothing to prefill, no logits (None; never a prompt)
                     add(self._add_group(group))
                     group = []
-                    add([self.add(ids)])
+                    add([self.add(ids, room)])
                     continue
-                longest = max([len(ids)] + [len(g) for g in group])
+                longest = max([len(ids)] + [len(g) for g, _ in group])
                 count = len(group) + 1
                 if group and (count * longest > PREFILL_TOKENS or count * longest ** 2 > PREFILL_MASK):
                     add(self._add_group(group))
                     group = []
-                group.append(ids)
+                group.append((ids, room))
             add(self._add_group(group))
         self.last_logits = logits
         return out
@@ -141,11 +144,12 @@ class BatchTarget:
         one, self._spare = self._spare, None
         return emptied_cache(one, self.target._num_layers)
 
-    def _add_group(self, contexts: Sequence[Sequence[int]]) -> list[int]:
-        """Rows for ``contexts`` (not empty), one right-padded forward where there are several
-        (``add`` for one); ``last_logits`` per row."""
-        if len(contexts) <= 1:
-            return [self.add(ids) for ids in contexts]
+    def _add_group(self, group: Sequence[tuple[Sequence[int], int]]) -> list[int]:
+        """Rows for ``group``'s contexts (not empty; each with its ``room``), one right-padded
+        forward where there are several (``add`` for one); ``last_logits`` per row."""
+        if len(group) <= 1:
+            return [self.add(ids, room) for ids, room in group]
+        contexts, rooms = [ids for ids, _ in group], [room for _, room in group]
         target = self.target
         if target.body is not None:
             target.body.refresh()
@@ -160,20 +164,20 @@ class BatchTarget:
         mask = torch.zeros((k, 1, width, width), dtype=target.dtype)
         mask.masked_fill_(torch.from_numpy(~allowed)[:, None], self._fill)
         positions = torch.arange(width, dtype=torch.int64).repeat(k, 1)
-        group = new_batch_cache(target._num_layers, k)
-        group.slot_store.rows = k
+        joint = new_batch_cache(target._num_layers, k)
+        joint.slot_store.rows = k
         device = target.device
         # the logits of each row's last token only: the distinct last slots, each row's picked below
         last = sorted(set((lengths - 1).tolist()))
         with target.forward_kernels(k * width):
             logits = target.model(input_ids=torch.from_numpy(ids).to(device), position_ids=positions.to(device),
-                                  attention_mask=mask.to(device), past_key_values=group, use_cache=True,
+                                  attention_mask=mask.to(device), past_key_values=joint, use_cache=True,
                                   logits_to_keep=torch.tensor(last, device=device)).logits
         target.take_excess()  # a prefill is no verify forward (as ``TargetModel.fill``)
         self.last_logits = [logits[b, last.index(n - 1)].float() for b, n in enumerate(lengths.tolist())]
         out = []
         for b, n in enumerate(lengths.tolist()):
-            self.store.put_row(self.rows, group.slot_store, n, source_row=b)
+            self.store.put_row(self.rows, joint.slot_store, n, source_row=b, room=rooms[b])
             self.lengths.append(n)
             self.store.rows = self.rows
             out.append(self.rows - 1)
