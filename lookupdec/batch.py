@@ -218,7 +218,10 @@ class BatchDecoder:
                                      max_depth=self._depth(seq))
             trees = self._choose(self.active)
         t1 = time.perf_counter()
-        logits = self.target.verify(trees, [engine._head_rows(tree, seq.params) for seq, tree in zip(self.active, trees)])
+        head_rows = [engine._head_rows(tree, seq.params) for seq, tree in zip(self.active, trees)]
+        # (as alone, ``Engine._verdict``: the output projection picks the selected rows' best tokens)
+        picks = max(engine._recycle_successors(), 1) if any(r is not None for r in head_rows) else 0
+        logits = self.target.verify(trees, head_rows, picks)
         if auto:  # timed to the device's end, as alone (TargetModel.sync)
             engine.target.sync()
         t2 = time.perf_counter()

@@ -197,6 +197,59 @@ def test_greedy_choices_accept_as_the_logits():
         accept(tree, choices, SamplingParams(temperature=0.7), generator=torch.Generator())
 
 
+def test_batched_verify_picks_each_selected_rows_best_tokens_as_alone(monkeypatch):
+    """``BatchTarget.verify(trees, rows, picks)`` hands each tree with ``rows`` a ``PartialLogits``
+    holding its rows' ``picks`` best token ids as the output projection made them (the greedy
+    walk and recycling read those, as ``TargetModel.verify(picks=...)`` alone): the top tokens
+    of its logits, which are bit for bit those without picks; a tree without rows (a sampled
+    row) keeps its plain logits; the batch decoder asks for picks whenever a row is greedy."""
+    from lookupdec.engine import top_tokens
+    from lookupdec.model.batch import BatchTarget
+    from lookupdec.sampling import PartialLogits
+    from lookupdec.tree import Draft, TokenTree
+
+    model = cached_tiny("llama")
+    engine = Engine(model, FakeTokenizer())
+    head = engine.target.fast_head
+    assert engine.target.partial_head and head is not None
+    if "skinny" not in head.forms:
+        pytest.skip("no skinny product on this machine")
+    # the skinny product for every call (the head is the model's: other tests timed its buckets)
+    monkeypatch.setattr(head._chooser, "pick", lambda key: "skinny")
+    trees = [TokenTree.from_drafts(4, [Draft((5, 6, 7), (-1, 0, 1), (0.9, 0.8, 0.7), "a"),
+                                       Draft((8,), (-1,), (0.5,), "b")], max_nodes=6, max_depth=4),
+             TokenTree.from_drafts(9, [Draft((3, 2), (-1, 0), (0.9, 0.8), "a")], max_nodes=6, max_depth=4),
+             TokenTree([11], [-1])]
+    contexts = [[1, 2, 3, 4], [7, 7, 9], [5, 6]]
+    outs = {}
+    for picks in (0, 3):
+        target = BatchTarget(engine.target, 3)
+        for c in contexts:
+            target.add(c)
+        outs[picks] = target.verify(trees, [[0, 1, 2], None, [0]], picks)
+    for b, (plain, picked) in enumerate(zip(outs[0], outs[3])):
+        if b == 1:  # no rows asked: every row, plain logits, no picks
+            assert not isinstance(picked, PartialLogits) and torch.equal(plain, picked)
+            continue
+        assert isinstance(picked, PartialLogits) and picked.tops is not None and picked.tops.shape[1] == 3
+        assert torch.equal(plain.logits if isinstance(plain, PartialLogits) else plain, picked.logits)
+        rows = np.flatnonzero(picked.row_of >= 0).tolist()
+        assert picked.tops.tolist() == top_tokens(picked.logits, range(len(rows)), 3)
+    seen = []
+    original = BatchTarget.verify
+
+    def spy(self, trees, rows=None, picks=0):
+        out = original(self, trees, rows, picks)
+        seen.append((picks, [getattr(o, "tops", None) is not None for o in out] if isinstance(out, list) else None))
+        return out
+
+    monkeypatch.setattr(BatchTarget, "verify", spy)
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [4, 4, 2]]
+    outs, _ = run_batch(engine, [BatchRequest(p, 12) for p in prompts], 2)
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]
+    assert seen and all(p >= 1 and tops and all(tops) for p, tops in seen), seen
+
+
 def test_batch_asks_proposers_for_about_the_width_it_keeps():
     """The joint budget keeps W - 1 nodes per row: its proposers are asked for the power of 2 at
     or above twice the nodes kept lately (``BATCH_DRAFT_MIN`` at least), not the engine's cap,

@@ -202,36 +202,42 @@ class BatchTarget:
         return self.target.prepare(n)
 
     @torch.inference_mode()
-    def verify(self, trees: Sequence[TokenTree], rows: Sequence[Sequence[int] | None] | None = None):
+    def verify(self, trees: Sequence[TokenTree], rows: Sequence[Sequence[int] | None] | None = None,
+               picks: int = 0):
         """One forward over every row's tree (``trees[b]`` for row ``b``). Returns logits [rows,
         Q, vocab] (float32); row ``b``'s first ``len(trees[b])`` are its nodes'. With ``rows``
         (per tree, the nodes to project, None: all; where the target's ``partial_head``), a list
         of one ``PartialLogits`` or logits tensor [len(tree), vocab] per tree, every selected row
-        of the batch projected in one product."""
+        of the batch projected in one product; with ``picks`` > 0, each selected row's ``picks``
+        best token ids too where the output projection makes them as it writes the rows
+        (``TargetModel.verify``'s: the greedy walk and recycling read those, not rows of the
+        vocabulary's width), in the ``PartialLogits`` of every tree with ``rows``."""
         assert len(trees) == self.rows
         target = self.target
         width = max(len(tree) for tree in trees)
         partial = rows is not None and target.partial_head and any(r is not None for r in rows)
         if partial:
+            asked = [r is not None for r in rows]
             rows = [list(range(len(t))) if r is None else list(r) for t, r in zip(trees, rows)]
             flat = [b * width + u for b, r in enumerate(rows) for u in r]
         target.last_prepare_s = target.prepare(len(flat) if partial else width * self.rows)
         ids, positions, mask = self.inputs(trees, width)
-        head = _RowsHead(target._head, target.fast_head or target._head, flat) if partial else target.fast_head
+        head = _RowsHead(target._head, target.fast_head or target._head, flat, picks) if partial else target.fast_head
         with target.forward_kernels(width * self.rows, head, gqa=target._gqa):
             out = target.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                past_key_values=self.cache, use_cache=True)
         target.last_prepare_s += target.take_excess()
         if not partial:
             return out.logits.float()
-        logits, hidden, per_tree, start = out.logits[0].float(), head.hidden, [], 0
+        logits, hidden, tops, per_tree, start = out.logits[0].float(), head.hidden, head.tops, [], 0
         for b, (tree, r) in enumerate(zip(trees, rows)):
             mine = logits[start : start + len(r)]
+            mine_tops = tops[start : start + len(r)] if tops is not None and asked[b] else None
             start += len(r)
-            if len(r) == len(tree):  # every row of this tree: in node order already
+            if len(r) == len(tree) and mine_tops is None:  # every row of this tree: in node order already
                 per_tree.append(mine)
             else:
-                per_tree.append(PartialLogits(tree, r, mine, hidden[b, : len(tree)], target._project))
+                per_tree.append(PartialLogits(tree, r, mine, hidden[b, : len(tree)], target._project, tops=mine_tops))
         return per_tree
 
     def inputs(self, trees: Sequence[TokenTree], width: int):
