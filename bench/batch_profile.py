@@ -146,10 +146,10 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
 
     verify = timed("verify", decoder.target.verify, sync=True)
 
-    def counted(trees, rows=None):
+    def counted(trees, rows=None, picks=0):
         slots["nodes"] += sum(len(t) for t in trees)
         slots["padded"] += len(trees) * max(len(t) for t in trees)
-        return verify(trees, rows)
+        return verify(trees, rows, picks)
 
     decoder.target.add = timed("prefill", decoder.target.add, sync=True)
     decoder.target.add_many = timed("prefill", decoder.target.add_many, sync=True)

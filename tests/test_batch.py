@@ -544,40 +544,50 @@ def test_batch_store_rows():
     assert torch.equal(store.buffer[:, :, 1, :, :5], store.buffer[:, :, 0, :, :5])
 
 
-def test_batch_store_holds_the_rows_in_use_and_doubles_them():
-    """The buffer holds the rows joined so far, not ``max_rows``: a lone row's buffer is one row
-    (growing it then costs one row's pages, not ``max_rows``'), doubling as rows join, at most
-    ``max_rows``; each growth keeps every row's slots and zeroes the new rows; more rows than
-    ``max_rows`` is an error; ``room`` reserves slots beyond a row's length as it is put."""
+def nan_buffers(monkeypatch):
+    """Every new ``BatchStore`` buffer filled with NaN: what an uninitialised one may hold."""
+    from lookupdec.model import cache
+
+    monkeypatch.setattr(cache, "new_buffer", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                     device=device))
+
+
+def test_batch_store_zeroes_the_holes_of_an_uninitialised_buffer(monkeypatch):
+    """The buffer is made uninitialised (NaN here): a joining row's slots up to the shared count
+    and the other rows' slots a longer row adds are zeroed, a row's own slots copied, and a
+    growth keeps the rows in use; no slot below the shared count of a row in use is NaN."""
+    nan_buffers(monkeypatch)
     layers, heads, dim = 2, 3, 4
     one = SlotStore(layers)
     for layer in range(layers):
-        one.write(layer, torch.randn(1, heads, 6, dim), torch.randn(1, heads, 6, dim))
-    store = BatchStore(layers, max_rows=5)
-    store.put_row(0, one, 6, room=10)
-    store.rows = 1
-    assert store.buffer.shape[2] == 1 and store.buffer.shape[4] >= 16
-    shapes = [1]
-    for row in range(1, 5):
-        store.put_row(row, one, 6 - row)
+        one.write(layer, torch.randn(1, heads, 9, dim), torch.randn(1, heads, 9, dim))
+    store = BatchStore(layers, max_rows=4)
+    for row, length in enumerate([6, 3, 8]):
+        store.put_row(row, one, length, room=2)
         store.rows = row + 1
-        shapes.append(store.buffer.shape[2])
-        for r in range(row + 1):  # every row's slots as put (a shorter row's holes zeros)
-            n = 6 - r
-            assert torch.equal(store.view(1, 1)[r, :, :n], one.view(1, 1)[0, :, :n])
-            assert torch.count_nonzero(store.view(1, 1)[r, :, n:]) == 0
-    assert shapes == [1, 2, 4, 4, 5]
-    with pytest.raises(ValueError, match="at most 5"):
-        store.put_row(5, one, 2)
+        shared = store.lengths[0]
+        for r, n in enumerate([6, 3, 8][: row + 1]):
+            for layer in range(layers):
+                for kind in (0, 1):
+                    got = store.view(layer, kind)[r]
+                    assert got.shape[1] == shared and not torch.isnan(got).any()
+                    assert torch.equal(got[:, :n], one.view(layer, kind)[0, :, :n])
+                    assert torch.count_nonzero(got[:, n:]) == 0
+    before = [store.view(layer, kind).clone() for layer in range(layers) for kind in (0, 1)]
+    store.reserve(store.buffer.shape[4] + 50, one.view(0, 0)[:, :, :1])  # a growth: the rows in use kept
+    assert [store.view(layer, kind) for layer in range(layers) for kind in (0, 1)] != []
+    assert all(torch.equal(a, store.view(layer, kind)) for a, (layer, kind) in
+               zip(before, [(layer, kind) for layer in range(layers) for kind in (0, 1)]))
 
 
 def test_a_joining_row_reserves_its_request_so_steps_never_grow_the_buffer(monkeypatch):
     """A sequence joining the batch reserves K/V slots for its new tokens and widest tree
-    (``BatchDecoder._room``): its steps never make a new buffer (a new one stalled every row,
-    and a client alone on a 16-row server paid 16 rows' pages for it); outputs stay transformers'."""
+    (``BatchDecoder._room``): its steps never make a new buffer (a new one stalled every row);
+    outputs stay transformers' (buffers made NaN: nothing uninitialised is read)."""
     from lookupdec.model import cache
 
     monkeypatch.setattr(cache, "INITIAL_SLOTS", 8)  # (else the first buffer holds this request anyway)
+    nan_buffers(monkeypatch)
     model = cached_tiny("llama")
     engine = Engine(model, FakeTokenizer())
     prompt = [5, 9, 2, 7, 1, 3, 8]
@@ -585,12 +595,34 @@ def test_a_joining_row_reserves_its_request_so_steps_never_grow_the_buffer(monke
     decoder.submit(BatchRequest(prompt, 40))
     decoder.step()
     buffer = decoder.target.store.buffer
-    assert buffer.shape[2] == 1 and buffer.shape[4] >= len(prompt) + 40 + engine.config.max_nodes + 1
+    assert buffer.shape[4] >= len(prompt) + 40 + engine.config.max_nodes + 1
     while not decoder.idle:
         decoder.step()
         assert decoder.target.store.buffer is buffer
     out = decoder.generation(decoder.done[0])
     assert out.token_ids == hf_greedy(model, prompt, 40)
+
+
+def test_rows_joining_and_leaving_never_read_an_uninitialised_slot(monkeypatch):
+    """Uninitialised buffers (NaN here) under rows of different lengths joining, leaving and
+    growing the buffer (small first buffers, a request longer than its reservation): every
+    output is still transformers' greedy, alone and joint prefill."""
+    from lookupdec import batch as batch_module
+    from lookupdec.model import cache
+
+    nan_buffers(monkeypatch)
+    monkeypatch.setattr(cache, "INITIAL_SLOTS", 4)
+    monkeypatch.setattr(batch_module, "RESERVE_NEW_TOKENS", 3)  # (answers outgrow their reservation)
+    model = cached_tiny("llama")
+    prompts = [[5, 9, 2, 7, 1, 3, 8, 8, 2], [4, 4], [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [6, 7, 6]]
+    want = [hf_greedy(model, p, 14) for p in prompts]
+    for joint in (False, True):
+        engine = Engine(model, FakeTokenizer())
+        decoder = BatchDecoder(engine, 3, joint_prefill=joint)
+        for p, n in zip(prompts, (14, 5, 14, 14)):
+            decoder.submit(BatchRequest(p, n))
+        outs = decoder.run()
+        assert [o.token_ids for o in outs] == [want[0], want[1][:5], want[2], want[3]]
 
 
 def test_batch_store_gathers_rows_at_once_as_row_by_row():
@@ -637,7 +669,7 @@ def test_slot_writes_equal_indexing_each_layer():
                     assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b), (step, layer)
                 assert fast.lengths == ref.lengths, (step, layer)
                 for i, n in enumerate(fast.lengths):  # (what no write reached is whatever torch.empty left)
-                    assert torch.equal(fast.buffer[i, :, :, :, :n], ref.buffer[i, :, :, :, :n]), (step, layer, i)
+                    assert torch.equal(fast.buffer[i, :, :rows, :, :n], ref.buffer[i, :, :rows, :, :n]), (step, layer, i)
             if upto < layers:  # as a failed forward's caller: every layer back to the shortest
                 keep = min(fast.lengths)
             else:  # as a commit: keep some of the step's slots

@@ -204,18 +204,21 @@ class SlotStore:
 
 
 class BatchStore(SlotStore):
-    """The K/V of up to ``max_rows`` sequences in one buffer ``[layers, 2, row capacity, kv heads,
+    """The K/V of up to ``max_rows`` sequences in one buffer ``[layers, 2, max_rows, kv heads,
     capacity, head dim]``, the batched step's cache (``model/batch.py``). The forward sees the
     first ``rows`` rows; every row shares the slot count ``lengths[layer]`` (the longest row's),
-    and a shorter row's slots beyond its own length are holes its mask hides. The buffer starts
-    zeroed and only ever holds K/V the model wrote, so a hole is never NaN (an additive mask
-    does not hide a NaN key).
+    and a shorter row's slots beyond its own length are holes its mask hides. A hole is never
+    NaN (an additive mask does not hide a NaN key): every slot below the shared count of a row
+    in use holds K/V the model wrote or zeros (``put_row`` zeroes the holes a row's joining
+    makes).
 
-    The buffer holds the rows in use, not ``max_rows`` (``reserve``: the row capacity doubles up
-    to ``max_rows`` as rows join): a new buffer is zeroed and the old one copied, and on a CPU
-    that costs its pages' first touch, so a client alone on ``serve --max-batch 16`` paid for 16
-    rows each time its context outgrew the buffer (SmolLM2, a 1002-token prompt: 1.55 s once,
-    against 0.15 s for one row), and a batch of 8 for twice its rows."""
+    The buffer is made uninitialised (``new_buffer``) and a new one takes only the rows in use
+    from the old: on a CPU memory is paid at its pages' first touch, so rows no sequence has
+    used cost nothing, and a buffer grown for a client alone copies one row. Zeroing every row
+    of a new buffer, as before, cost a client alone on ``serve --max-batch 16`` 1.55 s when its
+    1002-token code edit outgrew the buffer (SmolLM2, two threads), and a batch of 8 about 1.5 s
+    per growth. A joining row reserves room for its request (``put_row(room=)``), so growths
+    come as rows join, not in the middle of a batch's steps."""
 
     def copy_prefix(self, length: int) -> torch.Tensor:
         raise NotImplementedError("a batch's rows are copied by put_row/move_row, not as one prompt's K/V")
@@ -249,43 +252,36 @@ class BatchStore(SlotStore):
             return None
         return self.buffer[layer, kind, : self.rows, :, : self.lengths[layer]]
 
-    def reserve(self, slots: int, like: torch.Tensor, rows: int = 0) -> None:
-        """Room for ``slots`` slots in K/V shaped like ``like`` [rows, heads, new, head dim], in
-        at least ``rows`` rows (and ``like``'s and those in use): a new buffer where the old one
-        is too short (slots: ``GROWTH`` times what is needed) or has too few rows (twice its rows,
-        at most ``max_rows``), the old one's slots copied into it."""
+    def reserve(self, slots: int, like: torch.Tensor) -> None:
+        """Room for ``slots`` slots in K/V shaped like ``like`` [rows, heads, new, head dim]: where
+        the buffer is shorter, a new one of ``GROWTH`` times what is needed (or the old one's
+        capacity), the rows in use (or ``like``'s, a forward's) copied into it."""
         old = self.buffer
-        rows = max(rows, like.shape[0], self.rows)
-        if rows > self.max_rows:
-            raise ValueError(f"BatchStore: {rows} rows asked of a store of at most {self.max_rows}")
-        if old is not None and slots <= old.shape[4] and rows <= old.shape[2]:
+        if old is not None and slots <= old.shape[4]:
             return
         _, heads, _, head_dim = like.shape
-        if old is not None and slots <= old.shape[4]:
-            capacity = old.shape[4]
-        else:
-            capacity = max(INITIAL_SLOTS, int(slots * GROWTH), int(old.shape[4] * GROWTH) if old is not None else 0)
-        if old is None:
-            row_capacity = rows
-        elif rows <= old.shape[2]:
-            row_capacity = old.shape[2]
-        else:
-            row_capacity = min(self.max_rows, max(rows, 2 * old.shape[2]))
-        self.buffer = torch.zeros((self.num_layers, 2, row_capacity, heads, capacity, head_dim), dtype=like.dtype,
-                                  device=like.device)
+        capacity = max(INITIAL_SLOTS, int(slots * GROWTH), int(old.shape[4] * GROWTH) if old is not None else 0)
+        self.buffer = new_buffer((self.num_layers, 2, self.max_rows, heads, capacity, head_dim), like.dtype, like.device)
+        rows = max(self.rows, like.shape[0])  # (a forward's rows: those in use)
         if old is not None:
             kept = max(self.lengths)
-            self.buffer[:, :, : old.shape[2], :, :kept] = old[..., :kept, :]
+            self.buffer[:, :, :rows, :, :kept] = old[:, :, :rows, :, :kept]
 
     def put_row(self, row: int, source: SlotStore, length: int, source_row: int = 0, room: int = 0) -> None:
         """Copy the first ``length`` slots of ``source``'s row ``source_row`` (a one-sequence
         store's only row, or a row of another batch store) into ``row``; the shared slot count
-        grows to ``length`` if it was shorter. ``room``: slots beyond ``length`` the row will
-        take (its request's tokens and trees), reserved now: a buffer grown in the middle of a
-        batch's step stalls every row."""
+        grows to ``length`` if it was shorter, the holes that makes (the other rows' new slots,
+        or this row's slots up to the shared count) zeroed. ``room``: slots beyond ``length``
+        the row will take (its request's tokens and trees), reserved now: a buffer grown in the
+        middle of a batch's step stalls every row."""
         keys = source.buffer[0, 0, source_row : source_row + 1, :, :length]
-        self.reserve(length + room, keys, rows=row + 1)
+        self.reserve(length + room, keys)
+        shared = max(self.lengths)
+        if length > shared and self.rows:
+            self.buffer[:, :, : self.rows, :, shared:length] = 0
         self.buffer[:, :, row, :, :length] = source.buffer[:, :, source_row, :, :length]
+        if shared > length:
+            self.buffer[:, :, row, :, length:shared] = 0
         self.lengths = [max(n, length) for n in self.lengths]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -332,6 +328,12 @@ class BatchStore(SlotStore):
         buf = self.buffer[:, :, row]  # [layers, 2, heads, capacity, head dim]
         src = torch.from_numpy(np.array(slots, dtype=np.int64)).to(buf.device)
         buf[:, :, :, start:start + len(slots)] = buf.index_select(3, src)
+
+
+def new_buffer(shape: tuple, dtype, device) -> torch.Tensor:
+    """A ``BatchStore`` buffer, uninitialised (its pages are paid for as slots are written;
+    ``BatchStore`` zeroes the holes it makes). Tests fill it with NaN to show none is read."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _holds(buffer: torch.Tensor | None, keys: torch.Tensor, end: int) -> bool:
