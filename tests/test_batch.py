@@ -553,7 +553,7 @@ def nan_buffers(monkeypatch):
 
 
 def test_batch_store_zeroes_the_holes_of_an_uninitialised_buffer(monkeypatch):
-    """The buffer is made uninitialised (NaN here): a joining row's slots up to the shared count
+    """Whatever a new buffer holds (NaN here): a joining row's slots up to the shared count
     and the other rows' slots a longer row adds are zeroed, a row's own slots copied, and a
     growth keeps the rows in use; no slot below the shared count of a row in use is NaN."""
     nan_buffers(monkeypatch)
