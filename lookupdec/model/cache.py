@@ -212,14 +212,15 @@ class BatchStore(SlotStore):
     in use holds K/V the model wrote or zeros (``put_row`` zeroes the holes a row's joining
     makes).
 
-    A new buffer (``new_buffer``: zeroed) takes only the rows in use from the old one, and
-    ``put_row`` zeroes the holes a joining row makes, so the invariant holds whatever a new
-    buffer holds (the tests make them NaN). Copying every row of the old buffer, as before, cost
-    a client alone on ``serve --max-batch 16`` 1.55 s when its 1002-token code edit outgrew the
-    buffer (SmolLM2, two threads). A joining row reserves room for its request
-    (``put_row(room=)``), so growths come as rows join, not in the middle of a batch's steps.
-    (An uninitialised buffer, pages paid as slots are written, made 8 clients of that server
-    slower on this VM: 79.5 and 80.3 against 84.7 tokens/s, single runs.)"""
+    A new buffer (``new_buffer``) is uninitialised: on a CPU memory is paid at its pages' first
+    touch, and on this VM that touch is dear (a zeroed 16-row buffer for a client alone on
+    ``serve --max-batch 16`` cost 1.55 s when its 1002-token code edit outgrew it, SmolLM2, two
+    threads), but touches inside the forwards cost more still (8 clients: 79.5 and 80.3 tokens/s
+    against 84.7 zeroed). So the slots a row will use are zeroed in bulk where it joins or the
+    buffer grows, for the rows in use only: ``put_row`` zeroes the joining row's slots past its
+    prompt up to what its request reserved (``room``) or the shared count, and the other rows'
+    slots a longer row adds; a growth copies the rows in use and zeroes the rest of their
+    reservation. Rows no sequence has used cost nothing."""
 
     def copy_prefix(self, length: int) -> torch.Tensor:
         raise NotImplementedError("a batch's rows are copied by put_row/move_row, not as one prompt's K/V")
@@ -256,7 +257,8 @@ class BatchStore(SlotStore):
     def reserve(self, slots: int, like: torch.Tensor) -> None:
         """Room for ``slots`` slots in K/V shaped like ``like`` [rows, heads, new, head dim]: where
         the buffer is shorter, a new one of ``GROWTH`` times what is needed (or the old one's
-        capacity), the rows in use (or ``like``'s, a forward's) copied into it."""
+        capacity), the rows in use (or ``like``'s, a forward's) copied into it and the rest of
+        their ``slots`` zeroed."""
         old = self.buffer
         if old is not None and slots <= old.shape[4]:
             return
@@ -264,25 +266,28 @@ class BatchStore(SlotStore):
         capacity = max(INITIAL_SLOTS, int(slots * GROWTH), int(old.shape[4] * GROWTH) if old is not None else 0)
         self.buffer = new_buffer((self.num_layers, 2, self.max_rows, heads, capacity, head_dim), like.dtype, like.device)
         rows = max(self.rows, like.shape[0])  # (a forward's rows: those in use)
-        if old is not None:
-            kept = max(self.lengths)
+        kept = max(self.lengths) if old is not None else 0
+        if kept and rows:
             self.buffer[:, :, :rows, :, :kept] = old[:, :, :rows, :, :kept]
+        if rows and slots > kept:
+            self.buffer[:, :, :rows, :, kept:slots] = 0
 
     def put_row(self, row: int, source: SlotStore, length: int, source_row: int = 0, room: int = 0) -> None:
         """Copy the first ``length`` slots of ``source``'s row ``source_row`` (a one-sequence
         store's only row, or a row of another batch store) into ``row``; the shared slot count
-        grows to ``length`` if it was shorter, the holes that makes (the other rows' new slots,
-        or this row's slots up to the shared count) zeroed. ``room``: slots beyond ``length``
-        the row will take (its request's tokens and trees), reserved now: a buffer grown in the
-        middle of a batch's step stalls every row."""
+        grows to ``length`` if it was shorter. ``room``: slots beyond ``length`` the row will
+        take (its request's tokens and trees), reserved now (a buffer grown in the middle of a
+        batch's step stalls every row) and zeroed with the row's slots up to the shared count;
+        the other rows' slots a longer row adds are zeroed too (holes, never NaN)."""
         keys = source.buffer[0, 0, source_row : source_row + 1, :, :length]
         self.reserve(length + room, keys)
         shared = max(self.lengths)
         if length > shared and self.rows:
             self.buffer[:, :, : self.rows, :, shared:length] = 0
         self.buffer[:, :, row, :, :length] = source.buffer[:, :, source_row, :, :length]
-        if shared > length:
-            self.buffer[:, :, row, :, length:shared] = 0
+        end = min(self.buffer.shape[4], max(shared, length + room))
+        if end > length:
+            self.buffer[:, :, row, :, length:end] = 0
         self.lengths = [max(n, length) for n in self.lengths]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -332,9 +337,9 @@ class BatchStore(SlotStore):
 
 
 def new_buffer(shape: tuple, dtype, device) -> torch.Tensor:
-    """A new ``BatchStore`` buffer (zeroed). ``BatchStore`` relies on nothing it holds: it
-    copies the rows in use and zeroes the holes it makes; tests fill it with NaN to show so."""
-    return torch.zeros(shape, dtype=dtype, device=device)
+    """A new ``BatchStore`` buffer, uninitialised (``BatchStore`` zeroes what its rows will use;
+    tests fill it with NaN to show nothing else is read)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _holds(buffer: torch.Tensor | None, keys: torch.Tensor, end: int) -> bool:
