@@ -548,8 +548,8 @@ def nan_buffers(monkeypatch):
     """Every new ``BatchStore`` buffer filled with NaN: what an uninitialised one may hold."""
     from lookupdec.model import cache
 
-    monkeypatch.setattr(cache, "new_buffer", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                                     device=device))
+    monkeypatch.setattr(cache, "new_buffer", lambda shape, dtype, device, zeroed=False: torch.full(
+        shape, float("nan"), dtype=dtype, device=device))
 
 
 def test_batch_store_zeroes_the_holes_of_an_uninitialised_buffer(monkeypatch):
