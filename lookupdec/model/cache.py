@@ -212,15 +212,14 @@ class BatchStore(SlotStore):
     in use holds K/V the model wrote or zeros (``put_row`` zeroes the holes a row's joining
     makes).
 
-    A new buffer (``new_buffer``) is uninitialised: on a CPU memory is paid at its pages' first
-    touch, and on this VM that touch is dear (a zeroed 16-row buffer for a client alone on
-    ``serve --max-batch 16`` cost 1.55 s when its 1002-token code edit outgrew it, SmolLM2, two
-    threads), but touches inside the forwards cost more still (8 clients: 79.5 and 80.3 tokens/s
-    against 84.7 zeroed). So the slots a row will use are zeroed in bulk where it joins or the
-    buffer grows, for the rows in use only: ``put_row`` zeroes the joining row's slots past its
-    prompt up to what its request reserved (``room``) or the shared count, and the other rows'
-    slots a longer row adds; a growth copies the rows in use and zeroes the rest of their
-    reservation. Rows no sequence has used cost nothing."""
+    On a CPU memory is paid at its pages' first touch, and on this VM that touch is dear: a
+    zeroed 16-row buffer for a client alone on ``serve --max-batch 16`` cost 1.55 s when its
+    1002-token code edit outgrew it (SmolLM2, two threads). So a buffer made for one row is
+    uninitialised (``new_buffer``) and only that row's slots are zeroed; where a second row
+    comes, it is remade zeroed whole (8 clients ran no faster on uninitialised buffers). Either
+    way ``put_row`` zeroes the joining row's slots past its prompt up to what its request
+    reserved (``room``) or the shared count, and the other rows' slots a longer row adds; a
+    growth copies the rows in use and zeroes the rest of their reservation."""
 
     def copy_prefix(self, length: int) -> torch.Tensor:
         raise NotImplementedError("a batch's rows are copied by put_row/move_row, not as one prompt's K/V")
