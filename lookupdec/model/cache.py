@@ -270,14 +270,15 @@ class BatchStore(SlotStore):
         else:
             capacity = max(INITIAL_SLOTS, int(slots * GROWTH), int(old.shape[4] * GROWTH) if old is not None else 0)
         shape = (self.num_layers, 2, self.max_rows, heads, capacity, head_dim)
-        # a buffer for one row leaves the others untouched; one for a batch is zeroed whole, which
-        # served 8 clients faster on this VM (84.7-90.0 tokens/s against 77.0-80.3, single runs)
+        # a buffer for one row leaves the others untouched; one for a batch is zeroed whole (8
+        # clients on this VM: zeroed 84.7, uninitialised 77.0-80.3, this 75.9-76.9 tokens/s in
+        # single runs that spread about 10%: which is faster is not settled)
         self._whole = rows > 1
         self.buffer = new_buffer(shape, like.dtype, like.device, zeroed=self._whole)
         kept = max(self.lengths) if old is not None else 0
         if kept and rows:
             self.buffer[:, :, :rows, :, :kept] = old[:, :, :rows, :, :kept]
-        if rows and slots > kept:
+        if rows and slots > kept and not self._whole:
             self.buffer[:, :, :rows, :, kept:slots] = 0
 
     def put_row(self, row: int, source: SlotStore, length: int, source_row: int = 0, room: int = 0) -> None:
