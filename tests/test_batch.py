@@ -548,7 +548,7 @@ def nan_buffers(monkeypatch):
     """Every new ``BatchStore`` buffer filled with NaN: what an uninitialised one may hold."""
     from lookupdec.model import cache
 
-    monkeypatch.setattr(cache, "new_buffer", lambda shape, dtype, device, zeroed=False: torch.full(
+    monkeypatch.setattr(cache, "new_buffer", lambda shape, dtype, device: torch.full(
         shape, float("nan"), dtype=dtype, device=device))
 
 

@@ -214,12 +214,10 @@ class BatchStore(SlotStore):
 
     On a CPU memory is paid at its pages' first touch, and on this VM that touch is dear: a
     zeroed 16-row buffer for a client alone on ``serve --max-batch 16`` cost 1.55 s when its
-    1002-token code edit outgrew it (SmolLM2, two threads). So a buffer made for one row is
-    uninitialised (``new_buffer``) and only that row's slots are zeroed; where a second row
-    comes, it is remade zeroed whole (8 clients ran no faster on uninitialised buffers). Either
-    way ``put_row`` zeroes the joining row's slots past its prompt up to what its request
-    reserved (``room``) or the shared count, and the other rows' slots a longer row adds; a
-    growth copies the rows in use and zeroes the rest of their reservation."""
+    1002-token code edit outgrew it (SmolLM2, two threads). So a new buffer is uninitialised
+    (``new_buffer``; rows no sequence uses cost nothing), a growth copies the rows in use only,
+    and ``put_row`` zeroes the holes a joining row makes. A joining row reserves room for its
+    request (``put_row(room=)``), so growths come as rows join, not in the middle of a step."""
 
     def copy_prefix(self, length: int) -> torch.Tensor:
         raise NotImplementedError("a batch's rows are copied by put_row/move_row, not as one prompt's K/V")
@@ -231,7 +229,6 @@ class BatchStore(SlotStore):
         super().__init__(num_layers)
         self.max_rows = max_rows
         self.rows = 0
-        self._whole = False  # the buffer was made zeroed for every row (``reserve``)
 
     def write_reference(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``write`` (``SlotStore``'s, on the first ``keys.shape[0]`` rows) by indexing the
@@ -254,49 +251,38 @@ class BatchStore(SlotStore):
             return None
         return self.buffer[layer, kind, : self.rows, :, : self.lengths[layer]]
 
-    def reserve(self, slots: int, like: torch.Tensor, need_rows: int = 0) -> None:
-        """Room for ``slots`` slots in K/V shaped like ``like`` [rows, heads, new, head dim] for
-        ``need_rows`` rows: where the buffer is shorter, a new one of ``GROWTH`` times what is
-        needed (or the old one's capacity), and where a second row comes to a buffer made for
-        one, a new one zeroed whole; the rows in use (or ``like``'s, a forward's) copied into
-        it and the rest of their ``slots`` zeroed."""
+    def reserve(self, slots: int, like: torch.Tensor) -> None:
+        """Room for ``slots`` slots in K/V shaped like ``like`` [rows, heads, new, head dim]: where
+        the buffer is shorter, a new one of ``GROWTH`` times what is needed, the rows in use (or
+        ``like``'s, a forward's) copied into it."""
         old = self.buffer
-        rows = max(self.rows, like.shape[0], min(need_rows, self.max_rows))  # (a forward's rows: those in use)
-        if old is not None and slots <= old.shape[4] and (rows <= 1 or self._whole):
+        if old is not None and slots <= old.shape[4]:
             return
         _, heads, _, head_dim = like.shape
-        if old is not None and slots <= old.shape[4]:
-            capacity = old.shape[4]
-        else:
-            capacity = max(INITIAL_SLOTS, int(slots * GROWTH), int(old.shape[4] * GROWTH) if old is not None else 0)
-        shape = (self.num_layers, 2, self.max_rows, heads, capacity, head_dim)
-        # a buffer for one row leaves the others untouched; one for a batch is zeroed whole (8
-        # clients on this VM: zeroed 84.7, uninitialised 77.0-80.3, this 75.9-76.9 tokens/s in
-        # single runs that spread about 10%: which is faster is not settled)
-        self._whole = rows > 1
-        self.buffer = new_buffer(shape, like.dtype, like.device, zeroed=self._whole)
+        capacity = max(INITIAL_SLOTS, int(slots * GROWTH), int(old.shape[4] * GROWTH) if old is not None else 0)
+        # (whether a buffer zeroed whole serves 8 clients faster on this VM is not settled: zeroed
+        # 84.7, uninitialised 77.0-80.3 tokens/s, single runs that spread about 10%)
+        self.buffer = new_buffer((self.num_layers, 2, self.max_rows, heads, capacity, head_dim), like.dtype, like.device)
+        rows = max(self.rows, like.shape[0])
         kept = max(self.lengths) if old is not None else 0
         if kept and rows:
             self.buffer[:, :, :rows, :, :kept] = old[:, :, :rows, :, :kept]
-        if rows and slots > kept and not self._whole:
-            self.buffer[:, :, :rows, :, kept:slots] = 0
 
     def put_row(self, row: int, source: SlotStore, length: int, source_row: int = 0, room: int = 0) -> None:
         """Copy the first ``length`` slots of ``source``'s row ``source_row`` (a one-sequence
         store's only row, or a row of another batch store) into ``row``; the shared slot count
-        grows to ``length`` if it was shorter. ``room``: slots beyond ``length`` the row will
-        take (its request's tokens and trees), reserved now (a buffer grown in the middle of a
-        batch's step stalls every row) and zeroed with the row's slots up to the shared count;
-        the other rows' slots a longer row adds are zeroed too (holes, never NaN)."""
+        grows to ``length`` if it was shorter. The holes that makes are zeroed (never NaN): the
+        row's slots up to the shared count, or the other rows' slots up to ``length``. ``room``:
+        slots beyond ``length`` the row will take (its request's tokens and trees), reserved now:
+        a buffer grown in the middle of a batch's step stalls every row."""
         keys = source.buffer[0, 0, source_row : source_row + 1, :, :length]
-        self.reserve(length + room, keys, need_rows=row + 1)
+        self.reserve(length + room, keys)
         shared = max(self.lengths)
         if length > shared and self.rows:
             self.buffer[:, :, : self.rows, :, shared:length] = 0
         self.buffer[:, :, row, :, :length] = source.buffer[:, :, source_row, :, :length]
-        end = min(self.buffer.shape[4], max(shared, length + room))
-        if end > length:
-            self.buffer[:, :, row, :, length:end] = 0
+        if shared > length:
+            self.buffer[:, :, row, :, length:shared] = 0
         self.lengths = [max(n, length) for n in self.lengths]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -345,10 +331,10 @@ class BatchStore(SlotStore):
         buf[:, :, :, start:start + len(slots)] = buf.index_select(3, src)
 
 
-def new_buffer(shape: tuple, dtype, device, zeroed: bool = False) -> torch.Tensor:
-    """A new ``BatchStore`` buffer, uninitialised unless ``zeroed`` (``BatchStore`` zeroes what
-    its rows will use either way; tests fill it with NaN to show nothing else is read)."""
-    return torch.zeros(shape, dtype=dtype, device=device) if zeroed else torch.empty(shape, dtype=dtype, device=device)
+def new_buffer(shape: tuple, dtype, device) -> torch.Tensor:
+    """A new ``BatchStore`` buffer, uninitialised (``BatchStore`` zeroes the holes it makes;
+    tests fill it with NaN to show nothing else is read)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _holds(buffer: torch.Tensor | None, keys: torch.Tensor, end: int) -> bool:
