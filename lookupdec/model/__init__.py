@@ -4,7 +4,9 @@
 - ``target.py``: ``TargetModel``, the tree forward, KV commit and the 4D masks (``tree_inputs``:
   ids, positions and mask of a tree without a model);
 - ``cache.py``: every detail of the KV cache's layout (``new_cache``, ``crop_cache``,
-  ``gather_cache``, ``commit_accepted``) and ``DraftLM``, the draft model's incremental forward.
+  ``gather_cache``, ``commit_accepted``) and ``DraftLM``, the draft model's incremental forward;
+- ``threads.py``: ``release_openmp_threads``, handing torch's CPU threads from the thread that
+  loaded a model to the thread that runs it (a server's engine thread, a Ray worker's loop).
 
 Cache layout during a step: slots ``[0, n_cached)`` hold the committed prefix; the verify
 forward appends the tree's ``1 + n`` nodes at slots ``n_cached + i`` (node index ``i``), with
@@ -22,10 +24,11 @@ with the ordinary causal mask (detected by a probe at start-up, logged once).
 from lookupdec.model.cache import DraftLM, commit_accepted, crop_cache, gather_cache, new_cache
 from lookupdec.model.load import (ModelLoadError, SentencePieceTokenizer, _convert_gguf, default_device, load,
                                   load_tokenizer, resolve_dtype, tokenizer_info)
+from lookupdec.model.threads import release_openmp_threads
 from lookupdec.model.target import (PROBE_REL_TOL, TargetModel, _max_context, _sliding_windows, tree_inputs,
                                     tree_inputs_reference)
 from lookupdec.tokens import vocab_fingerprint
 
 __all__ = ["DraftLM", "ModelLoadError", "PROBE_REL_TOL", "SentencePieceTokenizer", "TargetModel", "commit_accepted",
-           "crop_cache", "default_device", "gather_cache", "load", "load_tokenizer", "new_cache", "resolve_dtype",
+           "crop_cache", "default_device", "gather_cache", "load", "load_tokenizer", "new_cache", "release_openmp_threads", "resolve_dtype",
            "tokenizer_info", "tree_inputs", "tree_inputs_reference", "vocab_fingerprint"]

@@ -135,11 +135,13 @@ class RewriteWorker:
     def __init__(self, spec: EngineSpec, prompts, options, threads: int) -> None:
         import torch
 
+        from lookupdec.model import release_openmp_threads
         from lookupdec.pipelines.rewrite import resolve_batch_size
 
         torch.set_num_threads(max(1, threads))
         self.engine = spec.load()
         self.batch = resolve_batch_size(self.engine, options.batch_size)
+        release_openmp_threads()  # the loop's thread runs the model, not this one (``model/threads.py``)
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.failure: BaseException | None = None
