@@ -20,7 +20,9 @@ its engine thread: prompt building and generation, from the response's `lookupde
 this one excludes decoding, and with it its noise. Time to first token = from sending the
 request to the first non-empty text chunk (library: to the first text piece).
 
-Greedy, float32, one torch thread on both sides, `--budget fixed` by default (an `auto` budget
+Greedy, float32, `--threads` torch threads on both sides (1 by default; at 2 the server's
+engine thread once ran 1.3x slower than the library's main thread, ``lookupdec/model/threads.py``),
+`--budget fixed` by default (an `auto` budget
 is chosen from measured per-step overhead, so two engines could pick different trees: then
 the verify cost curve is measured once here and read by the server from the same cache file).
 """
@@ -181,6 +183,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the library and the server (1)")
     ap.add_argument("--budget", default="fixed", choices=("fixed", "auto"), help="EngineConfig.budget (fixed)")
     ap.add_argument("--out", default=str(RESULTS_DIR / "server.json"))
     args = ap.parse_args()
@@ -191,7 +194,9 @@ def main() -> int:
 
     from lookupdec import Engine, EngineConfig
 
-    torch.set_num_threads(1)
+    if args.threads < 1:
+        ap.error(f"--threads {args.threads}: must be >= 1")
+    torch.set_num_threads(args.threads)
     meta = run_metadata(threads_set_by_benchmark=True)
     cost_cache = os.path.join(tempfile.mkdtemp(prefix="lookupdec-bench-"), "cost.json")
     os.environ["LOOKUPDEC_COST_CACHE"] = cost_cache
@@ -203,7 +208,7 @@ def main() -> int:
             warm.generate(prompt, max_new_tokens=args.max_tokens)
         del warm
     engine = Engine.from_pretrained(args.model, device="cpu", dtype="float32", config=config)
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO_ROOT)}
     proc, base, log_path = start_server(args.model, env, ["--fixed-budget"] if args.budget == "fixed" else [])
     model_name = os.path.basename(os.path.normpath(args.model))
     pairs = []
