@@ -15,9 +15,12 @@ the server and batch benchmarks (why batching gives rewrites about 2x, not more)
   (``BatchTarget.add``/``add_many``), verify forwards (``BatchTarget.verify``) and the rest
   (of it: drafting and merging, acceptance, KV commit, observe and learn), with the verified
   slots (nodes and padding) against the tokens produced; ``--cprofile PATH`` writes its
-  Python profile.
+  Python profile. ``--clients N``: the prompts arrive as ``server_batch_bench.py``'s N clients
+  send them (each its next prompt as its last one ends), and they also run one at a time on a
+  fresh engine: the batching server's ratio in one process, without HTTP or a server's threads.
 
     python bench/batch_profile.py --threads 2      # ~2 minutes, writes bench/results/batch_profile_2t.json
+    python bench/batch_profile.py --threads 2 --shapes 1x1 --repeats 1 --batch 16 --clients 8 --out PATH
 """
 from __future__ import annotations
 
@@ -122,7 +125,7 @@ def forwards(engine, shapes, context: int, repeats: int) -> list[dict]:
     return out
 
 
-def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = None) -> dict:
+def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = None, clients: int = 0) -> dict:
     from lookupdec.batch import BatchDecoder, BatchRequest
 
     decoder = BatchDecoder(engine, batch)
@@ -159,8 +162,17 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
     core = engine.step_core
     plan, finish = core.plan, core.finish
     core.plan, core.finish = timed("plan", plan), timed("finish", finish)
-    for p in prompts:
-        decoder.submit(BatchRequest(p, max_tokens))
+    shares = [list(prompts[i::clients]) for i in range(clients)] if clients else [list(prompts)]
+    owner: dict[int, int] = {}
+
+    def send(client: int) -> None:  # the client's next prompt (with --clients: as its last one ends)
+        if shares[client]:
+            owner[decoder.submit(BatchRequest(shares[client].pop(0), max_tokens))] = client
+
+    for client in range(len(shares)):
+        send(client)
+        while not clients and shares[client]:
+            send(client)
     start = time.perf_counter()
     profiler = None
     if cprofile is not None:
@@ -169,7 +181,12 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
         profiler = cProfile.Profile()
         profiler.enable()
     try:
-        generations = decoder.run()
+        generations = []
+        while not decoder.idle:
+            for seq in decoder.step():
+                generations.append(decoder.generation(seq))
+                if clients:
+                    send(owner[seq.index])
     finally:
         core.plan, core.finish = plan, finish
         if profiler is not None:
@@ -184,7 +201,7 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
             Path(cprofile).write_text(text.getvalue())
     total = time.perf_counter() - start
     tokens = sum(len(g.token_ids) for g in generations)
-    return {"requests": len(prompts), "batch": batch, "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
+    return {"requests": len(prompts), "batch": batch, "clients": clients, "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
             "tokens": tokens, "seconds": total, "tokens_per_s": tokens / total, "prefill_s": spent["prefill"],
             "verify_s": spent["verify"], "other_s": total - spent["prefill"] - spent["verify"],
             # of other: drafting and merging (twice for a row drafted again), acceptance, KV commit,
@@ -194,6 +211,18 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
             "steps": len(decoder.widths), "mean_width": statistics.mean(decoder.widths),
             "verified_slots": slots["padded"], "node_slots": slots["nodes"],
             "padding_share": 1 - slots["nodes"] / slots["padded"]}
+
+
+def one_at_a_time(engine, prompts, max_tokens: int) -> dict:
+    """The split's prompts through ``Engine.generate`` one after another (a fresh engine: the
+    suffix cache would answer prompts it has seen), prefill timed apart."""
+    start, tokens, prefill = time.perf_counter(), 0, 0.0
+    for p in prompts:
+        g = engine.generate(p, max_new_tokens=max_tokens)
+        tokens += len(g.token_ids)
+        prefill += g.stats.prefill_ms / 1e3
+    total = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": total, "tokens_per_s": tokens / total, "prefill_s": prefill}
 
 
 def main(argv=None) -> int:
@@ -208,6 +237,10 @@ def main(argv=None) -> int:
     p.add_argument("--offset", type=int, default=17,
                    help="skip this many rewrite prompts first (17: server_batch_bench's 8-client set)")
     p.add_argument("--batch", type=int, default=8, help="rows of the split's batch (8)")
+    p.add_argument("--clients", type=int, default=0, metavar="N",
+                   help="the split's prompts come from N clients, each sending its next prompt as its last "
+                   "one ends (server_batch_bench's arrival in one process, without HTTP), and are also run "
+                   "one at a time on a fresh engine for the ratio (0: all submitted at once, no such run)")
     p.add_argument("--max-tokens", type=int, default=192, help="new tokens per prompt in the split (192)")
     p.add_argument("--out", type=Path, default=None, help="result JSON (default: bench/results/batch_profile_<T>t.json)")
     p.add_argument("--cprofile", type=Path, default=None, metavar="PATH",
@@ -216,6 +249,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.prompts < 0:
         p.error(f"--prompts {args.prompts}: must be >= 0")
+    if args.clients < 0:
+        p.error(f"--clients {args.clients}: must be >= 0")
     out = args.out or RESULTS_DIR / f"batch_profile_{args.threads}t.json"
     meta = run_metadata(threads_set_by_benchmark=True)
     torch.set_num_threads(args.threads)
@@ -235,7 +270,7 @@ def main(argv=None) -> int:
                               ("kv_gb_per_s", "K/V GB/s", ".1f")]))
     summary = None  # --prompts 0: the forwards only
     if args.prompts:
-        summary = split(engine, pool[args.offset : needed], args.batch, args.max_tokens, args.cprofile)
+        summary = split(engine, pool[args.offset : needed], args.batch, args.max_tokens, args.cprofile, args.clients)
         print(f"\nsplit: {summary['requests']} rewrite prompts ({summary['mean_prompt_tokens']:.0f} tokens on average), "
               f"B = {summary['batch']}: {summary['tokens']} tokens in {summary['seconds']:.1f} s "
               f"({summary['tokens_per_s']:.1f} tokens/s): prefill {summary['prefill_s']:.1f} s, verify "
@@ -243,6 +278,14 @@ def main(argv=None) -> int:
               f"{summary['accept_s']:.3f}, commit {summary['commit_s']:.3f}, finish {summary['finish_s']:.3f}); "
               f"{summary['steps']} steps, mean width "
               f"{summary['mean_width']:.2f}, padding {100 * summary['padding_share']:.1f}% of verified slots")
+        if args.clients:
+            del engine  # (a fresh engine: this one's suffix cache has seen every answer)
+            fresh = Engine.from_pretrained(args.model, device=args.device, dtype="float32")
+            fresh.generate(pool[0][:64], max_new_tokens=8)
+            summary["one_at_a_time"] = alone = one_at_a_time(fresh, pool[args.offset : needed], args.max_tokens)
+            summary["vs_one_at_a_time"] = summary["tokens_per_s"] / alone["tokens_per_s"]
+            print(f"one at a time: {alone['tokens_per_s']:.1f} tokens/s (prefill {alone['prefill_s']:.1f} s of "
+                  f"{alone['seconds']:.1f} s); {args.clients} clients batched: {summary['vs_one_at_a_time']:.2f}x")
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     write_result(out, "batch_profile", config, {"forwards": rows, "split": summary}, meta=meta,
                  threads_set_by_benchmark=True)
