@@ -38,7 +38,7 @@ def _pause_function():
         for path in paths + [None]:  # (None: the symbols already loaded in the process)
             try:
                 function = getattr(ctypes.CDLL(path), "omp_pause_resource_all")
-            except (OSError, AttributeError):
+            except (OSError, AttributeError, TypeError):  # (TypeError: no process handle on Windows)
                 continue
             function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
             _pause = function
