@@ -162,17 +162,20 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
     core = engine.step_core
     plan, finish = core.plan, core.finish
     core.plan, core.finish = timed("plan", plan), timed("finish", finish)
-    shares = [list(prompts[i::clients]) for i in range(clients)] if clients else [list(prompts)]
+    # with clients: client i sends prompts i, i + clients, ..., each as its last one ends
+    shares = [list(prompts[i::clients]) for i in range(clients)]
     owner: dict[int, int] = {}
 
-    def send(client: int) -> None:  # the client's next prompt (with --clients: as its last one ends)
+    def send(client: int) -> None:
         if shares[client]:
             owner[decoder.submit(BatchRequest(shares[client].pop(0), max_tokens))] = client
 
-    for client in range(len(shares)):
-        send(client)
-        while not clients and shares[client]:
+    if clients:
+        for client in range(clients):
             send(client)
+    else:
+        for p in prompts:
+            decoder.submit(BatchRequest(p, max_tokens))
     start = time.perf_counter()
     profiler = None
     if cprofile is not None:

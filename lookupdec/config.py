@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 DEFAULT_MAX_MATCH = 64
 
 # ``lookupdec serve``'s requests per verify forward (``--max-batch``): on SmolLM2 (2-core CPU),
-# 8 concurrent clients got 1.74x (1 thread) and 1.85x (2 threads) the tokens/s of the server
-# taking them one at a time on log and code rewrites, 2.93x on chat questions, and a client
-# alone the same latency (bench/results/server_batch_*.json). The batch's K/V buffer holds this
+# 8 concurrent clients got 1.38x (1 thread) and 1.44x (2 threads) the tokens/s of the server
+# taking them one at a time on log and code rewrites, and a client alone the same latency
+# (bench/results/server_batch_{1t_426b7d2,2t_395361e}.json). The batch's K/V buffer holds this
 # many rows of the longest context, paid for as the rows in use write them (model/cache.py, BatchStore).
 SERVE_MAX_BATCH = 8
 # most sequences per verify forward for ``rewrite --batch-size`` and ``serve --max-batch`` (a

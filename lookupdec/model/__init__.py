@@ -30,5 +30,6 @@ from lookupdec.model.target import (PROBE_REL_TOL, TargetModel, _max_context, _s
 from lookupdec.tokens import vocab_fingerprint
 
 __all__ = ["DraftLM", "ModelLoadError", "PROBE_REL_TOL", "SentencePieceTokenizer", "TargetModel", "commit_accepted",
-           "crop_cache", "default_device", "gather_cache", "load", "load_tokenizer", "new_cache", "release_openmp_threads", "resolve_dtype",
-           "tokenizer_info", "tree_inputs", "tree_inputs_reference", "vocab_fingerprint"]
+           "crop_cache", "default_device", "gather_cache", "load", "load_tokenizer", "new_cache",
+           "release_openmp_threads", "resolve_dtype", "tokenizer_info", "tree_inputs", "tree_inputs_reference",
+           "vocab_fingerprint"]
