@@ -15,9 +15,10 @@ the server and batch benchmarks (why batching gives rewrites about 2x, not more)
   (``BatchTarget.add``/``add_many``), verify forwards (``BatchTarget.verify``) and the rest
   (of it: drafting and merging, acceptance, KV commit, observe and learn), with the verified
   slots (nodes and padding) against the tokens produced; ``--cprofile PATH`` writes its
-  Python profile. ``--clients N``: the prompts arrive as ``server_batch_bench.py``'s N clients
-  send them (each its next prompt as its last one ends), and they also run one at a time on a
-  fresh engine: the batching server's ratio in one process, without HTTP or a server's threads.
+  Python profile. ``--clients N``: the prompts arrive as ``server_batch_bench.py``'s N
+  clients send them (each the next prompt nobody has taken as its last one ends), and they
+  also run one at a time on a fresh engine: the batching server's ratio in one process,
+  without HTTP or a server's threads.
 
     python bench/batch_profile.py --threads 2      # ~2 minutes, writes bench/results/batch_profile_2t.json
     python bench/batch_profile.py --threads 2 --shapes 1x1 --repeats 1 --batch 16 --clients 8 --out PATH
@@ -162,20 +163,16 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
     core = engine.step_core
     plan, finish = core.plan, core.finish
     core.plan, core.finish = timed("plan", plan), timed("finish", finish)
-    # with clients: client i sends prompts i, i + clients, ..., each as its last one ends
-    shares = [list(prompts[i::clients]) for i in range(clients)]
-    owner: dict[int, int] = {}
+    # with clients: each sends the next prompt nobody has taken as its last one ends
+    # (server_batch_bench.py's shared queue)
+    waiting = list(prompts)
 
-    def send(client: int) -> None:
-        if shares[client]:
-            owner[decoder.submit(BatchRequest(shares[client].pop(0), max_tokens))] = client
+    def send() -> None:
+        if waiting:
+            decoder.submit(BatchRequest(waiting.pop(0), max_tokens))
 
-    if clients:
-        for client in range(clients):
-            send(client)
-    else:
-        for p in prompts:
-            decoder.submit(BatchRequest(p, max_tokens))
+    for _ in range(clients or len(prompts)):
+        send()
     start = time.perf_counter()
     profiler = None
     if cprofile is not None:
@@ -189,7 +186,7 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
             for seq in decoder.step():
                 generations.append(decoder.generation(seq))
                 if clients:
-                    send(owner[seq.index])
+                    send()
     finally:
         core.plan, core.finish = plan, finish
         if profiler is not None:
@@ -241,8 +238,8 @@ def main(argv=None) -> int:
                    help="skip this many rewrite prompts first (17: server_batch_bench's 8-client set)")
     p.add_argument("--batch", type=int, default=8, help="rows of the split's batch (8)")
     p.add_argument("--clients", type=int, default=0, metavar="N",
-                   help="the split's prompts come from N clients, each sending its next prompt as its last "
-                   "one ends (server_batch_bench's arrival in one process, without HTTP), and are also run "
+                   help="the split's prompts come from N clients, each sending the next prompt nobody has "
+                   "taken as its last one ends (server_batch_bench's arrival in one process, without HTTP), and are also run "
                    "one at a time on a fresh engine for the ratio (0: all submitted at once, no such run)")
     p.add_argument("--max-tokens", type=int, default=192, help="new tokens per prompt in the split (192)")
     p.add_argument("--out", type=Path, default=None, help="result JSON (default: bench/results/batch_profile_<T>t.json)")

@@ -5,9 +5,12 @@ Two real server processes run side by side (an idle one costs nothing): ``--max-
 ``--max-batch N``. Both get the same requests, in an order rotated per measurement:
 
 * ``single``   -- one client alone, one request after another: latency per request
-* ``C clients`` -- C threads, each with its own official ``openai`` client, each sending its
-  share of the prompts one after another (bounded loops); aggregate completion tokens/s over
-  the wall time from the first request to the last answer
+* ``C clients`` -- C threads, each with its own official ``openai`` client, each sending the
+  next prompt nobody has taken as its last answer comes (bounded loops over one shared list:
+  C requests in flight until it runs dry); aggregate completion tokens/s over the wall time
+  from the first request to the last answer. (Until 905dabc each client had a fixed share,
+  prompts ``i, i + C, ...``: with log and code prompts alternating and C even, half the
+  clients got every log prompt, and the batch ran half empty while they finished.)
 
 Every answer is greedy and checked against the other server's answer to the same prompt (equal
 text). Each measurement sends prompts neither server has seen: the servers' suffix caches keep
@@ -34,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,17 +91,27 @@ def single(api: str, prompts, max_tokens: int) -> dict:
 
 
 def concurrent(api: str, prompts, max_tokens: int, clients: int) -> dict:
+    """``clients`` threads, each sending the next prompt nobody has taken as its last answer
+    comes (a shared queue: ``clients`` requests in flight until it runs dry, as a load
+    generator at that concurrency keeps them)."""
     import openai
 
-    shares = [prompts[i::clients] for i in range(clients)]
+    queue = iter(list(prompts))
+    taking = threading.Lock()
 
-    def run(share):
+    def run(_):
         client = openai.OpenAI(base_url=api, api_key="x", max_retries=0, timeout=600)
-        return [(p, *ask(client, p, max_tokens)) for p in share]
+        mine = []
+        while True:
+            with taking:
+                p = next(queue, None)
+            if p is None:
+                return mine
+            mine.append((p, *ask(client, p, max_tokens)))
 
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        answers = [a for share in pool.map(run, shares) for a in share]
+        answers = [a for share in pool.map(run, range(clients)) for a in share]
     seconds = time.perf_counter() - start
     by_prompt = {tuple(p): text for p, text, _, _ in answers}
     return {"texts": [by_prompt[tuple(p)] for p in prompts], "tokens": sum(n for _, _, n, _ in answers),
