@@ -143,6 +143,11 @@ def test_results_file_cuts_a_torn_line_keeps_a_whole_one(tmp_path):
     ('{"id": "a"}\nhello\n{"id": "b"}\n', ":2: not a result line"),
     ('{"id": "a"}\n{"id": "a"}\n', "id 'a' is on lines 1 and 2"),
     ('{"id": 3}\n', ":1: not a result line"),
+    # a file that is not ours, its last line without a newline: refused whole, its last line kept
+    ('{"id": 1, "text": "Lily had a dog."}\n{"id": 2, "text": "Tom had a cat."}', ":1: not a result line"),
+    ('my notes\nimportant last line', ":1: not a result line"),
+    ('important only line', ":1: not a result line .*nor the start of one"),
+    ('{"id": "a"}\n{"id": "b"}\nnot ours', ":3: not a result line .*nor the start of one"),
 ])
 def test_results_file_refuses_foreign_lines(tmp_path, text, message):
     path = write(tmp_path / "out.jsonl", text)

@@ -149,6 +149,9 @@ class ResultsFile:
         self.close(quiet=exc_type is not None)
 
 
+RESULT_LINE_START = b'{"id": '  # how every line ``encode_line`` writes for a record begins
+
+
 def encode_line(obj: dict) -> bytes:
     """One JSON line in UTF-8 (non-ASCII kept readable; escaped if it holds lone surrogates)."""
     try:
@@ -203,32 +206,37 @@ def _parse(line: bytes) -> dict | None:
 
 
 def _scan_and_repair(fd: int, path: str) -> tuple[dict[str, Entry], str | None]:
+    """The file's result lines by id, after one repair where its last line lacks its newline:
+    a whole result line gets it, a torn one (the start of a result line an interrupted write
+    left) is cut. Every complete line is checked first, so a file that is not a results file
+    is an error with nothing cut; a last line that does not begin as a result line is one too."""
     lines = _read_lines(fd)
-    repaired = None
-    if lines and not lines[-1].endswith(b"\n"):
-        tail = lines[-1]
-        if _parse(tail) is not None:
-            _write_all(fd, b"\n")
-            lines[-1] = tail + b"\n"
-            repaired = f"{path}: gave the last line its missing newline"
-        else:
-            lines.pop()
-            os.ftruncate(fd, sum(len(line) for line in lines))
-            _fsync(fd)
-            repaired = (f"{path}: cut a torn last line ({len(tail)} bytes, left by an interrupted run); "
-                        "its record is done again")
+    torn = lines.pop() if lines and not lines[-1].endswith(b"\n") else None
     entries: dict[str, Entry] = {}
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(lines + ([torn] if torn is not None and _parse(torn) else []), start=1):
         if not line.strip():
             continue
         obj = _parse(line)
         if obj is None:
             raise ResultsFileError(f"{path}:{number}: not a result line (a JSON object with a string \"id\"); "
-                                   "fix or remove it, or choose another --output")
+                                   "fix or remove it, or choose another --output (nothing was changed)")
         if obj["id"] in entries:
             raise ResultsFileError(f"{path}: id {obj['id']!r} is on lines {entries[obj['id']].line} and "
                                    f"{number}; keep one of them")
         entries[obj["id"]] = Entry(number, "error" not in obj, obj.get("input_hash"))
+    repaired = None
+    if torn is not None and _parse(torn) is not None:
+        _write_all(fd, b"\n")
+        repaired = f"{path}: gave the last line its missing newline"
+    elif torn is not None:
+        if not torn.startswith(RESULT_LINE_START):
+            raise ResultsFileError(f"{path}:{len(lines) + 1}: not a result line (a JSON object with a string "
+                                   "\"id\"), nor the start of one; fix or remove it, or choose another --output "
+                                   "(nothing was changed)")
+        os.ftruncate(fd, sum(len(line) for line in lines))
+        _fsync(fd)
+        repaired = (f"{path}: cut a torn last line ({len(torn)} bytes, left by an interrupted run); "
+                    "its record is done again")
     return entries, repaired
 
 
