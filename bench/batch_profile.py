@@ -129,7 +129,7 @@ def forwards(engine, shapes, context: int, repeats: int) -> list[dict]:
 def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = None, clients: int = 0) -> dict:
     from lookupdec.batch import BatchDecoder, BatchRequest
 
-    decoder = BatchDecoder(engine, batch)
+    decoder = BatchDecoder(engine, batch, record_widths=True)
     spent = {"prefill": 0.0, "verify": 0.0, "plan": 0.0, "accept": 0.0, "commit": 0.0, "finish": 0.0}
     slots = {"nodes": 0, "padded": 0}
     depth = [0]  # (add_many calls add: time the outer call only)

@@ -104,9 +104,12 @@ class _Sequence:
 class BatchDecoder:
     """Continuous batching over one engine: ``submit`` requests, ``step`` until ``idle``."""
 
-    def __init__(self, engine, max_batch: int, joint_prefill: bool | None = None) -> None:
+    def __init__(self, engine, max_batch: int, joint_prefill: bool | None = None,
+                 record_widths: bool = False) -> None:
         """``joint_prefill``: sequences joining together prefill in one forward (None: on a GPU,
-        not on a CPU; ``BatchTarget``)."""
+        not on a CPU; ``BatchTarget``). ``record_widths``: keep every step's width in ``widths``
+        (benchmarks, tests; a server's or a long job's decoder keeps nothing per step or per
+        finished sequence, so its memory stays flat)."""
         from lookupdec.model.batch import BatchTarget
 
         if max_batch < 1:
@@ -120,12 +123,17 @@ class BatchDecoder:
         self.greedy_at_once: bool | None = None
         self.waiting: list[_Sequence] = []
         self.active: list[_Sequence] = []  # by row
-        self.done: list[_Sequence] = []
+        self.done: list[_Sequence] = []  # what ``run`` finished (``step`` keeps none: its caller has them)
+        # the sequences the current (or last) ``step`` ended: where it raised, its caller still
+        # answers these from them (``abandon`` gives the rest)
+        self.ended_in_step: list[_Sequence] = []
         self._count = 0
         self._costs = engine.batch_costs  # (context bucket, rows) -> t(rows x width), the engine's
         self._probes = engine.batch_probes  # (context bucket, rows) -> widths not timed yet (``_cost``)
         self.overhead_s = 0.0  # mean batch step time outside the forward (decayed)
-        self.widths: list[int] = []  # the chosen width of every step (for benchmarks)
+        self.steps = 0  # verify steps so far
+        self.widths: list[int] = []  # with ``record_widths``: the chosen width of every step
+        self._record_widths = record_widths
         self.width_record = SizeRecord()
         self.redrafted = 0  # rows drafted again for the width chosen (for tests and benchmarks)
         self._promised: tuple[int, float] | None = None  # this step's chosen width and its gains
@@ -161,7 +169,8 @@ class BatchDecoder:
     def abandon(self) -> list[_Sequence]:
         """After a ``step`` that raised: every sequence not done (active, then waiting), the
         active ones' step state released; the decoder is not to be stepped again. The caller
-        answers or redoes each (the server's 500s, rewrite's records one at a time)."""
+        answers or redoes each (the server's 500s, rewrite's records one at a time), and answers
+        ``ended_in_step`` (done before the step raised) as it answers what a step returns."""
         for seq in self.active:  # (the waiting ones have no step state yet)
             self.engine.step_core.stop(seq.rid)
         left = self.active + self.waiting
@@ -175,7 +184,7 @@ class BatchDecoder:
     def run(self) -> list:
         """Step until every submitted request is done; their ``Generation``s in submission order."""
         while not self.idle:
-            self.step()
+            self.done.extend(self.step())
         return [self.generation(seq) for seq in sorted(self.done, key=lambda s: s.index)]
 
     def generation(self, seq: _Sequence):
@@ -190,6 +199,7 @@ class BatchDecoder:
         """One batched step (admitting waiting requests first). Returns the sequences that
         finished during it."""
         finished: list[_Sequence] = []
+        self.ended_in_step = finished
         self._admit(finished)
         for seq in list(self.active):  # (length, EOS and stops end a sequence in the step that reaches them)
             if seq.cancelled is not None and seq.cancelled():
@@ -228,7 +238,9 @@ class BatchDecoder:
         forward = t2 - t1 - engine.target.last_prepare_s
         rows = len(trees)
         width = max(len(tree) for tree in trees)
-        self.widths.append(width)
+        self.steps += 1
+        if self._record_widths:
+            self.widths.append(width)
         accepted, verdicts = [], []
         choices = self._greedy_choices(logits, trees)
         for b, (seq, tree) in enumerate(zip(self.active, trees)):
@@ -260,7 +272,7 @@ class BatchDecoder:
             engine._count(seq.stats, seq.timer, step, t0)
             self._emit(seq, step.new_tokens, finished)
         outside = (t1 - t0) + (time.perf_counter() - t2)  # the step outside its forward
-        self.overhead_s = outside if len(self.widths) == 1 else 0.8 * self.overhead_s + 0.2 * outside
+        self.overhead_s = outside if self.steps == 1 else 0.8 * self.overhead_s + 0.2 * outside
         return finished
 
     def _greedy_choices(self, logits, trees) -> list | None:
@@ -346,7 +358,6 @@ class BatchDecoder:
         if moved is not None:
             self.active[row] = last
             last.row = row
-        self.done.append(seq)
         finished.append(seq)
         self.engine._store_forms()  # kernel forms chosen meanwhile, for the next process
 

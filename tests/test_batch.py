@@ -27,7 +27,7 @@ SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9)
 
 
 def run_batch(engine: Engine, requests: list[BatchRequest], max_batch: int):
-    decoder = BatchDecoder(engine, max_batch)
+    decoder = BatchDecoder(engine, max_batch, record_widths=True)
     for r in requests:
         decoder.submit(r)
     return decoder.run(), decoder
@@ -164,7 +164,7 @@ def test_greedy_rows_read_at_once_equal_each_rows_own(monkeypatch):
     config = EngineConfig(partial_logits=False)  # (partial logits are per row already)
     sampled = [5, 9, 13, 17, 21] * 3
     alone = Engine(model, FakeTokenizer(), config).generate(sampled, max_new_tokens=20, seed=3, **SAMPLING).token_ids
-    decoder = BatchDecoder(Engine(model, FakeTokenizer(), config), 4)
+    decoder = BatchDecoder(Engine(model, FakeTokenizer(), config), 4, record_widths=True)
     decoder.greedy_at_once = True
     for prompt, n, _ in refs:
         decoder.submit(BatchRequest(list(prompt), n))
@@ -268,7 +268,7 @@ def test_batch_asks_proposers_for_about_the_width_it_keeps():
             pass
 
     cost = Fixed([1, 2, 4, 8, 16, 32, 64, 128, 256], [1.0, 1.0, 1.02, 1.05, 1.1, 1.3, 1.7, 2.5, 4.0], [100] * 9)
-    decoder = BatchDecoder(engine, 3)
+    decoder = BatchDecoder(engine, 3, record_widths=True)
     decoder._cost = lambda rows: cost
     first, nodes = [], decoder.draft_budget.nodes  # what each step asks every row's proposers for
     decoder.draft_budget.nodes = lambda cap: first.append(nodes(cap)) or first[-1]
@@ -508,6 +508,31 @@ def test_a_failed_prefill_loses_no_sequence():
     assert [seq.index for seq in decoder.waiting] == indices  # in their order, none active yet
 
 
+def test_a_failed_step_keeps_what_it_had_ended_and_steps_keep_nothing():
+    """A step that raises after some sequences ended in it (a first token at admission that is
+    the last, here) leaves them in ``ended_in_step``, whole, and ``abandon`` gives the others:
+    none lost (before, the ended ones were in neither list and their server clients waited
+    forever). And a decoder stepped by its caller keeps no finished sequence nor any per-step
+    record: a server's memory stays flat."""
+    engine = Engine(cached_tiny("llama"), FakeTokenizer())
+    decoder = BatchDecoder(engine, 4)
+    short = decoder.submit(BatchRequest([5, 6, 7, 8], 1))
+    longer = [decoder.submit(BatchRequest([5, 6, 7, i + 1], 8)) for i in range(2)]
+    decoder.target.verify = failing_call(decoder.target.verify, 1)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        decoder.step()
+    assert [seq.index for seq in decoder.ended_in_step] == [short]
+    assert decoder.generation(decoder.ended_in_step[0]).token_ids == engine.generate([5, 6, 7, 8], max_new_tokens=1).token_ids
+    assert sorted(seq.index for seq in decoder.abandon()) == longer
+    again = BatchDecoder(engine, 4)
+    for i in range(3):
+        again.submit(BatchRequest([5, 6, 7, i + 1], 8))
+    ended = []
+    while not again.idle:
+        ended += again.step()
+    assert len(ended) == 3 and again.done == [] and again.widths == [] and again.steps > 0
+
+
 def test_stop_strings_and_cancel_are_per_request():
     model = cached_tiny("llama")
     engine = Engine(model, FakeTokenizer())
@@ -593,13 +618,13 @@ def test_a_joining_row_reserves_its_request_so_steps_never_grow_the_buffer(monke
     prompt = [5, 9, 2, 7, 1, 3, 8]
     decoder = BatchDecoder(engine, 4)
     decoder.submit(BatchRequest(prompt, 40))
-    decoder.step()
+    ended = decoder.step()
     buffer = decoder.target.store.buffer
     assert buffer.shape[4] >= len(prompt) + 40 + engine.config.max_nodes + 1
     while not decoder.idle:
-        decoder.step()
+        ended += decoder.step()
         assert decoder.target.store.buffer is buffer
-    out = decoder.generation(decoder.done[0])
+    out = decoder.generation(ended[0])
     assert out.token_ids == hf_greedy(model, prompt, 40)
 
 

@@ -17,6 +17,7 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -101,6 +102,55 @@ def test_a_failed_batched_prefill_is_a_500_not_a_hang(engine, monkeypatch):
         health = c.get("/health").json()
         assert health["failed"] == 1 and health["running"] == 0 and health["batch"]["max"] == 4
         assert c.post("/v1/completions", json=completion()).status_code == 200
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_batched_step_answers_what_it_had_ended(engine, monkeypatch):
+    """Two requests in one step, which fails (out of memory) after one of them ended at its
+    first token: that one gets its answer (before: never answered, and ``/health`` counted it
+    running for ever), the other a 500; the batch's row count is back to 0."""
+    from lookupdec.model.batch import BatchTarget
+
+    monkeypatch.setattr(BatchTarget, "verify", failing_call(BatchTarget.verify, 1))
+    take = worker_module.BatchingWorker._take
+
+    def take_both(self, decoder, *, block):  # the first step waits for both requests
+        deadline = time.monotonic() + 30
+        while decoder.idle and self._incoming.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return take(self, decoder, block=block)
+
+    monkeypatch.setattr(worker_module.BatchingWorker, "_take", take_both)
+    with TestClient(create_app(engine, MODEL, max_batch=4)) as c, ThreadPoolExecutor(2) as pool:
+        one = pool.submit(c.post, "/v1/completions", json=completion(max_tokens=1))
+        more = pool.submit(c.post, "/v1/completions", json=completion(max_tokens=8))
+        assert one.result().status_code == 200 and more.result().status_code == 500
+        health = c.get("/health").json()
+        assert health["running"] == 0 and health["completed"] == 1 and health["failed"] == 1, health
+        assert health["batch"]["running"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_request_failing_as_it_joins_is_a_500_and_the_engine_goes_on(engine, monkeypatch):
+    """Any error as a request joins the batch (a MemoryError building its stop strings, say) is
+    that request's 500; before, it ended the engine thread and every later request hung."""
+    from lookupdec.batch import BatchDecoder
+
+    submit = BatchDecoder.submit
+    calls = []
+
+    def fail_once(self, request, field="prompt"):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError
+        return submit(self, request, field)
+
+    monkeypatch.setattr(BatchDecoder, "submit", fail_once)
+    with TestClient(create_app(engine, MODEL, max_batch=4)) as c:
+        assert c.post("/v1/completions", json=completion()).status_code == 500
+        assert c.post("/v1/completions", json=completion()).status_code == 200
+        health = c.get("/health").json()
+        assert health["failed"] == 1 and health["completed"] >= 1 and health["running"] == 0, health
 
 
 @pytest.mark.parametrize("rows", [0, 65, 2.5, "4", True])

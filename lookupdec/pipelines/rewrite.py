@@ -312,6 +312,9 @@ def _rewrite_batched(engine, take, prompts: PromptFormat, options: RewriteOption
         try:
             finished = decoder.step()
         except Exception:  # noqa: BLE001 -- redo what was in flight alone: a failure then names its record
+            for seq in decoder.ended_in_step:  # (ended before the step failed: whole)
+                gen = decoder.generation(seq)
+                write(_result(seq.request.tag, gen, time.perf_counter() - started.pop(seq.index), options))
             left = decoder.abandon()
             log.warning("a batched step failed; its %d records are done one at a time", len(left),
                         exc_info=log.isEnabledFor(logging.DEBUG))

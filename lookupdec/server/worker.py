@@ -200,21 +200,26 @@ class BatchingWorker(EngineWorker):
                 finished = decoder.step()
             except Exception as exc:  # a bug, not a bad request: every request in flight gets a 500
                 log.exception("batched generation failed")
+                self._answer(decoder, decoder.ended_in_step)  # (those the step had ended are whole)
                 for seq in decoder.abandon():
                     self._end(seq.index, "failed", ("error", exc))
                 decoder = BatchDecoder(self.engine, self.max_batch)
+                self.batch_rows = 0
                 continue
             self.batch_rows = len(decoder.active) + len(finished)
-            for seq in finished:
-                generation = decoder.generation(seq)
-                job = self._jobs[seq.index][0]
-                job.engine_ms = (time.perf_counter() - self._jobs[seq.index][2]) * 1e3
-                self._end(seq.index, "cancelled" if generation.finish_reason == "cancelled" else "completed",
-                          ("done", generation))
+            self._answer(decoder, finished)
             if decoder.idle:
                 self.batch_rows = 0
         for index in list(self._jobs):  # shutting down: whatever still runs is cancelled
             self._end(index, "cancelled", ("cancelled", None))
+
+    def _answer(self, decoder, finished) -> None:
+        for seq in finished:
+            generation = decoder.generation(seq)
+            job = self._jobs[seq.index][0]
+            job.engine_ms = (time.perf_counter() - self._jobs[seq.index][2]) * 1e3
+            self._end(seq.index, "cancelled" if generation.finish_reason == "cancelled" else "completed",
+                      ("done", generation))
 
     def _take(self, decoder, *, block: bool) -> None:
         """Move queued requests into the decoder while rows are free (waiting up to
@@ -245,6 +250,11 @@ class BatchingWorker(EngineWorker):
             except ValueError as exc:
                 self.ended["failed"] += 1
                 job.post("error", RequestError(str(exc), None))
+                continue
+            except Exception as exc:  # (out of memory): this request's 500; the engine thread goes on
+                log.exception("request failed as it joined the batch")
+                self.ended["failed"] += 1
+                job.post("error", exc)
                 continue
             self._jobs[index] = (job, request, time.perf_counter())
             job.prompt_tokens = len(prompt.token_ids)
