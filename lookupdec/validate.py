@@ -83,8 +83,14 @@ def check_max_new_tokens(value) -> None:
         raise bad("max_new_tokens", value, "must be a positive integer")
 
 
+# the longest stop string: text is held back while its tail may still become one, by a set of
+# every stop string's prefixes (``stops.StopStrings``), whose size grows with the square of this
+MAX_STOP_CHARS = 1000
+
+
 def check_stop(stop) -> list[str]:
-    """Stop strings (None, one string, or a list of non-empty strings) as a list."""
+    """Stop strings (None, one string, or a list of non-empty strings of at most
+    ``MAX_STOP_CHARS`` characters) as a list."""
     if stop is None:
         return []
     if isinstance(stop, str):
@@ -95,6 +101,9 @@ def check_stop(stop) -> list[str]:
         raise bad("stop", stop, "expected a string or a list of non-empty strings") from None
     if not all(isinstance(s, str) and s for s in stop):
         raise bad("stop", stop, "stop strings must be non-empty strings")
+    longest = max(stop, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise bad("stop", longest, f"a stop string has {len(longest)} characters, at most {MAX_STOP_CHARS}")
     return stop
 
 

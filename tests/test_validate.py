@@ -10,7 +10,7 @@ import torch
 
 from lookupdec.cli import main
 from lookupdec.sampling import SamplingParams
-from lookupdec.validate import SEED_MAX, ParamError, check_device, check_sampling, check_seed
+from lookupdec.validate import MAX_STOP_CHARS, SEED_MAX, ParamError, check_device, check_sampling, check_seed, check_stop
 
 STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "stories260K")
 needs_stories = pytest.mark.skipif(not os.path.isdir(STORIES), reason="../shared/models/stories260K is absent")
@@ -41,6 +41,16 @@ def test_bad_sampling_values_name_their_field(kwargs, field):
     assert info.value.field == field and str(info.value).startswith(field + "=")
     with pytest.raises(ParamError):
         SamplingParams(**kwargs)
+
+
+def test_a_stop_string_has_at_most_max_stop_chars():
+    """Longer stop strings are refused: the text held back while a tail may become one is found
+    in a set of every prefix, whose size grows with the square of the length (a 100 000-character
+    stop took 28 s and 5 GB of a server's engine thread)."""
+    assert check_stop(["x" * MAX_STOP_CHARS, "y"]) == ["x" * MAX_STOP_CHARS, "y"]
+    with pytest.raises(ParamError, match=f"{MAX_STOP_CHARS + 1} characters, at most {MAX_STOP_CHARS}") as info:
+        check_stop(["y", "x" * (MAX_STOP_CHARS + 1)])
+    assert info.value.field == "stop" and len(str(info.value)) < 200
 
 
 def test_good_sampling_values_pass():
