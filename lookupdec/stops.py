@@ -71,7 +71,11 @@ class TextAssembler:
     """Token ids in, text pieces out: incremental detokenization plus stop strings.
 
     Decodes a window that starts a few tokens back (``_prefix``) so that tokenizers which
-    treat a leading space specially (SentencePiece) decode exactly as the whole text would.
+    treat a leading space specially (SentencePiece) decode exactly as the whole text would. The
+    window starts at a token with text of its own, whole characters (``_start``): one that
+    decodes to nothing (a special token skipped) would leave the next word at the start of the
+    window, where SentencePiece drops its space, and the text would depend on how the tokens
+    were grouped into steps.
     """
 
     def __init__(self, tokenizer, stop: StopStrings) -> None:
@@ -99,7 +103,7 @@ class TextAssembler:
             return ""
         searched = len(self.text)
         self.text += window[len(before) :]
-        self._prefix, self._read = self._read, len(self.token_ids)
+        self._prefix, self._read = self._start(self._read, len(self.token_ids)), len(self.token_ids)
         at = self.stop.find(self.text, searched)
         if at is not None:
             self.text = self.text[:at]
@@ -115,6 +119,15 @@ class TextAssembler:
             self.text += tail[len(self._decode(self.token_ids[self._prefix : self._read])) :]
             self._read = len(self.token_ids)
         return self._take(len(self.text))
+
+    def _start(self, lo: int, hi: int) -> int:
+        """The next window's first token: the last of ``[lo, hi)`` whose own text is not empty
+        and does not begin inside a character, else the current one."""
+        for p in range(hi - 1, lo - 1, -1):
+            piece = self._decode(self.token_ids[p : p + 1])
+            if piece and not piece.startswith(INCOMPLETE_CHAR):
+                return p
+        return self._prefix
 
     @property
     def output_ids(self) -> list[int]:

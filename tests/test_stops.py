@@ -99,6 +99,21 @@ def test_assembler_without_stops_streams_the_whole_text(stories, story):
         assert asm.output_ids == ids
 
 
+@pytest.mark.parametrize("block", [1, 2, 3])
+def test_assembler_text_is_the_tokens_whatever_the_steps_with_a_special_token_inside(stories, block):
+    """A special token in the middle of the output (stories260K emits ``<s>`` between stories)
+    decodes to nothing: the word after it keeps its space however the tokens come, one per
+    step included (a window starting at the ``<s>`` alone had dropped it: "as.Once")."""
+    _, tokenizer = stories
+    ids = tokenizer("as. Once upon a time").input_ids[1:]  # (no leading <s>)
+    ids = ids[:3] + [tokenizer.bos_token_id] + ids[3:]
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "Once" in whole and ". Once" in whole
+    asm = TextAssembler(tokenizer, StopStrings(None))
+    pieces = [asm.add(ids[i : i + block]) for i in range(0, len(ids), block)] + [asm.flush()]
+    assert "".join(pieces) == asm.text == whole
+
+
 def test_assembler_stop_across_boundaries_and_blocks(stories, story):
     _, tokenizer = stories
     ids, text, _ = story
