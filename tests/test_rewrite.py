@@ -496,6 +496,22 @@ def test_batch_size_above_the_records_takes_as_many_rows_as_records(tmp_path, ru
     assert "batches of 2" in err  # each row reserves K/V memory: 16 for 2 records would waste 14
 
 
+@needs_stories
+def test_batch_rows_count_only_records_to_decode_and_chat_needs_a_template(tmp_path, run):
+    """Input-error records take no row (3 good lines and 2 bad ones: batches of 3, not 5); and
+    --chat with a model whose tokenizer has no chat template is one usage error before any
+    record, not an error line per record."""
+    source = write(tmp_path / "in.jsonl", '{"id": "a", "text": "Ann had a cat."}\nnot json\n'
+                   '{"id": "b", "text": "Tom had a dog."}\n{"id": "c"}\n{"id": "d", "text": "Sue ran."}\n')
+    code, _, err = run("--input", source, "--output", str(tmp_path / "o.jsonl"), "--instruction", INSTRUCTION,
+                       "--max-new-tokens", "4", "--batch-size", "16")
+    assert code == 1 and "batches of 3" in err and "2 failed" in err, err
+    out = str(tmp_path / "chat.jsonl")
+    code, _, err = run("--input", source, "--output", out, "--instruction", INSTRUCTION, "--chat")
+    assert code == 2 and "no chat template" in err and err.count("\n") == 1, err
+    assert not os.path.exists(out) or open(out).read() == ""
+
+
 def test_a_record_with_no_line_is_an_error_exit(tmp_path, run, monkeypatch):
     """Should a bug ever lose a record (no line written), the run says so and exits 1."""
     rewrite_module = sys.modules["lookupdec.pipelines.rewrite"]  # (the package's `rewrite` is the function)

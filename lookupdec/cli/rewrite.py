@@ -173,6 +173,9 @@ def run(args) -> int:
         engine = None
         if work.needs_model and cluster is None:
             engine = load_engine(args, config)
+            if args.chat and not getattr(engine.tokenizer, "chat_template", None):
+                raise CliError(f"--chat: {args.model}'s tokenizer has no chat template; drop --chat to give "
+                               "plain prompts")
         summary = rewrite(engine, work, prompts, results, options, records=len(records),
                           progress=not args.quiet and sys.stderr.isatty(), cluster=cluster)
     if args.json_summary:

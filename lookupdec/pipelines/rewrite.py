@@ -225,7 +225,8 @@ def rewrite(engine, work: Plan, prompts: PromptFormat, results: ResultsFile, opt
     total = records if records is not None else len(work.to_do) + work.skipped
     summary = RewriteSummary(records=total, skipped=work.skipped, output=results.path)
     batch = resolve_batch_size(engine, options.batch_size) if work.needs_model and cluster is None else 1
-    batch = max(1, min(batch, len(work.to_do)))  # rows reserve K/V memory: never more than the records
+    # rows reserve K/V memory: never more than the records to decode (an input error takes none)
+    batch = max(1, min(batch, sum(1 for record in work.to_do if record.error is None)))
     start = time.perf_counter()
     with tqdm(total=total, initial=work.skipped, unit="rec", desc="rewrite", disable=not progress,
               dynamic_ncols=True) as bar, (logging_redirect_tqdm() if progress else contextlib.nullcontext()):
@@ -253,10 +254,10 @@ def rewrite(engine, work: Plan, prompts: PromptFormat, results: ResultsFile, opt
 def resolve_batch_size(engine, batch_size: int | str) -> int:
     """``batch_size``, or for ``"auto"`` the one ``auto_batch_size`` reads off the engine's cost
     curve (1 where the model cannot batch)."""
+    if not engine.batchable:  # (run_records goes one at a time whatever the size)
+        return 1
     if batch_size != "auto":
         return int(batch_size)
-    if not engine.batchable:
-        return 1
     return auto_batch_size(engine.cost_model())
 
 
