@@ -123,31 +123,33 @@ def test_template_placeholders():
 # -- the results file (no model) ----------------------------------------------------------------------
 def test_results_file_cuts_a_torn_line_keeps_a_whole_one(tmp_path):
     path = str(tmp_path / "out.jsonl")
-    write(tmp_path / "out.jsonl", '{"id": "a", "output": "x"}\n{"id": "b", "outp')
+    write(tmp_path / "out.jsonl", '{"id": "a", "input_hash": "h", "output": "x"}\n{"id": "b", "input_hash": "h", "outp')
     with ResultsFile.open(path) as results:
         assert set(results.entries) == {"a"} and "torn" in results.repaired
-        results.append({"id": "b", "output": "y"})
-    assert lines_of(path) == [{"id": "a", "output": "x"}, {"id": "b", "output": "y"}]
+        results.append({"id": "b", "input_hash": "h", "output": "y"})
+    assert lines_of(path) == [{"id": "a", "input_hash": "h", "output": "x"}, {"id": "b", "input_hash": "h", "output": "y"}]
     with open(path, "ab") as f:
-        f.write(b'{"id": "c", "error": "e"}')  # complete, only the newline missing: kept
+        f.write(b'{"id": "c", "input_hash": "h", "error": "e"}')  # complete, only the newline missing: kept
     with ResultsFile.open(path) as results:
         assert set(results.entries) == {"a", "b", "c"} and not results.entries["c"].ok
         results.drop(["c", "a"])
         assert set(results.entries) == {"b"}
-        results.append({"id": "c", "output": "z"})
-    assert lines_of(path) == [{"id": "b", "output": "y"}, {"id": "c", "output": "z"}]
+        results.append({"id": "c", "input_hash": "h", "output": "z"})
+    assert lines_of(path) == [{"id": "b", "input_hash": "h", "output": "y"}, {"id": "c", "input_hash": "h", "output": "z"}]
     assert not os.path.exists(path + TMP_SUFFIX)
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"id": "a"}\nhello\n{"id": "b"}\n', ":2: not a result line"),
-    ('{"id": "a"}\n{"id": "a"}\n', "id 'a' is on lines 1 and 2"),
+    ('{"id": "a", "input_hash": "h"}\nhello\n{"id": "b", "input_hash": "h"}\n', ":2: not a result line"),
+    ('{"id": "a", "input_hash": "h"}\n{"id": "a", "input_hash": "h"}\n', "id 'a' is on lines 1 and 2"),
+    # a dataset with string ids is not a results file: its lines were taken for done records
+    ('{"id": "a", "text": "Lily had a dog."}\n', ":1: not a result line"),
     ('{"id": 3}\n', ":1: not a result line"),
     # a file that is not ours, its last line without a newline: refused whole, its last line kept
     ('{"id": 1, "text": "Lily had a dog."}\n{"id": 2, "text": "Tom had a cat."}', ":1: not a result line"),
     ('my notes\nimportant last line', ":1: not a result line"),
     ('important only line', ":1: not a result line .*nor the start of one"),
-    ('{"id": "a"}\n{"id": "b"}\nnot ours', ":3: not a result line .*nor the start of one"),
+    ('{"id": "a", "input_hash": "h"}\n{"id": "b", "input_hash": "h"}\nnot ours', ":3: not a result line .*nor the start of one"),
 ])
 def test_results_file_refuses_foreign_lines(tmp_path, text, message):
     path = write(tmp_path / "out.jsonl", text)
@@ -185,7 +187,7 @@ def test_outputs_equal_transformers_greedy(stories, tmp_path, run):
         assert line["token_ids"] == want
         assert line["output"] == tokenizer.decode(want, skip_special_tokens=True)
         assert line["finish_reason"] == "length" and line["stats"]["new_tokens"] == 12
-        assert set(line) == {"id", "input_hash", "output", "finish_reason", "stats", "token_ids"}
+        assert set(line) == {"id", "input_hash", "job", "output", "finish_reason", "stats", "token_ids"}
 
 
 @needs_stories
@@ -265,6 +267,10 @@ def test_too_long_record_is_an_error_line_then_retried(tmp_path, run):
     code, _, err = run(*base, "--instruction", "Go.")
     assert code == 0, err
     assert "1 records rewritten, 0 failed, 1 already done (of 2)" in err
+    assert "1 results in" in err and "made by another job" in err and "e.g. line 1" in err  # another prompt
+    code, _, err = run(*base, "--instruction", "Go.")
+    assert code == 0 and "another job" in err and "e.g. line 1)" in err, err  # ("long" is this job's)
+    assert "1 results in" in err
     text = open(out).read().splitlines()
     assert text[0] == short_line and [json.loads(t)["id"] for t in text] == ["short", "long"]
     assert json.loads(text[1])["finish_reason"] in ("length", "eos")
@@ -323,7 +329,7 @@ def test_failed_write_leaves_no_half_line(tmp_path, monkeypatch):
 
     path = str(tmp_path / "out.jsonl")
     with ResultsFile.open(path) as results:
-        results.append({"id": "a", "output": "x"})
+        results.append({"id": "a", "input_hash": "h", "output": "x"})
     before = open(path, "rb").read()
     real_write, calls = os.write, []
 
@@ -336,7 +342,7 @@ def test_failed_write_leaves_no_half_line(tmp_path, monkeypatch):
     with ResultsFile.open(path) as results:
         monkeypatch.setattr(results_module.os, "write", write_half_then_fail)
         with pytest.raises(ResultsFileError, match="No space left"):
-            results.append({"id": "b", "output": "y" * 100})
+            results.append({"id": "b", "input_hash": "h", "output": "y" * 100})
         monkeypatch.setattr(results_module.os, "write", real_write)
     assert open(path, "rb").read() == before and len(calls) == 2
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -144,6 +145,7 @@ def ray_rewrite(args):
 
 def run(args) -> int:
     from lookupdec.pipelines import PromptFormat, ReadOptions, ResultsFile, RewriteOptions, plan, read_records, rewrite
+    from lookupdec.pipelines.rewrite import job_id
     from lookupdec.pipelines.results import TMP_SUFFIX
 
     cluster = ray_rewrite(args)
@@ -158,6 +160,7 @@ def run(args) -> int:
                              top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                              stop=tuple(args.stop) if args.stop else None, token_ids=args.token_ids,
                              batch_size=args.batch_size)
+    options = dataclasses.replace(options, job=job_id(args.model, prompts, options))
     records, skipped_files = read_records(
         args.input, ReadOptions(field=args.field, split=args.split, lines_per_record=args.lines_per_record,
                                 group_by=args.group_by),
@@ -169,7 +172,7 @@ def run(args) -> int:
     with ResultsFile.open(args.output) as results:
         if results.repaired:
             logging.getLogger("lookupdec").warning("%s", results.repaired)
-        work = plan(records, results)
+        work = plan(records, results, options.job)
         engine = None
         if work.needs_model and cluster is None:
             engine = load_engine(args, config)

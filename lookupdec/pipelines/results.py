@@ -48,6 +48,7 @@ class Entry:
     line: int  # 1-based line number in the file when it was opened
     ok: bool  # True: a result; False: the line holds an "error"
     input_hash: str | None
+    job: str | None = None  # the job that wrote it (``rewrite.job_id``; None: a line from before jobs)
 
 
 class ResultsFile:
@@ -150,6 +151,7 @@ class ResultsFile:
 
 
 RESULT_LINE_START = b'{"id": '  # how every line ``encode_line`` writes for a record begins
+RESULT_LINE = 'a JSON object with string "id" and "input_hash"'  # what every result line is, for messages
 
 
 def encode_line(obj: dict) -> bytes:
@@ -202,7 +204,9 @@ def _parse(line: bytes) -> dict | None:
         obj = json.loads(line)
     except (ValueError, UnicodeDecodeError):
         return None
-    return obj if isinstance(obj, dict) and isinstance(obj.get("id"), str) else None
+    if not (isinstance(obj, dict) and isinstance(obj.get("id"), str) and isinstance(obj.get("input_hash"), str)):
+        return None
+    return obj
 
 
 def _scan_and_repair(fd: int, path: str) -> tuple[dict[str, Entry], str | None]:
@@ -218,21 +222,20 @@ def _scan_and_repair(fd: int, path: str) -> tuple[dict[str, Entry], str | None]:
             continue
         obj = _parse(line)
         if obj is None:
-            raise ResultsFileError(f"{path}:{number}: not a result line (a JSON object with a string \"id\"); "
-                                   "fix or remove it, or choose another --output (nothing was changed)")
+            raise ResultsFileError(f"{path}:{number}: not a result line ({RESULT_LINE}); fix or remove it, "
+                                   "or choose another --output (nothing was changed)")
         if obj["id"] in entries:
             raise ResultsFileError(f"{path}: id {obj['id']!r} is on lines {entries[obj['id']].line} and "
                                    f"{number}; keep one of them")
-        entries[obj["id"]] = Entry(number, "error" not in obj, obj.get("input_hash"))
+        entries[obj["id"]] = Entry(number, "error" not in obj, obj["input_hash"], obj.get("job"))
     repaired = None
     if torn is not None and _parse(torn) is not None:
         _write_all(fd, b"\n")
         repaired = f"{path}: gave the last line its missing newline"
     elif torn is not None:
         if not torn.startswith(RESULT_LINE_START):
-            raise ResultsFileError(f"{path}:{len(lines) + 1}: not a result line (a JSON object with a string "
-                                   "\"id\"), nor the start of one; fix or remove it, or choose another --output "
-                                   "(nothing was changed)")
+            raise ResultsFileError(f"{path}:{len(lines) + 1}: not a result line ({RESULT_LINE}), nor the start "
+                                   "of one; fix or remove it, or choose another --output (nothing was changed)")
         os.ftruncate(fd, sum(len(line) for line in lines))
         _fsync(fd)
         repaired = (f"{path}: cut a torn last line ({len(torn)} bytes, left by an interrupted run); "

@@ -4,7 +4,7 @@ and each result is one JSON line of the output file.
 
 Output lines (``lookupdec.pipelines.results`` makes them whole and unique per id)::
 
-    {"id": ..., "input_hash": ..., "output": TEXT, "finish_reason": "length"|"eos"|"stop",
+    {"id": ..., "input_hash": ..., "job": ..., "output": TEXT, "finish_reason": "length"|"eos"|"stop",
      "stats": {"new_tokens", "steps", "mean_accepted", "tokens_per_s", "seconds"}}
     {"id": ..., "input_hash": ..., "error": "PATH:LINE: why"}        # a record that failed
 
@@ -13,7 +13,10 @@ id has an error line is done again (its old line is removed first, atomically), 
 whose line was torn by a kill; the rest are done in input order. So after any sequence of
 runs and kills the file holds each record exactly once, and a rerun until exit status 0
 leaves no error lines. ``input_hash`` (SHA-256 of the record's text) tells a changed input:
-such a record is still skipped (its old output kept), with a warning.
+such a record is still skipped (its old output kept), with a warning. ``job`` (``job_id``: the
+model's name, the prompt format and the generation options, hashed) tells another job's file:
+a run warns of results another job made (kept, as changed inputs are; lines without one,
+from before jobs, are taken as this job's).
 
 Batching (``RewriteOptions.batch_size``, ``--batch-size``): up to that many records share each
 verify forward (``lookupdec.batch``), a finished record's row going to the next one. Lines are
@@ -26,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
@@ -112,6 +117,7 @@ class RewriteOptions:
     stop: tuple[str, ...] | None = None  # outputs end before the first of these strings
     token_ids: bool = False  # also write the generated token ids in each line
     batch_size: int | str = 1  # records per verify forward; "auto": from the cost curve (auto_batch_size)
+    job: str | None = None  # written in every result line (``job_id``): a rerun of another job is refused
 
     def __post_init__(self) -> None:
         """The checks ``Engine.check_request`` runs on these values (``ParamError`` naming the
@@ -139,6 +145,18 @@ class RewriteOptions:
         return int.from_bytes(digest[:SEED_BYTES], "big") >> 1
 
 
+def job_id(model: str, prompts: PromptFormat, options: RewriteOptions) -> str:
+    """What a result line depends on besides its record, hashed (16 hex digits): the model's
+    name (its folder's, so a moved folder is the same), the prompt format and the generation
+    options (not the batch size nor ``token_ids``: outputs are the same)."""
+    name = os.path.basename(os.path.normpath(model)) if model else ""
+    what = [name, list(prompts.parts), prompts.strip_text, prompts.chat, options.max_new_tokens, options.temperature,
+            options.top_k, options.top_p, options.repetition_penalty, options.seed,
+            list(options.stop) if options.stop else None]
+    text = json.dumps(what, ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
+
+
 @dataclass
 class Plan:
     to_do: list[Record]  # in input order: new records, torn ones, and failed ones to redo
@@ -146,15 +164,20 @@ class Plan:
     skipped: int  # records with a result line already
     changed: list[str] = field(default_factory=list)  # skipped ids whose input hash differs
     moved: int = 0  # when no id matches the output's: to-do records whose text has a result there
+    other_job: list[int] = field(default_factory=list)  # lines of results another job made (``job_id``)
 
     @property
     def needs_model(self) -> bool:
         return any(r.error is None for r in self.to_do)
 
 
-def plan(records: Sequence[Record], results: ResultsFile) -> Plan:
-    """What a run over ``records`` has to do, given the lines already in ``results``."""
+def plan(records: Sequence[Record], results: ResultsFile, job: str | None = None) -> Plan:
+    """What a run over ``records`` has to do, given the lines already in ``results``; results
+    there that another ``job`` made (``job_id``: another model, prompt or generation option)
+    are kept and counted in ``other_job`` (a warning: rerunning with another prompt to redo the
+    records that failed is a use)."""
     out = Plan(to_do=[], redo=[], skipped=0)
+    out.other_job = [e.line for e in results.entries.values() if e.ok and job and e.job and e.job != job]
     for record in records:
         entry = results.entries.get(record.id)
         if entry is not None and entry.ok:
@@ -351,7 +374,8 @@ def _error_line(record: Record, exc: Exception) -> dict:
 
 def _result(record: Record, gen, seconds: float, options: RewriteOptions) -> dict:
     stats = gen.stats
-    line = {"id": record.id, "input_hash": record.input_hash, "output": gen.text, "finish_reason": gen.finish_reason,
+    line = {"id": record.id, "input_hash": record.input_hash, **({"job": options.job} if options.job else {}),
+            "output": gen.text, "finish_reason": gen.finish_reason,
             "stats": {"new_tokens": stats.new_tokens, "steps": stats.steps,
                       "mean_accepted": round(stats.mean_accepted, STATS_DIGITS),
                       "tokens_per_s": round(stats.new_tokens / seconds, STATS_DIGITS) if seconds else 0.0,
@@ -388,6 +412,10 @@ def _count(summary: RewriteSummary, line: dict) -> None:
 
 
 def _warn_plan(work: Plan, path: str) -> None:
+    if work.other_job:
+        log.warning("%d results in %s were made by another job (another --model, prompt or generation option "
+                    "than this run's; e.g. line %d); they are kept: remove their lines (or choose another --output) "
+                    "to redo them", len(work.other_job), path, min(work.other_job))
     if work.changed:
         log.warning("%d records already in %s have another text now (e.g. id %r); their old output is kept: "
                     "remove their lines (or choose another --output) to redo them", len(work.changed), path,
