@@ -167,3 +167,21 @@ def test_rewrite_bad_values_one_line_exit_2(capsys, tmp_path, args, message):
                        "--instruction", "Rewrite", "--max-new-tokens", "2", *args)
     assert code == 2 and message in err and err.count("\n") == 1, err
     assert not out_path.exists() or out_path.read_text() == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["rewrite", "--input", "x", "--output", "o.jsonl", "--instruction", "x", "--batch-size", "0"],
+     "lookupdec rewrite: argument --batch-size: expected 'auto' or an integer in [1, 64], got '0'"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "1.5"], "lookupdec generate: argument --max-new-tokens"),
+    (["serve", "--max-batch", "65"], "lookupdec serve: argument --max-batch"),
+    (["index", "query"], "lookupdec index query: the following arguments are required"),
+    (["nothing"], "lookupdec: argument COMMAND: invalid choice: 'nothing'"),
+])
+def test_argument_errors_are_one_line_exit_2(capsys, argv, message):
+    """What argparse itself refuses is one line as every other usage error (it had printed its
+    usage screen first, ~20 lines), naming the command and how to see its help."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith(f"lookupdec: error: {message}") and err.count("\n") == 1, err
+    assert "--help')" in err

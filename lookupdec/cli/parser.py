@@ -15,8 +15,17 @@ from lookupdec.cli import generate, index, rewrite, serve, simulate
 from lookupdec.cli.options import EXIT_USAGE, CliError
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors one line (``lookupdec: error: ...``, status 2) as every
+    other usage error, not the usage screen first; the subcommands' parsers are of this class."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"lookupdec: error: {self.prog}: {message} (see '{self.prog} --help')\n")
+        raise SystemExit(EXIT_USAGE)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="lookupdec",
         description="Lossless speculative decoding from lookups (prompt n-grams, caches, corpora).",
     )
