@@ -529,11 +529,11 @@ def test_a_record_with_no_line_is_an_error_exit(tmp_path, run, monkeypatch):
 
 def test_batch_size_option_is_checked(tmp_path, run):
     source = write(tmp_path / "in.txt", "a\n")
-    for bad_value in ("0", "x", "65"):
-        with pytest.raises(SystemExit) as exc:
-            run("--input", source, "--output", str(tmp_path / "o.jsonl"), "--instruction", "x", "--batch-size",
-                bad_value)
-        assert exc.value.code == 2
+    for flag in ("--batch-size", "--max-batch"):  # (--max-batch: serve's name for the same rows)
+        for bad_value in ("0", "x", "65"):
+            with pytest.raises(SystemExit) as exc:
+                run("--input", source, "--output", str(tmp_path / "o.jsonl"), "--instruction", "x", flag, bad_value)
+            assert exc.value.code == 2
 
 
 def test_auto_batch_size_reads_the_cost_curve():

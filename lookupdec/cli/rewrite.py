@@ -53,6 +53,7 @@ error (bad path, template without {text}, ...), 130 interrupted."""
 
 def add_parser(sub) -> None:
     from lookupdec.pipelines.inputs import SPLITS
+    from lookupdec.config import MAX_BATCH
     from lookupdec.pipelines.rewrite import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL
 
     p = sub.add_parser("rewrite", help="rewrite .jsonl records, text files or folders; resumable, one JSON line each",
@@ -80,10 +81,12 @@ def add_parser(sub) -> None:
     p.add_argument("--chat", action="store_true",
                    help="each prompt is a user message in the model's chat template (instruction models such "
                    "as smollm2); an --instruction prompt then has no 'Output:' cue")
-    p.add_argument("--batch-size", type=batch_size, default="auto", metavar="N|auto",
-                   help="records verified together in each forward (continuous batching; outputs unchanged, lines "
-                   "then in the order records finish). auto (the default): from the model's measured verify cost "
-                   "on this machine, 1 where batching does not pay; 1: one record at a time")
+    p.add_argument("--batch-size", "--max-batch", dest="batch_size", type=batch_size, default="auto",
+                   metavar="N|auto",
+                   help=f"records verified together in each forward, 1-{MAX_BATCH} or auto (serve's --max-batch; "
+                   "continuous batching; outputs unchanged, lines then in the order records finish). auto (the "
+                   "default): from the model's measured verify cost on this machine, 1 where batching does not pay; "
+                   "1: one record at a time")
     p.add_argument("--token-ids", action="store_true", help="also write each output's token ids")
     ray = p.add_argument_group("Ray (pip install \"lookupdec[ray]\")")
     ray.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
