@@ -127,6 +127,10 @@ class BatchDecoder:
         # the sequences the current (or last) ``step`` ended: where it raised, its caller still
         # answers these from them (``abandon`` gives the rest)
         self.ended_in_step: list[_Sequence] = []
+        # the sequences whose own prefill failed as they joined in the current (or last) step,
+        # with the error (an out-of-memory prompt): they left, the batch went on without them;
+        # the caller answers them (the server's 500, rewrite's record alone)
+        self.failed_in_step: list[tuple[_Sequence, Exception]] = []
         self._count = 0
         self._costs = engine.batch_costs  # (context bucket, rows) -> t(rows x width), the engine's
         self._probes = engine.batch_probes  # (context bucket, rows) -> widths not timed yet (``_cost``)
@@ -182,9 +186,12 @@ class BatchDecoder:
         return not self.waiting and not self.active
 
     def run(self) -> list:
-        """Step until every submitted request is done; their ``Generation``s in submission order."""
+        """Step until every submitted request is done; their ``Generation``s in submission order.
+        A prompt whose prefill fails raises its error."""
         while not self.idle:
             self.done.extend(self.step())
+            if self.failed_in_step:  # (a prompt's prefill: the whole call fails, as alone)
+                raise self.failed_in_step[0][1]
         return [self.generation(seq) for seq in sorted(self.done, key=lambda s: s.index)]
 
     def generation(self, seq: _Sequence):
@@ -200,6 +207,7 @@ class BatchDecoder:
         finished during it."""
         finished: list[_Sequence] = []
         self.ended_in_step = finished
+        self.failed_in_step = []
         self._admit(finished)
         for seq in list(self.active):  # (length, EOS and stops end a sequence in the step that reaches them)
             if seq.cancelled is not None and seq.cancelled():
@@ -305,15 +313,21 @@ class BatchDecoder:
                 logits = self.target.last_logits
                 prefill_ms = [(time.perf_counter() - t) * 1e3 / len(joining)] * len(joining)
             else:
-                for seq, room in zip(joining, rooms):
+                for k, (seq, room) in enumerate(zip(joining, rooms)):
                     t = time.perf_counter()
-                    rows.append(self.target.add(seq.context, room))
+                    try:
+                        rows.append(self.target.add(seq.context, room))
+                    except Exception as exc:  # (its prompt out of memory): it alone fails, the batch as it was
+                        self.failed_in_step.append((seq, exc))
+                        joining[k] = None
+                        continue
                     logits.append(self.target.last_logits[0])
                     prefill_ms.append((time.perf_counter() - t) * 1e3)
                     seq.stats.prefix_reused = self.target.last_reused
-        except BaseException:  # (an out-of-memory prefill): they wait again, so that the caller's
-            self.waiting[:0] = joining  # recovery of active + waiting sees them, none lost
-            raise
+                joining = [seq for seq in joining if seq is not None]
+        except BaseException:  # (a joint prefill out of memory, an interrupt): they wait again, so that
+            self.waiting[:0] = [seq for seq in joining if seq is not None]  # the caller's recovery of
+            raise  # active + waiting sees them, none lost
         for seq, row, ms in zip(joining, rows, prefill_ms):
             seq.row = row
             seq.stats.prefill_ms = ms

@@ -494,18 +494,38 @@ def test_joining_rows_fill_the_one_row_buffer_already_there(reuse):
         assert gen.token_ids == hf_greedy(model, c, 8)
 
 
-def test_a_failed_prefill_loses_no_sequence():
-    """A prefill that raises (an out-of-memory one) leaves every joining sequence waiting, so a
-    caller's recovery of ``active + waiting`` (the server's 500s, rewrite's one at a time) meets
-    them all; before, the ones taken from the queue were in neither list."""
+def test_a_failed_prefill_fails_its_sequence_alone():
+    """A prompt whose own prefill raises as it joins (out of memory) leaves the batch in
+    ``failed_in_step`` with its error; the others joined and go on, their outputs as alone
+    (before, the whole step failed and every request in flight with it). A joint prefill that
+    raises leaves every joining sequence waiting, so a caller's recovery of ``active + waiting``
+    (the server's 500s, rewrite's one at a time) meets them all."""
     engine = Engine(cached_tiny("llama"), FakeTokenizer())
     decoder = BatchDecoder(engine, 4, joint_prefill=False)
-    indices = [decoder.submit(BatchRequest([5, 6, 7, i + 1], 4)) for i in range(3)]
+    prompts = [[5, 6, 7, i + 1] for i in range(3)]
+    indices = [decoder.submit(BatchRequest(p, 4)) for p in prompts]
     decoder.target.add = failing_call(decoder.target.add, 2)
+    ended = decoder.step()
+    assert [(seq.index, str(exc)) for seq, exc in decoder.failed_in_step] == [(indices[1], "out of memory")]
+    assert sorted(seq.index for seq in decoder.active + ended) == [indices[0], indices[2]]
+    while not decoder.idle:
+        ended += decoder.step()
+        assert decoder.failed_in_step == []
+    for seq in ended:
+        want = engine.generate(prompts[seq.index], max_new_tokens=4).token_ids
+        assert decoder.generation(seq).token_ids == want
+    joint = BatchDecoder(engine, 4, joint_prefill=True)
+    indices = [joint.submit(BatchRequest(p, 4)) for p in prompts]
+    joint.target.add_many = failing_call(joint.target.add_many, 1)
     with pytest.raises(RuntimeError, match="out of memory"):
-        decoder.step()
-    assert sorted(seq.index for seq in decoder.active + decoder.waiting) == indices
-    assert [seq.index for seq in decoder.waiting] == indices  # in their order, none active yet
+        joint.step()
+    assert [seq.index for seq in joint.waiting] == indices and not joint.active  # in their order
+    again = BatchDecoder(engine, 4, joint_prefill=False)
+    for p in prompts:
+        again.submit(BatchRequest(p, 4))
+    again.target.add = failing_call(again.target.add, 3)
+    with pytest.raises(RuntimeError, match="out of memory"):  # run (generate_batch): the call fails
+        again.run()
 
 
 def test_a_failed_step_keeps_what_it_had_ended_and_steps_keep_nothing():

@@ -104,6 +104,39 @@ def test_a_failed_batched_prefill_is_a_500_not_a_hang(engine, monkeypatch):
         assert c.post("/v1/completions", json=completion()).status_code == 200
 
 
+def first_step_takes_both(monkeypatch) -> None:
+    """The batching worker's first step waits until two requests are queued (both join it)."""
+    take, waited = worker_module.BatchingWorker._take, []
+
+    def take_both(self, decoder, *, block):
+        deadline = time.monotonic() + 30
+        while not waited and self._incoming.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        waited.append(True)
+        return take(self, decoder, block=block)
+
+    monkeypatch.setattr(worker_module.BatchingWorker, "_take", take_both)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_prefill_fails_its_request_only(engine, monkeypatch):
+    """Two requests join one step and the second one's prefill fails (out of memory): it gets
+    a 500, the first its answer, equal to the same request alone (before, both got a 500)."""
+    from lookupdec.model.batch import BatchTarget
+
+    monkeypatch.setattr(BatchTarget, "add", failing_call(BatchTarget.add, 2))
+    first_step_takes_both(monkeypatch)
+    with TestClient(create_app(engine, MODEL, max_batch=4)) as c, ThreadPoolExecutor(2) as pool:
+        one = pool.submit(c.post, "/v1/completions", json=completion(max_tokens=8))
+        time.sleep(0.2)  # (queued first: its prefill is the first)
+        two = pool.submit(c.post, "/v1/completions", json=completion(max_tokens=8, prompt="Tom had a"))
+        assert one.result().status_code == 200 and two.result().status_code == 500
+        health = c.get("/health").json()
+        assert health["completed"] == 1 and health["failed"] == 1 and health["running"] == 0, health
+        alone = c.post("/v1/completions", json=completion(max_tokens=8))  # (the third prefill: fine)
+        assert alone.json()["choices"][0]["text"] == one.result().json()["choices"][0]["text"]
+
+
 @pytest.mark.timeout(120)
 def test_a_failed_batched_step_answers_what_it_had_ended(engine, monkeypatch):
     """Two requests in one step, which fails (out of memory) after one of them ended at its
@@ -112,15 +145,7 @@ def test_a_failed_batched_step_answers_what_it_had_ended(engine, monkeypatch):
     from lookupdec.model.batch import BatchTarget
 
     monkeypatch.setattr(BatchTarget, "verify", failing_call(BatchTarget.verify, 1))
-    take = worker_module.BatchingWorker._take
-
-    def take_both(self, decoder, *, block):  # the first step waits for both requests
-        deadline = time.monotonic() + 30
-        while decoder.idle and self._incoming.qsize() < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return take(self, decoder, block=block)
-
-    monkeypatch.setattr(worker_module.BatchingWorker, "_take", take_both)
+    first_step_takes_both(monkeypatch)
     with TestClient(create_app(engine, MODEL, max_batch=4)) as c, ThreadPoolExecutor(2) as pool:
         one = pool.submit(c.post, "/v1/completions", json=completion(max_tokens=1))
         more = pool.submit(c.post, "/v1/completions", json=completion(max_tokens=8))

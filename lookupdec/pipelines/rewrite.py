@@ -339,13 +339,18 @@ def _rewrite_batched(engine, take, prompts: PromptFormat, options: RewriteOption
             for seq in decoder.ended_in_step:  # (ended before the step failed: whole)
                 gen = decoder.generation(seq)
                 write(_result(seq.request.tag, gen, time.perf_counter() - started.pop(seq.index), options))
-            left = decoder.abandon()
+            left = [seq for seq, _ in decoder.failed_in_step] + decoder.abandon()
             log.warning("a batched step failed; its %d records are done one at a time", len(left),
                         exc_info=log.isEnabledFor(logging.DEBUG))
             for seq in left:
                 write(result_line(engine, seq.request.tag, prompts, options))
             decoder = BatchDecoder(engine, batch)
             continue
+        for seq, _ in decoder.failed_in_step:  # its prefill failed as it joined (out of memory): alone now
+            log.warning("a record's prefill failed in a batch; it is done alone",
+                        exc_info=log.isEnabledFor(logging.DEBUG))
+            started.pop(seq.index, None)
+            write(result_line(engine, seq.request.tag, prompts, options))
         for seq in finished:
             gen = decoder.generation(seq)
             write(_result(seq.request.tag, gen, time.perf_counter() - started.pop(seq.index), options))

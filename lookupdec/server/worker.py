@@ -201,11 +201,16 @@ class BatchingWorker(EngineWorker):
             except Exception as exc:  # a bug, not a bad request: every request in flight gets a 500
                 log.exception("batched generation failed")
                 self._answer(decoder, decoder.ended_in_step)  # (those the step had ended are whole)
+                for seq, failed in decoder.failed_in_step:
+                    self._end(seq.index, "failed", ("error", failed))
                 for seq in decoder.abandon():
                     self._end(seq.index, "failed", ("error", exc))
                 decoder = BatchDecoder(self.engine, self.max_batch)
                 self.batch_rows = 0
                 continue
+            for seq, exc in decoder.failed_in_step:  # (its prompt's prefill failed: the others go on)
+                log.error("a request's prefill failed as it joined the batch", exc_info=exc)
+                self._end(seq.index, "failed", ("error", exc))
             self.batch_rows = len(decoder.active) + len(finished)
             self._answer(decoder, finished)
             if decoder.idle:
