@@ -9,12 +9,35 @@ shows part of a stop string.
 """
 from __future__ import annotations
 
+import re
+import weakref
 from typing import Sequence
 
 import ahocorasick
 
 # Characters a tokenizer emits for an incomplete UTF-8 sequence; wait for more tokens.
 INCOMPLETE_CHAR = "\ufffd"
+# SentencePiece's byte-fallback tokens: transformers decodes a run of them as one, and where the
+# run's bytes are not UTF-8 every one of them becomes U+FFFD, so a run's text is known only once
+# a token of another kind ends it
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_byte_ids: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> its byte-token ids
+
+
+def byte_token_ids(tokenizer) -> frozenset:
+    """The ids of ``tokenizer``'s byte-fallback tokens (``<0x00>`` ... ``<0xFF>``; none for
+    byte-level BPE), found once per tokenizer."""
+    try:
+        return _byte_ids[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    ids = frozenset(i for token, i in vocab.items() if isinstance(token, str) and BYTE_TOKEN.fullmatch(token))
+    try:
+        _byte_ids[tokenizer] = ids
+    except TypeError:  # (not weakly referable: found again next time)
+        pass
+    return ids
 
 
 class StopStrings:
@@ -75,7 +98,8 @@ class TextAssembler:
     window starts at a token with text of its own, whole characters (``_start``): one that
     decodes to nothing (a special token skipped) would leave the next word at the start of the
     window, where SentencePiece drops its space, and the text would depend on how the tokens
-    were grouped into steps.
+    were grouped into steps. Nor is it a byte-fallback token, and a step ending in one shows
+    nothing yet: a run of them decodes as one (``BYTE_TOKEN``).
     """
 
     def __init__(self, tokenizer, stop: StopStrings) -> None:
@@ -88,6 +112,7 @@ class TextAssembler:
         self._prefix = 0  # first token of the decode window
         self._read = 0  # tokens whose text is already in ``self.text``
         self._stop_tokens = None  # tokens covering the text when a stop string was found
+        self._bytes = byte_token_ids(tokenizer)
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -97,6 +122,8 @@ class TextAssembler:
         if self.stopped:
             return ""
         self.token_ids.extend(new_ids)
+        if self.token_ids and self.token_ids[-1] in self._bytes:  # (a run of byte tokens may go on)
+            return ""
         before = self._decode(self.token_ids[self._prefix : self._read])
         window = self._decode(self.token_ids[self._prefix :])
         if window.endswith(INCOMPLETE_CHAR):
@@ -124,6 +151,8 @@ class TextAssembler:
         """The next window's first token: the last of ``[lo, hi)`` whose own text is not empty
         and does not begin inside a character, else the current one."""
         for p in range(hi - 1, lo - 1, -1):
+            if self.token_ids[p] in self._bytes:
+                continue
             piece = self._decode(self.token_ids[p : p + 1])
             if piece and not piece.startswith(INCOMPLETE_CHAR):
                 return p

@@ -114,6 +114,29 @@ def test_assembler_text_is_the_tokens_whatever_the_steps_with_a_special_token_in
     assert "".join(pieces) == asm.text == whole
 
 
+def test_assembler_byte_fallback_runs_whatever_the_steps(stories):
+    """SentencePiece byte-fallback tokens: a run whose bytes are not UTF-8 decodes to one U+FFFD
+    per token, even the bytes that alone are ASCII ("<", "x", "h" here), so its text is known
+    only when the run ends; a valid run (an emoji, "ï") is its character. Whatever the steps,
+    the text is the whole decode (one token per step had given "C<xh\ufffd)")."""
+    _, tokenizer = stories
+    invalid = tokenizer.convert_tokens_to_ids(["C", "<0x3C>", "<0x78>", "<0x68>", "<0x9D>", ")"])
+    valid = tokenizer("café 😀 naïve").input_ids[1:]
+    assert {"<0xF0>", "<0xC3>"} <= set(tokenizer.convert_ids_to_tokens(valid))
+    rng = random.Random(0)
+    for ids in (invalid, valid, valid + invalid + valid, invalid + invalid):
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        for _ in range(20):
+            asm, pieces, i = TextAssembler(tokenizer, StopStrings(None)), [], 0
+            while i < len(ids):
+                k = rng.randint(1, 4)
+                pieces.append(asm.add(ids[i : i + k]))
+                i += k
+            pieces.append(asm.flush())
+            assert "".join(pieces) == asm.text == whole
+    assert tokenizer.decode(invalid) == "C" + INCOMPLETE_CHAR * 4 + ")"
+
+
 def test_assembler_stop_across_boundaries_and_blocks(stories, story):
     _, tokenizer = stories
     ids, text, _ = story
