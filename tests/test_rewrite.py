@@ -91,6 +91,17 @@ def test_jsonl_records_ids_and_bad_lines(tmp_path):
     assert [r.text for r in read_records([path], ReadOptions(field="body"))[0] if r.error is None] == ["three"]
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """Files some editors save with a UTF-8 byte-order mark first: the first .jsonl line is a
+    record (it was "not valid JSON"), the first text line has no invisible U+FEFF."""
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes("\ufeff".encode() + b'{"id": "a", "text": "one"}\n')
+    text = tmp_path / "bom.txt"
+    text.write_bytes("\ufeff".encode() + b"first line\n")
+    assert [(r.id, r.text, r.error) for r in read_records([str(jsonl)])[0]] == [("a", "one", None)]
+    assert [r.text for r in read_records([str(text)])[0]] == ["first line"]
+
+
 def test_folder_recursive_sorted_skips_binary_and_the_output(tmp_path):
     root = tmp_path / "docs"
     write(root / "b.txt", "bee\n")

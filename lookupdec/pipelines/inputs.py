@@ -164,7 +164,7 @@ class RecordReader:
                 reason = "binary file"
             else:
                 try:
-                    return raw.decode("utf-8")
+                    return raw.decode("utf-8-sig")  # (a byte-order mark some editors write first: dropped)
                 except UnicodeDecodeError as exc:
                     reason = f"not UTF-8 text (byte {exc.start})"
         if not in_folder:
