@@ -171,7 +171,7 @@ def test_rewrite_bad_values_one_line_exit_2(capsys, tmp_path, args, message):
 
 @pytest.mark.parametrize("argv, message", [
     (["rewrite", "--input", "x", "--output", "o.jsonl", "--instruction", "x", "--batch-size", "0"],
-     "lookupdec rewrite: argument --batch-size: expected 'auto' or an integer in [1, 64], got '0'"),
+     "lookupdec rewrite: argument --batch-size/--max-batch: expected 'auto' or an integer in [1, 64], got '0'"),
     (["generate", "--prompt", "x", "--max-new-tokens", "1.5"], "lookupdec generate: argument --max-new-tokens"),
     (["serve", "--max-batch", "65"], "lookupdec serve: argument --max-batch"),
     (["index", "query"], "lookupdec index query: the following arguments are required"),
