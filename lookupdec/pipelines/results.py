@@ -215,9 +215,10 @@ def _scan_and_repair(fd: int, path: str) -> tuple[dict[str, Entry], str | None]:
     left) is cut. Every complete line is checked first, so a file that is not a results file
     is an error with nothing cut; a last line that does not begin as a result line is one too."""
     lines = _read_lines(fd)
-    torn = lines.pop() if lines and not lines[-1].endswith(b"\n") else None
+    unended = bool(lines) and not lines[-1].endswith(b"\n")  # (the last line lacks its newline)
+    torn = lines.pop() if unended and _parse(lines[-1]) is None else None
     entries: dict[str, Entry] = {}
-    for number, line in enumerate(lines + ([torn] if torn is not None and _parse(torn) else []), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         obj = _parse(line)
@@ -229,7 +230,7 @@ def _scan_and_repair(fd: int, path: str) -> tuple[dict[str, Entry], str | None]:
                                    f"{number}; keep one of them")
         entries[obj["id"]] = Entry(number, "error" not in obj, obj["input_hash"], obj.get("job"))
     repaired = None
-    if torn is not None and _parse(torn) is not None:
+    if unended and torn is None:
         _write_all(fd, b"\n")
         repaired = f"{path}: gave the last line its missing newline"
     elif torn is not None:

@@ -117,7 +117,7 @@ class RewriteOptions:
     stop: tuple[str, ...] | None = None  # outputs end before the first of these strings
     token_ids: bool = False  # also write the generated token ids in each line
     batch_size: int | str = 1  # records per verify forward; "auto": from the cost curve (auto_batch_size)
-    job: str | None = None  # written in every result line (``job_id``): a rerun of another job is refused
+    job: str | None = None  # written in every result line (``job_id``): a rerun of another job warns
 
     def __post_init__(self) -> None:
         """The checks ``Engine.check_request`` runs on these values (``ParamError`` naming the
@@ -333,27 +333,23 @@ def _rewrite_batched(engine, take, prompts: PromptFormat, options: RewriteOption
             started[index] = time.perf_counter()
         if decoder.idle:
             return
+        failed = False
         try:
-            finished = decoder.step()
+            decoder.step()
         except Exception:  # noqa: BLE001 -- redo what was in flight alone: a failure then names its record
-            for seq in decoder.ended_in_step:  # (ended before the step failed: whole)
-                gen = decoder.generation(seq)
-                write(_result(seq.request.tag, gen, time.perf_counter() - started.pop(seq.index), options))
-            left = [seq for seq, _ in decoder.failed_in_step] + decoder.abandon()
-            log.warning("a batched step failed; its %d records are done one at a time", len(left),
+            log.warning("a batched step failed; its records still running are done one at a time",
                         exc_info=log.isEnabledFor(logging.DEBUG))
-            for seq in left:
-                write(result_line(engine, seq.request.tag, prompts, options))
-            decoder = BatchDecoder(engine, batch)
-            continue
-        for seq, _ in decoder.failed_in_step:  # its prefill failed as it joined (out of memory): alone now
-            log.warning("a record's prefill failed in a batch; it is done alone",
-                        exc_info=log.isEnabledFor(logging.DEBUG))
-            started.pop(seq.index, None)
-            write(result_line(engine, seq.request.tag, prompts, options))
-        for seq in finished:
+            failed = True
+        for seq in decoder.ended_in_step:  # (what the step returns; whole even where it raised later)
             gen = decoder.generation(seq)
             write(_result(seq.request.tag, gen, time.perf_counter() - started.pop(seq.index), options))
+        alone = [seq for seq, _ in decoder.failed_in_step]  # (their prefill failed as they joined)
+        if failed:
+            alone += decoder.abandon()
+            decoder = BatchDecoder(engine, batch)
+        for seq in alone:
+            started.pop(seq.index, None)
+            write(result_line(engine, seq.request.tag, prompts, options))
 
 
 def run_records(engine, take, prompts: PromptFormat, options: RewriteOptions, batch: int, write) -> None:

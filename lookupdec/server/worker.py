@@ -196,23 +196,22 @@ class BatchingWorker(EngineWorker):
             self._take(decoder, block=decoder.idle)
             if decoder.idle:
                 continue
+            error = None
             try:
-                finished = decoder.step()
+                decoder.step()
             except Exception as exc:  # a bug, not a bad request: every request in flight gets a 500
                 log.exception("batched generation failed")
-                self._answer(decoder, decoder.ended_in_step)  # (those the step had ended are whole)
-                for seq, failed in decoder.failed_in_step:
-                    self._end(seq.index, "failed", ("error", failed))
-                for seq in decoder.abandon():
-                    self._end(seq.index, "failed", ("error", exc))
-                decoder = BatchDecoder(self.engine, self.max_batch)
-                self.batch_rows = 0
-                continue
-            for seq, exc in decoder.failed_in_step:  # (its prompt's prefill failed: the others go on)
+                error = exc
+            for seq, exc in decoder.failed_in_step:  # (its prompt's prefill failed: the others went on)
                 log.error("a request's prefill failed as it joined the batch", exc_info=exc)
                 self._end(seq.index, "failed", ("error", exc))
+            finished = decoder.ended_in_step  # (what the step returns; whole even where it raised later)
             self.batch_rows = len(decoder.active) + len(finished)
             self._answer(decoder, finished)
+            if error is not None:
+                for seq in decoder.abandon():
+                    self._end(seq.index, "failed", ("error", error))
+                decoder = BatchDecoder(self.engine, self.max_batch)
             if decoder.idle:
                 self.batch_rows = 0
         for index in list(self._jobs):  # shutting down: whatever still runs is cancelled
