@@ -305,14 +305,20 @@ class BatchDecoder:
             return
         del self.waiting[: len(joining)]
         rows, logits, prefill_ms = [], [], []
+        before = self.target.rows
         try:
             rooms = [self._room(seq) for seq in joining]
-            if self.target.joint_prefill and len(joining) > 1:  # one forward for all (each gets its share)
+            joint = self.target.joint_prefill and len(joining) > 1
+            if joint:  # one forward for all (each gets its share)
                 t = time.perf_counter()
-                rows = self.target.add_many([seq.context for seq in joining], rooms)
-                logits = self.target.last_logits
-                prefill_ms = [(time.perf_counter() - t) * 1e3 / len(joining)] * len(joining)
-            else:
+                try:
+                    rows = self.target.add_many([seq.context for seq in joining], rooms)
+                except Exception:  # (out of memory): none of them joined; each alone, below, so
+                    joint = False  # that only a prompt whose own prefill fails fails
+                else:
+                    logits = self.target.last_logits
+                    prefill_ms = [(time.perf_counter() - t) * 1e3 / len(joining)] * len(joining)
+            if not joint:
                 for k, (seq, room) in enumerate(zip(joining, rooms)):
                     t = time.perf_counter()
                     try:
@@ -325,9 +331,11 @@ class BatchDecoder:
                     prefill_ms.append((time.perf_counter() - t) * 1e3)
                     seq.stats.prefix_reused = self.target.last_reused
                 joining = [seq for seq in joining if seq is not None]
-        except BaseException:  # (a joint prefill out of memory, an interrupt): they wait again, so that
-            self.waiting[:0] = [seq for seq in joining if seq is not None]  # the caller's recovery of
-            raise  # active + waiting sees them, none lost
+        except BaseException:  # (an interrupt): the rows added leave and they wait again, so that
+            while self.target.rows > before:  # the caller's recovery of active + waiting sees them,
+                self.target.remove(self.target.rows - 1)  # none lost
+            self.waiting[:0] = [seq for seq in joining if seq is not None]
+            raise
         for seq, row, ms in zip(joining, rows, prefill_ms):
             seq.row = row
             seq.stats.prefill_ms = ms

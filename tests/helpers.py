@@ -277,13 +277,13 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def failing_call(fn, nth: int, message: str = "out of memory"):
-    """``fn`` that raises ``RuntimeError(message)`` on its ``nth`` call (1-based), as a prefill out of
+def failing_call(fn, nth: int, message: str = "out of memory", exc: type[BaseException] = RuntimeError):
+    """``fn`` that raises ``exc(message)`` on its ``nth`` call (1-based), as a prefill out of
     memory would; the calls so far in ``.calls``."""
     def wrapper(*args, **kwargs):
         wrapper.calls += 1
         if wrapper.calls == nth:
-            raise RuntimeError(message)
+            raise exc(message)
         return fn(*args, **kwargs)
 
     wrapper.calls = 0

@@ -115,6 +115,24 @@ def test_joint_prefill_groups_by_its_caps(monkeypatch):
     assert groups == [[6], [5]]
 
 
+def test_a_joint_prefill_that_fails_adds_no_row(monkeypatch):
+    """``add_many`` is all or nothing: a later group's forward that raises (out of memory) takes
+    the rows of the groups before it out again, so the caller may add each one alone."""
+    from lookupdec.model import batch as model_batch
+    from lookupdec.model.batch import BatchTarget
+
+    engine = Engine(cached_tiny("llama"), FakeTokenizer())
+    target = BatchTarget(engine.target, 8, joint_prefill=True)
+    target.add([9, 8, 7])
+    monkeypatch.setattr(model_batch, "PREFILL_MASK", 2 * 6 ** 2)  # groups [6, 5], [4]
+    monkeypatch.setattr(target, "_add_group", failing_call(target._add_group, 2))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        target.add_many([[1] * 6, [2] * 5, [3] * 4])
+    assert target.rows == 1 and target.lengths == [3] and target.store.rows == 1
+    assert target.add_many([[1] * 6, [2] * 5, [3] * 4]) == [1, 2, 3]  # (its third call: fine)
+    assert target.lengths == [3, 6, 5, 4]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fixed_budget_batch_equals_transformers(family):
     model = cached_tiny(family)
@@ -516,10 +534,29 @@ def test_a_failed_prefill_fails_its_sequence_alone():
         assert decoder.generation(seq).token_ids == want
     joint = BatchDecoder(engine, 4, joint_prefill=True)
     indices = [joint.submit(BatchRequest(p, 4)) for p in prompts]
-    joint.target.add_many = failing_call(joint.target.add_many, 1)
-    with pytest.raises(RuntimeError, match="out of memory"):
-        joint.step()
-    assert [seq.index for seq in joint.waiting] == indices and not joint.active  # in their order
+    joint.target.add = failing_call(joint.target.add, 2)
+    joint.target._add_group = failing_call(joint.target._add_group, 1)
+    ended = joint.step()  # the joint forward fails: each alone, the second fails alone
+    assert [(seq.index, str(exc)) for seq, exc in joint.failed_in_step] == [(indices[1], "out of memory")]
+    assert joint.target.rows == len(joint.active) and not joint.waiting
+    while not joint.idle:
+        ended += joint.step()
+    assert sorted(seq.index for seq in ended) == [indices[0], indices[2]]
+    for seq in ended:
+        want = engine.generate(prompts[seq.index], max_new_tokens=4).token_ids
+        assert joint.generation(seq).token_ids == want
+    stopped = BatchDecoder(engine, 4, joint_prefill=True)
+    indices = [stopped.submit(BatchRequest(p, 4)) for p in prompts]
+    stopped.target.add_many = failing_call(stopped.target.add_many, 1, exc=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):  # an interrupt: every joining sequence waits again
+        stopped.step()
+    assert [seq.index for seq in stopped.waiting] == indices and not stopped.active  # in their order
+    assert stopped.target.rows == 0
+    stopped.target.add = failing_call(stopped.target.add, 2, exc=KeyboardInterrupt)
+    stopped.target.joint_prefill = False
+    with pytest.raises(KeyboardInterrupt):  # in the middle of rows joining one by one: the same
+        stopped.step()
+    assert [seq.index for seq in stopped.waiting] == indices and stopped.target.rows == 0
     again = BatchDecoder(engine, 4, joint_prefill=False)
     for p in prompts:
         again.submit(BatchRequest(p, 4))

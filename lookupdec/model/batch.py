@@ -107,9 +107,20 @@ class BatchTarget:
         position ``i`` and sees its own slots ``[0, i]`` only, so its K/V are what its own
         prefill writes; padding slots (a copy of the row's last token) see the row's tokens and
         land in the row's holes, which every later mask hides. ``rooms``: per context, as
-        ``add``'s ``room`` (None: none)."""
+        ``add``'s ``room`` (None: none). All or nothing: if a forward raises (out of memory), the
+        rows it had added already leave before the error goes on, so the caller may add them again
+        one by one."""
         if self.rows + len(contexts) > self.max_rows:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
+        before = self.rows
+        try:
+            return self._add_many(contexts, rooms)
+        except BaseException:
+            while self.rows > before:  # the last row each time: nothing moves
+                self.remove(self.rows - 1)
+            raise
+
+    def _add_many(self, contexts: Sequence[Sequence[int]], rooms: Sequence[int] | None) -> list[int]:
         out, logits, group = [], [], []
 
         def add(rows: list[int]) -> None:  # rows just added, their logits in ``last_logits``
