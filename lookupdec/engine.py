@@ -309,7 +309,8 @@ class Engine:
         """The token ids of ``prompt`` (text, tokenized with the tokenizer's specials, or token
         ids), checked: not empty, every id in the vocabulary, room left in the model's context.
         A bad prompt raises ``ParamError`` with ``.field == field`` (a server names its own
-        request field, ``prompt`` or ``messages``; the message says "prompt" either way)."""
+        request field, ``prompt`` or ``messages``: a prompt too long for the context is then
+        reported as what the chat template made of the messages)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ParamError("prompt is empty", field)
@@ -328,7 +329,8 @@ class Engine:
             raise ParamError("prompt is empty", field)
         limit = self.target.max_context
         if limit is not None and len(ids) >= limit:
-            raise ParamError(f"prompt has {len(ids)} tokens; the model's context is {limit} tokens", field)
+            what = "prompt" if field == "prompt" else f"the prompt the chat template makes of the {field}"
+            raise ParamError(f"{what} has {len(ids)} tokens; the model's context is {limit} tokens", field)
         return ids
 
     def chat_prompt(self, messages, *, add_generation_prompt: bool = True) -> list[int]:

@@ -317,6 +317,29 @@ def test_bad_values_name_their_field(client, raw, param):
     assert response.json()["error"]["param"] == param and param in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", '"prompt": "\\ud800"', "prompt"),
+    ("/v1/completions", '"prompt": "a \\ud800 lone"', "prompt"),
+    ("/v1/completions", '"prompt": "Once", "stop": ["\\udc00"]', "stop"),
+    ("/v1/chat/completions", '"messages": [{"role": "user", "content": "a\\ud800"}]', "messages"),
+])
+def test_a_lone_surrogate_is_named_as_such(client, path, raw, param):
+    """A string with a lone surrogate is valid JSON but no text: the 400 says so and names the field
+    (before: "expected a non-empty string or ...", or the tokenizer's TypeError)."""
+    response = client.post(path, content="{" + raw + "}", headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: not valid Unicode"), error
+
+
+def test_a_chat_too_long_says_what_is_too_long(client):
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 1000}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages", error
+    assert error["message"].startswith("the prompt the chat template makes of the messages has "), error
+
+
 def test_tiny_temperature_samples_instead_of_failing(client):
     for temperature in (1e-40, 1e-300, 5e-324):
         response = client.post("/v1/completions", json=completion(temperature=temperature, seed=1))

@@ -15,7 +15,7 @@ import copy
 import threading
 from dataclasses import dataclass
 
-from lookupdec.server.protocol import ChatRequest, CompletionRequest, RequestError
+from lookupdec.server.protocol import NOT_UNICODE, ChatRequest, CompletionRequest, RequestError
 from lookupdec.tokens import chat_text
 from lookupdec.validate import ParamError
 
@@ -101,8 +101,12 @@ class PromptBuilder:
     def _tokenize(self, text: str, param: str, *, special: bool) -> list[int]:
         """``text``'s token ids (``special``: with the specials the tokenizer adds, e.g. BOS)."""
         try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(f"{param}: {NOT_UNICODE}", param) from None
+        try:
             return list(self.tokenizer(text, add_special_tokens=special).input_ids)
-        except (TypeError, ValueError, UnicodeError) as exc:  # e.g. a lone surrogate ("\\ud800") in the JSON
+        except (TypeError, ValueError, UnicodeError) as exc:  # (a tokenizer that refuses some text)
             raise RequestError(f"{param}: cannot tokenize this text ({exc.__class__.__name__}: "
                                f"{str(exc)[:200]})", param) from None
 

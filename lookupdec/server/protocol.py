@@ -168,6 +168,10 @@ EXPECTED = {
 }
 
 
+# a string with a lone surrogate ("\ud800" in the JSON): valid JSON, no text a tokenizer can take
+NOT_UNICODE = "not valid Unicode text (it holds a lone surrogate such as \\ud800, which UTF-8 cannot encode)"
+
+
 def validation_error(errors: list[dict]) -> RequestError:
     """Pydantic's errors as one RequestError naming the top-level field."""
     err = errors[0]
@@ -181,7 +185,10 @@ def validation_error(errors: list[dict]) -> RequestError:
         return RequestError(f"{'.'.join(loc)} is required", param)
     if err.get("type") == "extra_forbidden":
         return RequestError(f"{'.'.join(loc)}: unknown or unsupported field", param)
-    if sum(1 for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == [param]) > 1:
+    mine = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == [param]]
+    if any(e.get("type") == "string_unicode" for e in mine):  # what the union's message would hide
+        return RequestError(f"{param}: {NOT_UNICODE}", param)
+    if len(mine) > 1:
         return RequestError(f"{param}: expected {EXPECTED.get(param, 'another value')}", param)
     message = str(err.get("ctx", {}).get("error") or err.get("msg", "invalid value"))
     shown = "" if isinstance(value, (dict, list)) or len(repr(value)) > MAX_SHOWN_VALUE else f"={value!r}"
