@@ -202,6 +202,22 @@ def test_outputs_equal_transformers_greedy(stories, tmp_path, run):
 
 
 @needs_stories
+@pytest.mark.parametrize("name, text", [("empty.jsonl", ""), ("blank.txt", "\n\n  \n"), ("empty_dir/", None)])
+def test_no_records_is_a_warning_not_silence(tmp_path, run, name, text):
+    """An input with no record (an empty file, blank lines, an empty folder) exits 0 with an
+    empty output and a warning naming the input (before: nothing said)."""
+    path = tmp_path / name
+    if text is None:
+        path.mkdir()
+    else:
+        path.write_text(text, encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    code, _, err = run("--input", str(path), "--instruction", INSTRUCTION, "--output", str(out))
+    assert code == 0 and lines_of(out) == [], err
+    assert f"no records in {path}" in err and "0 records rewritten" in err
+
+
+@needs_stories
 def test_folder_with_template_and_split_file(tmp_path, run):
     write(tmp_path / "docs" / "b.txt", "Tom ran.\n")
     write(tmp_path / "docs" / "a" / "c.txt", "Lily sang.\n")

@@ -172,6 +172,9 @@ def run(args) -> int:
         logging.getLogger("lookupdec").warning("skipped %d files that are not text: %s", len(skipped_files),
                                                "; ".join(skipped_files[:3]) + (" ..." if len(skipped_files) > 3 else ""))
     records = records[: args.limit] if args.limit else records
+    if not records:
+        logging.getLogger("lookupdec").warning("no records in %s (empty, or no line with text): nothing to rewrite",
+                                               ", ".join(args.input))
     with ResultsFile.open(args.output) as results:
         if results.repaired:
             logging.getLogger("lookupdec").warning("%s", results.repaired)
