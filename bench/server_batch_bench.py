@@ -1,8 +1,14 @@
 """Concurrent clients against ``lookupdec serve``: continuous batching (``--max-batch N``) against
 the server taking requests one at a time, on SmolLM2-135M-Instruct (float32, CPU, loopback).
 
-Two real server processes run side by side (an idle one costs nothing): ``--max-batch 1`` and
-``--max-batch N``. Both get the same requests, in an order rotated per measurement:
+Two real server processes, ``--max-batch 1`` and ``--max-batch N``, get the same requests, in an
+order rotated per measurement; one runs at a time: each measurement starts a server, warms it up
+on a prompt no measurement uses, measures and stops it before the other starts. (Until 79a461d
+both ran side by side all along, the idle one thought to cost nothing. It does not on this VM: with
+a second server process alive, another server's prefills took 1.5x as long (its copies into new
+K/V memory, ``PrefixStore.save``, up to 25x), and the batching server's 8-client tokens/s fell
+from 100 to 74-78 (one-at-a-time: 62 to 54); ``--together`` keeps that way, for comparison.) A
+fresh server's suffix cache has seen only the warm-up, not the earlier measurements' answers.
 
 * ``single``   -- one client alone, one request after another: latency per request
 * ``C clients`` -- C threads, each with its own official ``openai`` client, each sending the
@@ -128,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--max-batch", type=int, default=16, help="the batching server's --max-batch (16)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each server (1)")
+    ap.add_argument("--together", action="store_true",
+                    help="both servers alive for the whole run (as before 79a461d) instead of one at a time")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "server_batch.json")
     add_device_option(ap)
     args = ap.parse_args(argv)
@@ -148,20 +156,41 @@ def main(argv=None) -> int:
                          f"({args.prompts} per measurement x {len(measurements)} + 1)")
     warmup, pool = pool[0], pool[1:]
     del loader
-    servers = {"one-at-a-time": start_server(args.model, args.threads, 1, args.device),
-               f"max-batch-{args.max_batch}": start_server(args.model, args.threads, args.max_batch, args.device)}
-    names = list(servers)
+    batches = {"one-at-a-time": 1, f"max-batch-{args.max_batch}": args.max_batch}
+    names = list(batches)
+    servers: dict = {}  # name -> (process, api) of the servers alive
+
+    def server(name: str) -> str:
+        """The api of ``name``'s server, started (and warmed up: kernels, the cost curve's seed,
+        on a prompt no measurement uses) if it is not running; without ``--together`` the other
+        one is stopped first."""
+        if name not in servers:
+            if not args.together:
+                stop_all()
+            servers[name] = start_server(args.model, args.threads, batches[name], args.device)
+            single(servers[name][1], [warmup], 8)
+        return servers[name][1]
+
+    def stop_all() -> None:
+        while servers:
+            proc, _ = servers.pop(next(iter(servers)))
+            proc.terminate()
+            proc.wait(timeout=30)
+
     rows, mismatches = [], 0
     try:
-        for name in names:  # warm-up: kernels, cost curve seed; a prompt no measurement uses
-            single(servers[name][1], [warmup], 8)
+        if args.together:
+            for name in names:
+                server(name)
         for k, (what, clients) in enumerate(measurements):
             prompts = pool[k * args.prompts : (k + 1) * args.prompts]  # new to both servers
             results = {}
             for name in names[k % 2:] + names[: k % 2]:
-                api = servers[name][1]
+                api = server(name)
                 results[name] = (single(api, prompts, args.max_tokens) if clients is None
                                  else concurrent(api, prompts, args.max_tokens, clients))
+                if not args.together:
+                    stop_all()
             a, b = (results[n]["texts"] for n in names)
             diff = sum(x != y for x, y in zip(a, b))
             mismatches += diff
@@ -178,9 +207,7 @@ def main(argv=None) -> int:
                                    f"({r['vs_one_at_a_time']:.2f}x), median latency {r['median_latency_s']:.2f} s"
                                    for r in rows[-2:]) + (f"  {diff} texts differ" if diff else ""), flush=True)
     finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-            proc.wait(timeout=30)
+        stop_all()
     alone = {r["server"]: r["tokens_per_s"] for r in rows if r["measure"] == "single"}
     for r in rows:
         r["vs_single_client_alone"] = round(r["tokens_per_s"] / alone[r["server"]], 3)
