@@ -304,37 +304,12 @@ class BatchDecoder:
         if not joining:
             return
         del self.waiting[: len(joining)]
-        rows, logits, prefill_ms = [], [], []
         before = self.target.rows
         try:
-            rooms = [self._room(seq) for seq in joining]
-            joint = self.target.joint_prefill and len(joining) > 1
-            if joint:  # one forward for all (each gets its share)
-                t = time.perf_counter()
-                try:
-                    rows = self.target.add_many([seq.context for seq in joining], rooms)
-                except Exception:  # (out of memory): none of them joined; each alone, below, so
-                    joint = False  # that only a prompt whose own prefill fails fails
-                else:
-                    logits = self.target.last_logits
-                    prefill_ms = [(time.perf_counter() - t) * 1e3 / len(joining)] * len(joining)
-            if not joint:
-                for k, (seq, room) in enumerate(zip(joining, rooms)):
-                    t = time.perf_counter()
-                    try:
-                        rows.append(self.target.add(seq.context, room))
-                    except Exception as exc:  # (its prompt out of memory): it alone fails, the batch as it was
-                        self.failed_in_step.append((seq, exc))
-                        joining[k] = None
-                        continue
-                    logits.append(self.target.last_logits[0])
-                    prefill_ms.append((time.perf_counter() - t) * 1e3)
-                    seq.stats.prefix_reused = self.target.last_reused
-                joining = [seq for seq in joining if seq is not None]
+            joining, rows, logits, prefill_ms = self._prefill(joining)
         except BaseException:  # (an interrupt): the rows added leave and they wait again, so that
-            while self.target.rows > before:  # the caller's recovery of active + waiting sees them,
-                self.target.remove(self.target.rows - 1)  # none lost
-            self.waiting[:0] = [seq for seq in joining if seq is not None]
+            self.target.truncate(before)  # the caller's recovery of active + waiting sees them,
+            self.waiting[:0] = [seq for seq in joining if seq is not None]  # none lost
             raise
         for seq, row, ms in zip(joining, rows, prefill_ms):
             seq.row = row
@@ -350,6 +325,36 @@ class BatchDecoder:
                 self._emit(seq, new, finished)
             else:
                 self._end(seq, "length", finished)
+
+    def _prefill(self, joining: list) -> tuple[list, list, list, list]:
+        """Rows for the ``joining`` sequences' prompts: those that joined, their rows, their
+        prompts' last logits and prefill ms. One forward for all where ``joint_prefill`` (each
+        gets its share of the time); if it fails (out of memory) it adds no row and each prefills
+        alone, so that only a prompt whose own prefill fails leaves, into ``failed_in_step``
+        (``joining[k]`` set to None, for an interrupt's recovery)."""
+        rooms = [self._room(seq) for seq in joining]
+        if self.target.joint_prefill and len(joining) > 1:
+            t = time.perf_counter()
+            try:
+                rows = self.target.add_many([seq.context for seq in joining], rooms)
+            except Exception:  # noqa: BLE001 -- each alone, below: a failure then names its prompt
+                pass
+            else:
+                share = (time.perf_counter() - t) * 1e3 / len(joining)
+                return joining, rows, self.target.last_logits, [share] * len(joining)
+        rows, logits, prefill_ms = [], [], []
+        for k, (seq, room) in enumerate(zip(joining, rooms)):
+            t = time.perf_counter()
+            try:
+                rows.append(self.target.add(seq.context, room))
+            except Exception as exc:  # (its prompt out of memory): it alone fails, the batch as it was
+                self.failed_in_step.append((seq, exc))
+                joining[k] = None
+                continue
+            logits.append(self.target.last_logits[0])
+            prefill_ms.append((time.perf_counter() - t) * 1e3)
+            seq.stats.prefix_reused = self.target.last_reused
+        return [seq for seq in joining if seq is not None], rows, logits, prefill_ms
 
     def _emit(self, seq: _Sequence, new: list[int], finished: list) -> None:
         """``new`` tokens join ``seq``'s output (text streamed); it ends at a stop string, EOS,

@@ -116,8 +116,7 @@ class BatchTarget:
         try:
             return self._add_many(contexts, rooms)
         except BaseException:
-            while self.rows > before:  # the last row each time: nothing moves
-                self.remove(self.rows - 1)
+            self.truncate(before)
             raise
 
     def _add_many(self, contexts: Sequence[Sequence[int]], rooms: Sequence[int] | None) -> list[int]:
@@ -208,6 +207,12 @@ class BatchTarget:
         self.store.rows = self.rows
         self._set_slots(max(self.lengths, default=0))
         return moved
+
+    def truncate(self, rows: int) -> None:
+        """Free every row from ``rows`` on (those added since there were ``rows``): the last
+        each time, so nothing moves."""
+        while self.rows > rows:
+            self.remove(self.rows - 1)
 
     def prepare(self, n: int) -> float:
         return self.target.prepare(n)
