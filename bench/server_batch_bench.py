@@ -4,11 +4,11 @@ the server taking requests one at a time, on SmolLM2-135M-Instruct (float32, CPU
 Two real server processes, ``--max-batch 1`` and ``--max-batch N``, get the same requests, in an
 order rotated per measurement; one runs at a time: each measurement starts a server, warms it up
 on a prompt no measurement uses, measures and stops it before the other starts. (Until 79a461d
-both ran side by side all along, the idle one thought to cost nothing. It does not on this VM: with
-a second server process alive, another server's prefills took 1.5x as long (its copies into new
-K/V memory, ``PrefixStore.save``, up to 25x), and the batching server's 8-client tokens/s fell
-from 100 to 74-78 (one-at-a-time: 62 to 54); ``--together`` keeps that way, for comparison.) A
-fresh server's suffix cache has seen only the warm-up, not the earlier measurements' answers.
+both ran side by side all along, the idle one thought to cost nothing. It does not on this VM:
+the batching server's 8-client tokens/s was 81.9 and 80.5 with both alive, 100.0 and 106.0 alone,
+same code and prompts (README, "Concurrent clients"); ``--together`` keeps that way, for
+comparison.) A fresh server's suffix cache has seen only the warm-up, not the earlier
+measurements' answers.
 
 * ``single``   -- one client alone, one request after another: latency per request
 * ``C clients`` -- C threads, each with its own official ``openai`` client, each sending the
