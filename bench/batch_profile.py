@@ -131,7 +131,7 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
 
     decoder = BatchDecoder(engine, batch, record_widths=True)
     spent = {"prefill": 0.0, "verify": 0.0, "plan": 0.0, "accept": 0.0, "commit": 0.0, "finish": 0.0}
-    slots = {"nodes": 0, "padded": 0}
+    slots = {"nodes": 0, "padded": 0, "kv_read": 0, "kv_prefix": 0}
     depth = [0]  # (add_many calls add: time the outer call only)
 
     def timed(kind, call, sync=False):
@@ -150,10 +150,17 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
 
     verify = timed("verify", decoder.target.verify, sync=True)
 
+    attention = AttentionTimer(engine.target.sync)
+
     def counted(trees, rows=None, picks=0):
         slots["nodes"] += sum(len(t) for t in trees)
         slots["padded"] += len(trees) * max(len(t) for t in trees)
-        return verify(trees, rows, picks)
+        # the K/V slots the rows' attention reads (every row the longest row's, holes masked)
+        # against those their prefixes hold
+        slots["kv_read"] += len(trees) * decoder.target.store.lengths[0]
+        slots["kv_prefix"] += sum(decoder.target.lengths)
+        with attention:
+            return verify(trees, rows, picks)
 
     decoder.target.add = timed("prefill", decoder.target.add, sync=True)
     decoder.target.add_many = timed("prefill", decoder.target.add_many, sync=True)
@@ -210,7 +217,11 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
             "finish_s": spent["finish"],
             "steps": len(decoder.widths), "mean_width": statistics.mean(decoder.widths),
             "verified_slots": slots["padded"], "node_slots": slots["nodes"],
-            "padding_share": 1 - slots["nodes"] / slots["padded"]}
+            "padding_share": 1 - slots["nodes"] / slots["padded"],
+            # attention's share of the verify forwards (each SDPA call timed), and the share of the
+            # prefix slots it reads that are holes (a row shorter than the longest)
+            "attention_s": attention.seconds,
+            "hole_share": 1 - slots["kv_prefix"] / slots["kv_read"] if slots["kv_read"] else 0.0}
 
 
 def one_at_a_time(engine, prompts, max_tokens: int) -> dict:
@@ -277,7 +288,9 @@ def main(argv=None) -> int:
               f"{summary['verify_s']:.1f} s, other {summary['other_s']:.1f} s (plan {summary['plan_s']:.3f}, accept "
               f"{summary['accept_s']:.3f}, commit {summary['commit_s']:.3f}, finish {summary['finish_s']:.3f}); "
               f"{summary['steps']} steps, mean width "
-              f"{summary['mean_width']:.2f}, padding {100 * summary['padding_share']:.1f}% of verified slots")
+              f"{summary['mean_width']:.2f}, padding {100 * summary['padding_share']:.1f}% of verified slots; "
+              f"attention {summary['attention_s']:.1f} s of verify, holes {100 * summary['hole_share']:.0f}% "
+              f"of the prefix slots it reads")
         if args.clients:
             del engine  # (a fresh engine: this one's suffix cache has seen every answer)
             fresh = Engine.from_pretrained(args.model, device=args.device, dtype="float32")
