@@ -93,7 +93,10 @@ class AttentionTimer:
         torch.nn.functional.scaled_dot_product_attention = self._original
 
 
-def forwards(engine, shapes, context: int, repeats: int) -> list[dict]:
+def forwards(engine, shapes, context: int, repeats: int, modes=("grouped",)) -> list[dict]:
+    """Each shape's forwards in each attention mode of ``modes`` (``--attention``: grouped, gqa),
+    the modes taking turns forward by forward so that the machine's drift falls on both alike."""
+    from lookupdec.model import kernels
     from lookupdec.model.batch import BatchTarget
 
     generator = torch.Generator().manual_seed(0)
@@ -102,27 +105,35 @@ def forwards(engine, shapes, context: int, repeats: int) -> list[dict]:
         target = BatchTarget(engine.target, rows)
         for _ in range(rows):
             target.add(torch.randint(0, 40000, (context,), generator=generator).tolist())
-        seconds, attention = [], []
-        for r in range(2 * repeats + 2):  # two first forwards choose the kernels' forms, untimed;
-            trees = [chain(5, width, generator) for _ in range(rows)]  # then untimed attention and timed alternate
-            timer = AttentionTimer(engine.target.sync) if r >= 2 and r % 2 else None
-            start = time.perf_counter()
-            if timer is None:
-                target.verify(trees)
-            else:
-                with timer:
-                    target.verify(trees)
-            engine.target.sync()  # (a GPU's forward ends on the device, not at its launch)
-            if timer is not None:
-                attention.append((timer.seconds, timer.kv_bytes))
-            elif r >= 2:
-                seconds.append(time.perf_counter() - start)
-            target.commit([[] for _ in range(rows)])
-        median = statistics.median(seconds)
-        att_s, kv_bytes = sorted(attention)[len(attention) // 2]  # (kv_mb: MiB; the rate: GB/s, 1e9 bytes)
-        out.append({"rows": rows, "width": width, "tokens": rows * width, "median_ms": median * 1e3,
-                    "ms_per_token": median * 1e3 / (rows * width), "attention_ms": att_s * 1e3,
-                    "kv_mb": kv_bytes / 2**20, "kv_gb_per_s": kv_bytes / att_s / 1e9 if att_s else None})
+        seconds = {m: [] for m in modes}
+        attention = {m: [] for m in modes}
+        try:
+            for r in range(2 * repeats + 2):  # two first rounds choose the kernels' forms, untimed;
+                for mode in modes if r % 2 == 0 else modes[::-1]:  # then untimed attention and timed alternate
+                    kernels.GROUPED_ATTENTION = mode == "grouped"
+                    trees = [chain(5, width, generator) for _ in range(rows)]
+                    timer = AttentionTimer(engine.target.sync) if r >= 2 and r % 2 else None
+                    start = time.perf_counter()
+                    if timer is None:
+                        target.verify(trees)
+                    else:
+                        with timer:
+                            target.verify(trees)
+                    engine.target.sync()  # (a GPU's forward ends on the device, not at its launch)
+                    if timer is not None:
+                        attention[mode].append((timer.seconds, timer.kv_bytes))
+                    elif r >= 2:
+                        seconds[mode].append(time.perf_counter() - start)
+                    target.commit([[] for _ in range(rows)])
+        finally:
+            kernels.GROUPED_ATTENTION = modes[0] == "grouped"
+        for mode in modes:
+            median = statistics.median(seconds[mode])
+            att_s, kv_bytes = sorted(attention[mode])[len(attention[mode]) // 2]  # (kv_mb: MiB; GB/s: 1e9 bytes)
+            out.append({"rows": rows, "width": width, "tokens": rows * width, "attention": mode,
+                        "median_ms": median * 1e3, "ms_per_token": median * 1e3 / (rows * width),
+                        "attention_ms": att_s * 1e3, "kv_mb": kv_bytes / 2**20,
+                        "kv_gb_per_s": kv_bytes / att_s / 1e9 if att_s else None})
     return out
 
 
@@ -256,8 +267,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="result JSON (default: bench/results/batch_profile_<T>t.json)")
     p.add_argument("--cprofile", type=Path, default=None, metavar="PATH",
                    help="write the split's Python profile (by own time, then cumulative) to PATH")
+    p.add_argument("--attention", choices=("grouped", "gqa", "both"), default="grouped",
+                   help="masked attention of several query tokens: grouped (each K/V head's query heads folded "
+                   "into one SDPA call, the default), gqa (transformers' call, SDPA's enable_gqa), or both: "
+                   "the forwards in each, taking turns, and the split in grouped")
     add_device_option(p)
     args = p.parse_args(argv)
+    from lookupdec.model import kernels
+
+    modes = ("grouped", "gqa") if args.attention == "both" else (args.attention,)
+    kernels.GROUPED_ATTENTION = modes[0] == "grouped"
     if args.prompts < 0:
         p.error(f"--prompts {args.prompts}: must be >= 0")
     if args.clients < 0:
@@ -274,8 +293,9 @@ def main(argv=None) -> int:
     if len(pool) < needed:
         raise SystemExit(f"{len(pool)} rewrite prompts, {needed} needed (--offset + --prompts)")
     engine.generate(pool[0][:64], max_new_tokens=8)  # warm-up: kernels, cost curve
-    rows = forwards(engine, args.shapes, args.context, args.repeats)
+    rows = forwards(engine, args.shapes, args.context, args.repeats, modes)
     print(format_table(rows, [("rows", "rows", "d"), ("width", "width", "d"), ("tokens", "tokens", "d"),
+                              ("attention", "attention", "s"),
                               ("median_ms", "forward ms", ".1f"), ("ms_per_token", "ms/token", ".2f"),
                               ("attention_ms", "of it attention ms", ".1f"), ("kv_mb", "K/V MiB", ".0f"),
                               ("kv_gb_per_s", "K/V GB/s", ".1f")]))

@@ -888,3 +888,113 @@ def test_a_norm_whose_weight_was_replaced_leaves_the_core():
     finally:
         kernels.core_rms_norm = core
         m.weight = old
+
+
+# -- grouped queries: masked attention with grouped K/V heads ----------------------------------
+class _Attention(torch.nn.Module):  # what transformers' attention functions read of the module
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups, self.is_causal, self.training = groups, True, False
+
+
+def _attention_inputs(batch, heads, kv_heads, q, kv, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # the layouts a model hands over: the query a transposed projection, K/V views of a longer buffer
+    query = torch.randn(batch, q, heads, 16, generator=g).transpose(1, 2)
+    buffer = torch.randn(2, batch, kv_heads, kv + 7, 16, generator=g)
+    allowed = torch.rand(batch, 1, q, kv, generator=g) < 0.7
+    allowed[..., 0] = True  # every query sees at least one slot
+    mask = torch.zeros(batch, 1, q, kv).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    return query, buffer[0, :, :, :kv], buffer[1, :, :, :kv], mask
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,q,kv", [(1, 9, 3, 2, 40), (1, 9, 3, 17, 300), (8, 9, 3, 5, 90),
+                                                       (3, 4, 2, 4, 33), (2, 8, 1, 3, 50)])
+def test_grouped_attention_computes_what_transformers_sdpa_does(batch, heads, kv_heads, q, kv):
+    """Inside ``swapped(gqa=True)`` a masked call of several query tokens with grouped K/V heads is
+    one SDPA call over each K/V head's query heads folded into its rows: the same output (float
+    rounding apart), in the same layout, as transformers' own call; outside, every call is
+    transformers' own, bit for bit."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from lookupdec.model import kernels
+
+    model = cached_tiny("llama")
+    query, key, value, mask = _attention_inputs(batch, heads, kv_heads, q, kv)
+    module = _Attention(heads // kv_heads)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    grouped = kernels.grouped_attention(sdpa_attention_forward)
+    calls = kernels.GROUPED_CALLS[0]
+    assert torch.equal(grouped(module, query, key, value, mask, scaling=0.25)[0], want)  # not on: transformers'
+    assert kernels.GROUPED_CALLS[0] == calls
+    with swapped(model, None, gqa=True):
+        got, weights = grouped(module, query, key, value, mask, scaling=0.25)
+        again, _ = grouped(module, query, key, value, mask, scaling=0.25)  # the folded mask made once
+    assert kernels.GROUPED_CALLS[0] == calls + 2 and weights is None
+    assert got.shape == want.shape == (batch, q, heads, 16) and got.is_contiguous()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6) and torch.equal(got, again)
+
+
+def test_grouped_attention_leaves_other_calls_to_transformers():
+    """One query token, no mask, K/V heads not grouped, or not inside ``swapped(gqa=True)``:
+    transformers' own call; ``swapped`` sets the switch for its block only, on its thread only,
+    and forgets the folded mask (a caller may write its mask buffer again for the next forward)."""
+    import threading
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from lookupdec.model import kernels
+
+    model = cached_tiny("llama")
+    grouped = kernels.grouped_attention(sdpa_attention_forward)
+    query, key, value, mask = _attention_inputs(2, 6, 2, 4, 30)
+    module = _Attention(3)
+    calls = kernels.GROUPED_CALLS[0]
+    with swapped(model, None, gqa=True):
+        assert kernels._GROUPED.on
+        for args in ((query[:, :, :1], key, value, mask[:, :, :1]), (query, key, value, None)):
+            want, _ = sdpa_attention_forward(module, *args)
+            assert torch.equal(grouped(module, *args)[0], want)
+        repeated = (key.repeat_interleave(3, 1), value.repeat_interleave(3, 1))
+        want, _ = sdpa_attention_forward(_Attention(1), query, *repeated, mask)
+        assert torch.equal(grouped(_Attention(1), query, *repeated, mask)[0], want)
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(getattr(kernels._GROUPED, "on", False)))
+        thread.start()
+        thread.join()
+        assert seen == [False]
+        grouped(module, query, key, value, mask)
+        mask[..., 1] = torch.finfo(torch.float32).min  # written again in place (next forward's)
+        assert kernels._GROUPED.mask is not None
+    assert kernels.GROUPED_CALLS[0] == calls + 1
+    assert not kernels._GROUPED.on and kernels._GROUPED.mask is None
+    want, _ = sdpa_attention_forward(module, query, key, value, mask)
+    with swapped(model, None, gqa=True):
+        got, _ = grouped(module, query, key, value, mask)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_engine_verifies_trees_with_grouped_queries():
+    """A grouped-K/V model's tree and batched verify forwards on a CPU go through the grouped
+    call (transformers' "sdpa" attention wrapped), and the output stays ``transformers``' greedy."""
+    from helpers import hf_greedy
+
+    from lookupdec.batch import BatchDecoder, BatchRequest
+    from lookupdec.model import kernels
+
+    model = cached_tiny("qwen2")  # grouped K/V heads
+    assert model.config.num_attention_heads > model.config.num_key_value_heads
+    engine = Engine(model, FakeTokenizer(), EngineConfig(budget="fixed", max_nodes=8))
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 9, 10], [11, 12, 13, 11, 12, 13, 14]]
+    calls = kernels.GROUPED_CALLS[0]
+    assert engine.generate(prompts[0], max_new_tokens=30).token_ids == hf_greedy(model, prompts[0], 30)
+    alone = kernels.GROUPED_CALLS[0]
+    assert alone > calls
+    decoder = BatchDecoder(engine, 2)
+    for p in prompts:
+        decoder.submit(BatchRequest(p, 30))
+    done = []
+    while not decoder.idle:
+        done.extend(decoder.generation(s).token_ids for s in decoder.step())
+    assert sorted(done) == sorted(hf_greedy(model, p, 30) for p in prompts)
+    assert kernels.GROUPED_CALLS[0] > alone

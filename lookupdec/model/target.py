@@ -10,8 +10,8 @@ import torch
 
 from lookupdec.model.cache import (PrefixStore, commit_accepted, common_prefix, crop_cache, emptied_cache,
                                    new_cache)
-from lookupdec.model.kernels import (FastHead, fast_head_for, fused_norms_for, fused_rotary_for, kernel_forms,
-                                     packed_linears_for, seed_kernel_forms, skinny_threaded, swapped)
+from lookupdec.model.kernels import (FastHead, fast_head_for, fused_norms_for, fused_rotary_for, grouped_attention,
+                                     kernel_forms, packed_linears_for, seed_kernel_forms, skinny_threaded, swapped)
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
@@ -59,6 +59,16 @@ def start_from_prefix(token_ids: Sequence[int], weights, in_place, prefixes: Pre
     return None, 0
 
 
+def _install_grouped_attention() -> None:
+    """``kernels.grouped_attention`` as transformers' "sdpa" attention (once; it wraps whatever is
+    there, and outside ``swapped(gqa=True)`` on its thread hands every call to it)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    current = ALL_ATTENTION_FUNCTIONS.get("sdpa")
+    if current is not None and not hasattr(current, "__grouped_original__"):
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = grouped_attention(current)
+
+
 class TargetModel:
     """A causal LM with a KV cache of the committed prefix, verifying token trees."""
 
@@ -80,6 +90,8 @@ class TargetModel:
         self.config = model.config
         self.device = next(model.parameters()).device
         self._gqa = fast_head and self.device.type == "cpu"  # K/V heads not copied per query group (model/kernels.py)
+        if self._gqa:
+            _install_grouped_attention()
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = _max_context(self.config)
