@@ -271,9 +271,17 @@ def main(argv=None) -> int:
                    help="masked attention of several query tokens: grouped (each K/V head's query heads folded "
                    "into one SDPA call, the default), gqa (transformers' call, SDPA's enable_gqa), or both: "
                    "the forwards in each, taking turns, and the split in grouped")
+    p.add_argument("--grouped-min-queries", type=int, default=None, metavar="N",
+                   help="grouped attention for calls of at least N query tokens (default: the engine's, "
+                   "kernels.GROUPED_MIN_QUERIES)")
     add_device_option(p)
     args = p.parse_args(argv)
     from lookupdec.model import kernels
+
+    if args.grouped_min_queries is not None:
+        if args.grouped_min_queries < 1:
+            p.error(f"--grouped-min-queries {args.grouped_min_queries}: must be >= 1")
+        kernels.GROUPED_MIN_QUERIES = args.grouped_min_queries
 
     modes = ("grouped", "gqa") if args.attention == "both" else (args.attention,)
     kernels.GROUPED_ATTENTION = modes[0] == "grouped"

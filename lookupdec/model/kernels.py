@@ -903,6 +903,7 @@ _GROUPED = threading.local()  # .on: grouped calls wanted on this thread (``swap
 # mask folded, (its key, the folded copy): every layer of a forward gets the same mask
 GROUPED_CALLS = [0]  # grouped calls made (tests)
 GROUPED_ATTENTION = True  # False: every call as transformers makes it (benchmarks compare the two)
+GROUPED_MIN_QUERIES = 2  # calls of fewer query tokens stay transformers' (bench/batch_profile.py --grouped-min-queries)
 
 
 def fold_query_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -938,7 +939,7 @@ def grouped_attention(original):
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                   is_causal=None, **kwargs):
         groups = getattr(module, "num_key_value_groups", 1)
-        if (GROUPED_ATTENTION and getattr(_GROUPED, "on", False) and attention_mask is not None and query.shape[2] > 1
+        if (GROUPED_ATTENTION and getattr(_GROUPED, "on", False) and attention_mask is not None and query.shape[2] >= GROUPED_MIN_QUERIES
                 and isinstance(groups, int) and groups > 1 and query.device.type == "cpu" and not dropout
                 and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
                 and attention_mask.shape[-1] == key.shape[-2] and key.shape[1] * groups == query.shape[1]
