@@ -894,13 +894,15 @@ GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: SDPA's enabl
 # Grouped queries (``grouped_attention``): inside ``swapped(gqa=True)`` on this thread, a masked
 # attention call of 2 or more query tokens folds each K/V head's query heads into its query
 # rows. torch's CPU flash kernel given ``enable_gqa`` walks the K/V of a head once per query head
-# of its group (SmolLM2: three times); folded, once, with three times the rows. Measured on the
-# AMD EPYC (2 threads, SmolLM2's 9 query and 3 K/V heads, head dim 64, a call per layer; median
-# of 15 rounds of both, alternating): 8 rows x 5 nodes after 1,100 slots 1.60 ms against 2.30,
-# 8 x 3 after 700 0.54 against 1.07, one 8-node tree after 700 0.148 against 0.184, 64 nodes
-# 0.81 against 0.86. A batch of rewrites spent 42% of its verify time in attention there.
-_GROUPED = threading.local()  # .on: grouped calls wanted on this thread (``swapped``); .mask: the last
-# mask folded, (its key, the folded copy): every layer of a forward gets the same mask
+# of its group (SmolLM2: three times); folded, once, with three times the rows. SmolLM2 on the
+# AMD EPYC at 2 threads, the two taking turns (``bench/batch_profile.py --attention both``,
+# ``bench/results/batch_forwards_attention_2t_epyc.json``): 8 rows of 4 tokens 93.9 ms against
+# 106.4 (attention 31.7 against 43.5), 4 x 4 49.7 against 53.9; 8 x 8 and one sequence's trees
+# the same within noise; calls of one query token gained nothing folded
+# (``batch_forwards_attention_q1_2t_epyc.json``), hence ``GROUPED_MIN_QUERIES``.
+_GROUPED = threading.local()  # .on: grouped calls wanted on this thread (``swapped``); .mask: the
+# last mask folded, (the mask, its group size, the folded copy): every layer of a forward gets the same mask
+_UNHANDLED = ("softcap", "position_bias", "cache", "sinks", "s_aux")  # options left to transformers' call
 GROUPED_CALLS = [0]  # grouped calls made (tests)
 GROUPED_ATTENTION = True  # False: every call as transformers makes it (benchmarks compare the two)
 GROUPED_MIN_QUERIES = 2  # calls of fewer query tokens stay transformers' (bench/batch_profile.py --grouped-min-queries)
@@ -930,7 +932,7 @@ def _folded_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 
 def grouped_attention(original):
     """A transformers attention function (``sdpa_attention_forward``'s signature) computing a
-    masked call of 2 or more query tokens with grouped K/V heads as one SDPA call over folded
+    masked call of ``GROUPED_MIN_QUERIES`` or more query tokens with grouped K/V heads as one SDPA call over folded
     query heads (``fold_query_heads``) while ``_GROUPED.on`` (``swapped``), on a CPU; any other
     call (another thread's, a model outside ``swapped``, one query token, no mask, options it
     does not handle) goes to ``original`` unchanged."""
@@ -939,12 +941,12 @@ def grouped_attention(original):
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                   is_causal=None, **kwargs):
         groups = getattr(module, "num_key_value_groups", 1)
-        if (GROUPED_ATTENTION and getattr(_GROUPED, "on", False) and attention_mask is not None and query.shape[2] >= GROUPED_MIN_QUERIES
-                and isinstance(groups, int) and groups > 1 and query.device.type == "cpu" and not dropout
+        if (GROUPED_ATTENTION and getattr(_GROUPED, "on", False) and attention_mask is not None
+                and query.shape[2] >= GROUPED_MIN_QUERIES and isinstance(groups, int) and groups > 1
+                and query.device.type == "cpu" and not dropout
                 and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
                 and attention_mask.shape[-1] == key.shape[-2] and key.shape[1] * groups == query.shape[1]
-                and all(kwargs.get(k) is None for k in ("softcap", "position_bias", "cache", "sinks", "s_aux"))
-                and not kwargs.get("output_attentions", False)):
+                and all(kwargs.get(k) is None for k in _UNHANDLED) and not kwargs.get("output_attentions", False)):
             batch, heads, q, dim = query.shape
             out = F.scaled_dot_product_attention(fold_query_heads(query, key.shape[1]), key, value,
                                                  attn_mask=_folded_mask(attention_mask, groups), scale=scaling)
@@ -955,8 +957,6 @@ def grouped_attention(original):
 
     attention.__grouped_original__ = original
     return attention
-
-
 
 
 @contextlib.contextmanager
