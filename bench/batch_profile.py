@@ -6,8 +6,9 @@ the server and batch benchmarks (why batching gives rewrites about 2x, not more)
 * ``forwards`` -- one batched verify forward (``BatchTarget.verify``) of ``rows x width``
   chain tokens after a ``--context``-token prefix per row, median of ``--repeats``, for each
   ``--shapes`` ROWSxWIDTH (a 1-row shape is one sequence's tree of that many nodes), and of it
-  the time inside attention (``torch.nn.functional.scaled_dot_product_attention``, every
-  layer's call summed, in forwards apart from the timed ones) with the K/V bytes they are given: on a CPU
+  the time inside attention (``torch.nn.functional.scaled_dot_product_attention`` or the core's
+  ``kernels.core_attention``, every layer's call summed, in forwards apart from the timed ones;
+  ``--attention`` picks the kernel, several take turns) with the K/V bytes they are given: on a CPU
   rows multiply the K/V a forward reads, which memory bandwidth, not arithmetic, bounds;
 * ``split``    -- ``--prompts`` rewrite prompts (log lines to JSON and code edits, alternating,
   as ``server_batch_bench.py --workload rewrite`` sends them) through one ``BatchDecoder`` of
@@ -87,15 +88,44 @@ class AttentionTimer:
             return out
 
         torch.nn.functional.scaled_dot_product_attention = timed  # (transformers calls it through the module)
+        from lookupdec.model import kernels
+
+        self._core = kernels.core_attention  # the core's tree attention (grouped_attention calls it by name)
+
+        def timed_core(query, key, value, plan, scale, *args):
+            self.sync()
+            start = time.perf_counter()
+            out = self._core(query, key, value, plan, scale, *args)
+            self.seconds += time.perf_counter() - start
+            self.kv_bytes += (key.numel() + value.numel()) * key.element_size()
+            return out
+
+        kernels.core_attention = timed_core
         return self
 
     def __exit__(self, *exc) -> None:
+        from lookupdec.model import kernels
+
         torch.nn.functional.scaled_dot_product_attention = self._original
+        kernels.core_attention = self._core
+
+
+ATTENTION_MODES = ("core", "grouped", "gqa")
+
+
+def set_attention(mode: str) -> None:
+    """core: the compiled tree attention (``kernels.core_attention``, the engine's default);
+    grouped: each K/V head's query heads folded into one SDPA call; gqa: transformers' own call
+    (SDPA's enable_gqa). Each for masked calls of ``GROUPED_MIN_QUERIES`` or more query tokens."""
+    from lookupdec.model import kernels
+
+    kernels.GROUPED_ATTENTION = mode != "gqa"
+    kernels.CORE_ATTENTION = mode == "core"
 
 
 def forwards(engine, shapes, context: int, repeats: int, modes=("grouped",)) -> list[dict]:
-    """Each shape's forwards in each attention mode of ``modes`` (``--attention``: grouped, gqa),
-    the modes taking turns forward by forward so that the machine's drift falls on both alike."""
+    """Each shape's forwards in each attention mode of ``modes`` (``--attention``: core, grouped,
+    gqa), the modes taking turns forward by forward so that the machine's drift falls on each alike."""
     from lookupdec.model import kernels
     from lookupdec.model.batch import BatchTarget
 
@@ -110,7 +140,7 @@ def forwards(engine, shapes, context: int, repeats: int, modes=("grouped",)) -> 
         try:
             for r in range(2 * repeats + 2):  # two first rounds choose the kernels' forms, untimed;
                 for mode in modes if r % 2 == 0 else modes[::-1]:  # then untimed attention and timed alternate
-                    kernels.GROUPED_ATTENTION = mode == "grouped"
+                    set_attention(mode)
                     trees = [chain(5, width, generator) for _ in range(rows)]
                     timer = AttentionTimer(engine.target.sync) if r >= 2 and r % 2 else None
                     start = time.perf_counter()
@@ -126,7 +156,7 @@ def forwards(engine, shapes, context: int, repeats: int, modes=("grouped",)) -> 
                         seconds[mode].append(time.perf_counter() - start)
                     target.commit([[] for _ in range(rows)])
         finally:
-            kernels.GROUPED_ATTENTION = modes[0] == "grouped"
+            set_attention(modes[0])
         for mode in modes:
             median = statistics.median(seconds[mode])
             att_s, kv_bytes = sorted(attention[mode])[len(attention[mode]) // 2]  # (kv_mb: MiB; GB/s: 1e9 bytes)
@@ -267,10 +297,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="result JSON (default: bench/results/batch_profile_<T>t.json)")
     p.add_argument("--cprofile", type=Path, default=None, metavar="PATH",
                    help="write the split's Python profile (by own time, then cumulative) to PATH")
-    p.add_argument("--attention", choices=("grouped", "gqa", "both"), default="grouped",
-                   help="masked attention of several query tokens: grouped (each K/V head's query heads folded "
-                   "into one SDPA call, the default), gqa (transformers' call, SDPA's enable_gqa), or both: "
-                   "the forwards in each, taking turns, and the split in grouped")
+    p.add_argument("--attention", nargs="+", choices=(*ATTENTION_MODES, "both"), default=["core"],
+                   help="masked attention of several query tokens, one or more: core (the compiled tree "
+                   "attention, the default), grouped (each K/V head's query heads folded into one SDPA call), "
+                   "gqa (transformers' call, SDPA's enable_gqa); both: grouped and gqa. Several: the forwards "
+                   "in each, taking turns, and the split in the first")
     p.add_argument("--grouped-min-queries", type=int, default=None, metavar="N",
                    help="grouped attention for calls of at least N query tokens (default: the engine's, "
                    "kernels.GROUPED_MIN_QUERIES)")
@@ -283,8 +314,8 @@ def main(argv=None) -> int:
             p.error(f"--grouped-min-queries {args.grouped_min_queries}: must be >= 1")
         kernels.GROUPED_MIN_QUERIES = args.grouped_min_queries
 
-    modes = ("grouped", "gqa") if args.attention == "both" else (args.attention,)
-    kernels.GROUPED_ATTENTION = modes[0] == "grouped"
+    modes = tuple(dict.fromkeys(m for a in args.attention for m in (("grouped", "gqa") if a == "both" else (a,))))
+    set_attention(modes[0])
     if args.prompts < 0:
         p.error(f"--prompts {args.prompts}: must be >= 0")
     if args.clients < 0:

@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import cached_tiny
 from helpers import FakeTokenizer
@@ -910,14 +911,16 @@ def _attention_inputs(batch, heads, kv_heads, q, kv, seed=0):
 
 @pytest.mark.parametrize("batch,heads,kv_heads,q,kv", [(1, 9, 3, 2, 40), (1, 9, 3, 17, 300), (8, 9, 3, 5, 90),
                                                        (3, 4, 2, 4, 33), (2, 8, 1, 3, 50)])
-def test_grouped_attention_computes_what_transformers_sdpa_does(batch, heads, kv_heads, q, kv):
+def test_grouped_attention_computes_what_transformers_sdpa_does(batch, heads, kv_heads, q, kv, monkeypatch):
     """Inside ``swapped(gqa=True)`` a masked call of several query tokens with grouped K/V heads is
-    one SDPA call over each K/V head's query heads folded into its rows: the same output (float
-    rounding apart), in the same layout, as transformers' own call; outside, every call is
-    transformers' own, bit for bit."""
+    one SDPA call over each K/V head's query heads folded into its rows (the core's attention
+    off): the same output (float rounding apart), in the same layout, as transformers' own call;
+    outside, every call is transformers' own, bit for bit."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from lookupdec.model import kernels
+
+    monkeypatch.setattr(kernels, "CORE_ATTENTION", False)
 
     model = cached_tiny("llama")
     query, key, value, mask = _attention_inputs(batch, heads, kv_heads, q, kv)
@@ -935,15 +938,19 @@ def test_grouped_attention_computes_what_transformers_sdpa_does(batch, heads, kv
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6) and torch.equal(got, again)
 
 
-def test_grouped_attention_leaves_other_calls_to_transformers():
+@pytest.mark.parametrize("core", [False, True])
+def test_grouped_attention_leaves_other_calls_to_transformers(core, monkeypatch):
     """One query token, no mask, K/V heads not grouped, or not inside ``swapped(gqa=True)``:
     transformers' own call; ``swapped`` sets the switch for its block only, on its thread only,
-    and forgets the folded mask (a caller may write its mask buffer again for the next forward)."""
+    and forgets the folded mask and the core's plan (a caller may write its mask buffer again
+    for the next forward)."""
     import threading
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from lookupdec.model import kernels
+
+    monkeypatch.setattr(kernels, "CORE_ATTENTION", core and kernels.core_attention_available())
 
     model = cached_tiny("llama")
     grouped = kernels.grouped_attention(sdpa_attention_forward)
@@ -965,9 +972,9 @@ def test_grouped_attention_leaves_other_calls_to_transformers():
         assert seen == [False]
         grouped(module, query, key, value, mask)
         mask[..., 1] = torch.finfo(torch.float32).min  # written again in place (next forward's)
-        assert kernels._GROUPED.mask is not None
+        assert (kernels._GROUPED.plan if kernels.CORE_ATTENTION else kernels._GROUPED.mask) is not None
     assert kernels.GROUPED_CALLS[0] == calls + 1
-    assert not kernels._GROUPED.on and kernels._GROUPED.mask is None
+    assert not kernels._GROUPED.on and kernels._GROUPED.mask is None and kernels._GROUPED.plan is None
     want, _ = sdpa_attention_forward(module, query, key, value, mask)
     with swapped(model, None, gqa=True):
         got, _ = grouped(module, query, key, value, mask)
@@ -998,3 +1005,193 @@ def test_the_engine_verifies_trees_with_grouped_queries():
         done.extend(decoder.generation(s).token_ids for s in decoder.step())
     assert sorted(done) == sorted(hf_greedy(model, p, 30) for p in prompts)
     assert kernels.GROUPED_CALLS[0] > alone
+
+
+def kernels_core_attention() -> bool:
+    from lookupdec.model import kernels
+
+    return kernels.core_attention_available()
+
+
+# -- the core's tree attention -----------------------------------------------------------------
+def _tree_attention_inputs(batch, heads, kv_heads, q, kv, dim, seed=0, dtype=torch.float32):
+    """A ragged batch's verify call as the engine makes it: the query a transposed projection,
+    K/V views of a longer buffer; every row's prefix with holes (some rows' own), its last ``q``
+    slots a tree (the ancestor mask: each query itself and some earlier ones), one padded query
+    that sees nothing, and some slots seen with a bias other than 0 (a float mask may hold any)."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, q, heads, dim, generator=g).transpose(1, 2)
+    buffer = torch.randn(2, batch, kv_heads, kv + 7, dim, generator=g)
+    allowed = torch.ones(batch, q, kv, dtype=torch.bool)
+    tree = torch.tril(torch.rand(q, q, generator=g) < 0.5) | torch.eye(q, dtype=torch.bool)
+    allowed[:, :, kv - q:] = tree
+    allowed[:, :, 1:4] = False  # holes every row has
+    for b in range(batch):
+        start = int(torch.randint(4, max(5, kv - q), (1,), generator=g))
+        allowed[b, :, start:start + b % 3 * 2] = False  # and each its own
+    if q > 1:
+        allowed[-1, -1] = False  # a padded query: sees nothing
+    mask = torch.zeros(batch, 1, q, kv, dtype=dtype).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    biased = torch.rand(batch, 1, q, kv, generator=g) < 0.05
+    mask.masked_fill_(biased & allowed[:, None], -1.5)
+    return query, buffer[0, :, :, :kv], buffer[1, :, :, :kv], mask, allowed
+
+
+@pytest.mark.skipif(not kernels_core_attention(), reason="compiled core without tree attention")
+@pytest.mark.parametrize("batch,heads,kv_heads,q,kv,dim", [(1, 9, 3, 8, 600, 64), (8, 9, 3, 4, 300, 64),
+                                                           (3, 4, 2, 2, 50, 32), (2, 8, 8, 5, 70, 128),
+                                                           (16, 9, 3, 2, 120, 64), (1, 9, 3, 17, 40, 64),
+                                                           (2, 4, 1, 6, 25, 48), (1, 4, 2, 9, 40, 16),
+                                                           (2, 6, 2, 64, 90, 112), (1, 2, 1, 3, 3, 80)])
+def test_core_attention_matches_its_float64_definition(batch, heads, kv_heads, q, kv, dim):
+    """``kernels.core_attention`` (the compiled tree attention) in every instruction set this CPU
+    runs against ``reference_attention`` (float64 by definition): each query's softmax over the
+    slots its mask row shows, bias added, zeros for one that sees nothing; and against torch's
+    SDPA where a query sees something. Rounding apart, the same; the builds agree with each other
+    as closely."""
+    from lookupdec.automaton import _core
+    from lookupdec.model import kernels
+
+    query, key, value, mask, allowed = _tree_attention_inputs(batch, heads, kv_heads, q, kv, dim)
+    plan = kernels.attention_plan(mask)
+    want = kernels.reference_attention(query, key, value, mask, dim ** -0.5)
+    groups = heads // kv_heads
+    sdpa = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
+                                          attn_mask=mask).transpose(1, 2)
+    live = allowed.any(-1)
+    assert not live.all() or q == 1
+    outs = {}
+    for isa in _core.attention_isas():
+        got = kernels.core_attention(query, key, value, plan, dim ** -0.5, isa)
+        assert got.shape == (batch, q, heads, dim) and got.is_contiguous()
+        assert torch.allclose(got, want, rtol=1e-5, atol=2e-6), (isa, (got - want).abs().max())
+        assert torch.equal(got[~live], torch.zeros_like(got[~live]))
+        assert torch.allclose(got[live], sdpa[live], rtol=1e-5, atol=2e-6)
+        outs[isa] = got
+    for isa, got in outs.items():
+        assert torch.allclose(got, outs["generic"], rtol=1e-5, atol=2e-6), isa
+
+
+@pytest.mark.parametrize("made_by", ["core", "reference"])
+def test_attention_plan_lists_the_slots_each_row_shows(made_by):
+    """The plan: per row the slots some query sees, those every live query sees with bias 0
+    first (the prefix), then the rest ascending (the tree, and a slot seen with another bias);
+    each query's bias at them (-inf: hidden); a query that sees nothing not live and not
+    deciding what is common. A boolean mask plans as its additive twin. The core's plan
+    (``attention_plan``) and the torch definition (``attention_plan_reference``) alike."""
+    from lookupdec.model import kernels
+
+    if made_by == "core" and not kernels_core_attention():
+        pytest.skip("compiled core without tree attention")
+    plan_of = kernels.attention_plan if made_by == "core" else kernels.attention_plan_reference
+
+    def used(plan):  # each row's entries up to its count (the core's rows are L wide)
+        return ([row[:n] for row, n in zip(plan.cols.tolist(), plan.counts.tolist())],
+                [[q[:n] for q in rows] for rows, n in zip(plan.bias.tolist(), plan.counts.tolist())])
+
+    hidden = torch.finfo(torch.float32).min
+    rows = [[0, hidden, 0, 0, hidden, 0],       # query 0: slots 0, 2, 3, 5
+            [0, hidden, 0, -2.0, 0, hidden],    # query 1: 0, 2, 3 (bias -2), 4
+            [hidden] * 6]                       # query 2: nothing (a padded node)
+    mask = torch.tensor(rows)[None, None]
+    plan = plan_of(mask)
+    cols, bias = used(plan)
+    assert cols == [[0, 2, 3, 4, 5]] and plan.counts.tolist() == [5] and plan.common.tolist() == [2]
+    assert plan.live.tolist() == [[1, 1, 0]]
+    inf = -math.inf
+    assert bias == [[[0, 0, 0, inf, 0], [0, 0, -2.0, 0, inf], [inf] * 5]]
+    boolean = plan_of(mask > hidden)
+    cols, bias = used(boolean)
+    assert cols == [[0, 2, 3, 4, 5]] and boolean.common.tolist() == [3]
+    assert bias[0][1] == [0, 0, 0, 0, inf]
+    empty = plan_of(torch.full((2, 1, 3, 4), hidden))
+    assert empty.counts.tolist() == [0, 0] and not empty.live.any()
+
+
+@pytest.mark.skipif(not kernels_core_attention(), reason="compiled core without tree attention")
+@pytest.mark.parametrize("shape", [(1, 9, 3, 8, 600, 64), (8, 9, 3, 4, 300, 64), (2, 6, 2, 64, 90, 112),
+                                   (3, 4, 2, 2, 50, 32), (5, 4, 2, 1, 17, 16)])
+def test_the_cores_attention_plan_is_the_references(shape):
+    """The core's plan (``_core.attention_plan_at``) of ragged tree masks -- holes, a padded
+    query, biased slots; additive, boolean, and a strided view of a wider buffer -- holds the
+    values ``attention_plan_reference`` computes, entry for entry up to each row's count."""
+    from lookupdec.model import kernels
+
+    mask = _tree_attention_inputs(*shape)[3]
+    wide = torch.full((*mask.shape[:3], mask.shape[3] + 5), 7.0)
+    wide[..., : mask.shape[3]] = mask
+    for m in (mask, mask > torch.finfo(torch.float32).min, wide[..., : mask.shape[3]]):
+        got, want = kernels.attention_plan(m), kernels.attention_plan_reference(m)
+        assert got.cols.shape[1] == m.shape[3]
+        for name in ("counts", "common", "live"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        for b, n in enumerate(want.counts.tolist()):
+            assert torch.equal(got.cols[b, :n], want.cols[b, :n]) and torch.equal(got.bias[b, :, :n], want.bias[b, :, :n])
+
+
+@pytest.mark.skipif(not kernels_core_attention(), reason="compiled core without tree attention")
+def test_grouped_attention_calls_the_core_where_it_applies(monkeypatch):
+    """Inside ``swapped(gqa=True)``: a masked float32 call of 2 to ``CORE_MAX_QUERIES`` query
+    tokens with head dims the core takes is the core's (the plan made once per forward, forgotten
+    as ``swapped`` ends); other head dims, more query tokens, or ``CORE_ATTENTION`` off: the folded
+    SDPA call; the same output as transformers' either way."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from lookupdec.model import kernels
+
+    model = cached_tiny("llama")
+    grouped = kernels.grouped_attention(sdpa_attention_forward)
+    module = _Attention(3)
+    query, key, value, mask, _ = _tree_attention_inputs(2, 9, 3, 5, 60, 64)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)
+    live = mask[:, 0].amax(-1) > torch.finfo(torch.float32).min
+    core = kernels.CORE_ATTENTION_CALLS[0]
+    with swapped(model, None, gqa=True):
+        got, _ = grouped(module, query, key, value, mask, scaling=0.125)
+        plan = kernels._GROUPED.plan[1]
+        again, _ = grouped(module, query, key, value, mask, scaling=0.125)
+        assert kernels._GROUPED.plan[1] is plan
+    assert kernels._GROUPED.plan is None
+    assert kernels.CORE_ATTENTION_CALLS[0] == core + 2 and torch.equal(got, again)
+    assert torch.allclose(got[live], want[live], rtol=1e-5, atol=2e-6)
+    odd = _tree_attention_inputs(2, 9, 3, 5, 60, 24)[:4]  # a head dim the core does not take
+    monkeypatch.setattr(kernels, "CORE_MAX_QUERIES", 4)
+    with swapped(model, None, gqa=True):
+        grouped(module, *odd)
+        grouped(module, query, key, value, mask, scaling=0.125)  # 5 query tokens > 4
+        monkeypatch.setattr(kernels, "CORE_MAX_QUERIES", 64)
+        monkeypatch.setattr(kernels, "CORE_ATTENTION", False)
+        folded, _ = grouped(module, query, key, value, mask, scaling=0.125)
+    assert kernels.CORE_ATTENTION_CALLS[0] == core + 2
+    assert torch.allclose(folded[live], want[live], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.skipif(not kernels_core_attention(), reason="compiled core without tree attention")
+def test_the_engine_verifies_with_the_core_attention():
+    """A grouped-K/V model whose head dim the core takes (16): its tree and batched verify
+    forwards call the core's tree attention, and the output stays ``transformers``' greedy."""
+    import transformers
+    from helpers import hf_greedy
+
+    from lookupdec.batch import BatchDecoder, BatchRequest
+    from lookupdec.model import kernels
+
+    torch.manual_seed(3)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=96, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    assert model.config.hidden_size // model.config.num_attention_heads == 16
+    engine = Engine(model, FakeTokenizer(), EngineConfig(budget="fixed", max_nodes=8))
+    prompts = [[5, 6, 7, 5, 6, 8, 5, 6, 9, 5, 6], [11, 12, 13, 11, 12, 14, 11, 12], [20, 21, 22, 20, 21, 23, 20]]
+    calls = kernels.CORE_ATTENTION_CALLS[0]
+    assert engine.generate(prompts[0], max_new_tokens=30).token_ids == hf_greedy(model, prompts[0], 30)
+    alone = kernels.CORE_ATTENTION_CALLS[0]
+    assert alone > calls
+    decoder = BatchDecoder(engine, 3)
+    for p in prompts:
+        decoder.submit(BatchRequest(p, 30))
+    done = []
+    while not decoder.idle:
+        done.extend(decoder.generation(s).token_ids for s in decoder.step())
+    assert sorted(done) == sorted(hf_greedy(model, p, 30) for p in prompts)
+    assert kernels.CORE_ATTENTION_CALLS[0] > alone

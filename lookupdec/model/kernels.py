@@ -48,6 +48,7 @@ import os
 import sys
 import threading
 import time
+import typing
 import weakref
 
 import numpy as np
@@ -930,6 +931,125 @@ def _folded_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return folded
 
 
+# The core's tree attention (``_core.tree_attention_at``, attention.hpp): inside ``swapped(gqa=True)``
+# a masked call of ``GROUPED_MIN_QUERIES`` or more query tokens, float32 with head dims of 32, 64 or
+# 128, is one call of the core: each (row, K/V head, block of up to 16 of its query heads' tokens)
+# reads only the slots some query of the row sees, once. The mask's plan (``attention_plan``) is
+# made once per forward. ``CORE_ATTENTION`` False: the folded SDPA call above instead.
+CORE_ATTENTION = True
+CORE_ATTENTION_CALLS = [0]  # calls the core made (tests)
+CORE_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)
+CORE_MAX_QUERIES = 64  # a tree's or batch width's tokens; more (a prefill's) go to SDPA
+_attention_at = getattr(_core, "tree_attention_at", None) if _core is not None else None
+
+
+def core_attention_available() -> bool:
+    return _attention_at is not None
+
+
+class AttentionPlan(typing.NamedTuple):
+    """A 4D mask [B, 1, Q, L] as the core's tree attention reads it: per row its visible slots
+    (``cols`` [B, cmax] int32: first those every live query sees with bias 0, ``common``, then the
+    rest, each run ascending), ``counts`` [B], each query's bias at those slots (``bias`` [B, Q,
+    cmax], -inf where it does not see one) and whether it sees any (``live`` [B, Q] uint8)."""
+    cols: torch.Tensor
+    counts: torch.Tensor
+    common: torch.Tensor
+    bias: torch.Tensor
+    live: torch.Tensor
+
+
+_plan_at = getattr(_core, "attention_plan_at", None) if _core is not None else None
+
+
+def attention_plan(mask: torch.Tensor) -> AttentionPlan:
+    """The plan of an additive float32 mask (a slot is hidden at the dtype's minimum or -inf, as
+    ``tree_inputs`` and ``BatchTarget`` fill them) or a boolean one (True: seen), made by the
+    core (``_core.attention_plan_at``: 10-20 µs where ``attention_plan_reference``'s torch calls
+    take 170-440, once per forward), its rows ``L`` wide (the slots past ``counts`` unused)."""
+    if (_plan_at is None or mask.dtype not in (torch.float32, torch.bool) or mask.device.type != "cpu"
+            or mask.stride(-1) != 1):
+        return attention_plan_reference(mask)
+    batch, _, q, slots = mask.shape
+    cols = torch.empty((batch, slots), dtype=torch.int32)
+    counts, common = torch.empty(batch, dtype=torch.int32), torch.empty(batch, dtype=torch.int32)
+    bias = torch.empty((batch, q, slots), dtype=torch.float32)
+    live = torch.empty((batch, q), dtype=torch.uint8)
+    _plan_at(mask.data_ptr(), mask.dtype == torch.bool, batch, q, slots, mask.stride(0), mask.stride(2),
+             float(torch.finfo(torch.float32).min), slots, cols.data_ptr(), counts.data_ptr(), common.data_ptr(),
+             bias.data_ptr(), live.data_ptr())
+    return AttentionPlan(cols, counts, common, bias, live)
+
+
+def attention_plan_reference(mask: torch.Tensor) -> AttentionPlan:
+    """``attention_plan`` by definition, in torch calls: the same values, its rows as wide as the
+    largest count."""
+    m = mask[:, 0]
+    if m.dtype == torch.bool:
+        seen = m
+        values = torch.zeros(m.shape, dtype=torch.float32)
+    else:
+        seen = m > torch.finfo(m.dtype).min
+        values = m.float()
+    live = seen.any(-1)  # [B, Q]
+    plain = (seen & (values == 0)) | ~live[:, :, None]
+    common = plain.all(1) & seen.any(1)  # [B, L]
+    tail = seen.any(1) & ~common
+    slots = m.shape[-1]
+    rank = torch.where(common, 0, torch.where(tail, 1, 2)) * slots + torch.arange(slots)
+    counts = (common | tail).sum(1)
+    cmax = int(counts.max()) if counts.numel() else 0
+    cols = torch.argsort(rank, dim=1)[:, :cmax]
+    gathered = cols[:, None, :].expand(m.shape[0], m.shape[1], cmax)
+    bias = torch.where(seen.gather(2, gathered), values.gather(2, gathered), -math.inf)
+    return AttentionPlan(cols.to(torch.int32).contiguous(), counts.to(torch.int32), common.sum(1).to(torch.int32),
+                         bias.contiguous(), live.to(torch.uint8).contiguous())
+
+
+def _plan_of(mask: torch.Tensor) -> AttentionPlan:
+    """``attention_plan(mask)``, made once per forward (the layers share the mask; ``swapped``
+    forgets it as each forward begins and ends, as the folded mask)."""
+    last = getattr(_GROUPED, "plan", None)
+    if last is not None and last[0] is mask:
+        return last[1]
+    plan = attention_plan(mask)
+    _GROUPED.plan = (mask, plan)
+    return plan
+
+
+def core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan,
+                   scale: float, isa: str | None = None) -> torch.Tensor:
+    """Attention of ``query`` [B, H, Q, D] over ``key``/``value`` [B, KVH, L, D] (float32, the
+    head dims contiguous) as ``plan`` shows them, into [B, Q, H, D] (transformers' layout after
+    attention); a query that sees no slot gets zeros."""
+    batch, heads, q, dim = query.shape
+    out = torch.empty((batch, q, heads, dim), dtype=torch.float32)
+    _attention_at(query.data_ptr(), key.data_ptr(), value.data_ptr(), plan.cols.data_ptr(), plan.counts.data_ptr(),
+                  plan.common.data_ptr(), plan.bias.data_ptr(), plan.live.data_ptr(), out.data_ptr(),
+                  [batch, heads, key.shape[1], q, dim, plan.cols.shape[1], *query.stride(), *key.stride(),
+                   *value.stride()], float(scale), isa)
+    CORE_ATTENTION_CALLS[0] += 1
+    return out
+
+
+def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """``core_attention`` by definition, in float64: each query head against its K/V head
+    (``h // (H / KVH)``), softmax over the slots its mask row shows (bias added), zeros for a
+    query that sees none; [B, Q, H, D]."""
+    batch, heads, q, dim = query.shape
+    groups = heads // key.shape[1]
+    k = key.double().repeat_interleave(groups, dim=1)
+    v = value.double().repeat_interleave(groups, dim=1)
+    m = mask[:, 0]
+    seen = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min
+    bias = torch.zeros(m.shape, dtype=torch.float64) if m.dtype == torch.bool else m.double()
+    scores = query.double() @ k.transpose(-1, -2) * scale + bias[:, None]
+    scores = scores.masked_fill(~seen[:, None], -math.inf)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return (weights @ v).transpose(1, 2).float()
+
+
 def grouped_attention(original):
     """A transformers attention function (``sdpa_attention_forward``'s signature) computing a
     masked call of ``GROUPED_MIN_QUERIES`` or more query tokens with grouped K/V heads as one SDPA call over folded
@@ -948,6 +1068,14 @@ def grouped_attention(original):
                 and attention_mask.shape[-1] == key.shape[-2] and key.shape[1] * groups == query.shape[1]
                 and all(kwargs.get(k) is None for k in _UNHANDLED) and not kwargs.get("output_attentions", False)):
             batch, heads, q, dim = query.shape
+            if (CORE_ATTENTION and _attention_at is not None and query.dtype == torch.float32
+                    and key.dtype == torch.float32 and value.dtype == torch.float32 and dim in CORE_HEAD_DIMS
+                    and q <= CORE_MAX_QUERIES
+                    and value.shape[-1] == dim and query.stride(-1) == 1 and key.stride(-1) == 1
+                    and value.stride(-1) == 1 and attention_mask.dtype in (torch.float32, torch.bool)):
+                scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
+                GROUPED_CALLS[0] += 1
+                return core_attention(query, key, value, _plan_of(attention_mask), scale), None
             out = F.scaled_dot_product_attention(fold_query_heads(query, key.shape[1]), key, value,
                                                  attn_mask=_folded_mask(attention_mask, groups), scale=scaling)
             GROUPED_CALLS[0] += 1
@@ -981,7 +1109,7 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
         old_gqa = os.environ.get(GQA_SWITCH)
         os.environ[GQA_SWITCH] = "1"
         old_grouped = getattr(_GROUPED, "on", False)
-        _GROUPED.on, _GROUPED.mask = True, None
+        _GROUPED.on, _GROUPED.mask, _GROUPED.plan = True, None, None
     if fast is not None:
         model.set_output_embeddings(fast)
     for m, forward in norms or ():
@@ -1003,7 +1131,7 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
         if fast is not None:
             model.set_output_embeddings(fast.head)
         if gqa:
-            _GROUPED.on, _GROUPED.mask = old_grouped, None
+            _GROUPED.on, _GROUPED.mask, _GROUPED.plan = old_grouped, None, None
             if old_gqa is None:
                 os.environ.pop(GQA_SWITCH, None)
             else:

@@ -30,6 +30,7 @@
 #include "skinny.hpp"
 #include "rotary.hpp"
 #include "norm.hpp"
+#include "attention.hpp"
 #if defined(LOOKUPDEC_OPENMP)
 #include <omp.h>
 #endif
@@ -475,6 +476,42 @@ void rms_norm_at(uintptr_t x, int64_t ldx, int64_t rows, int64_t n, uintptr_t w,
   if (rows < 0 || n < 1 || ldx < n || ldy < n) throw std::invalid_argument("rms_norm_at: bad sizes");
   lookupdec::rms_norm(reinterpret_cast<const float*>(x), ldx, rows, n, reinterpret_cast<const float*>(w),
                       static_cast<float>(eps), reinterpret_cast<float*>(y), ldy);
+}
+
+// Tree attention (attention.hpp) from addresses the caller has checked (model/kernels.py,
+// core_attention): float32 q, k, v (last dim contiguous), the plan's int32 cols [B, cmax],
+// counts and common [B], float32 bias [B, Q, cmax], uint8 live [B, Q], out [B, Q, H, D]
+// contiguous. `sizes`: B, H, KVH, Q, D, cmax, then q's, k's and v's four strides.
+void tree_attention_at(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t cols, uintptr_t counts, uintptr_t common,
+                       uintptr_t bias, uintptr_t live, uintptr_t out, const std::vector<int64_t>& sizes, double scale,
+                       std::optional<std::string> isa) {
+  if (sizes.size() != 18) throw std::invalid_argument("tree_attention_at: sizes holds B, H, KVH, Q, D, cmax, 12 strides");
+  lookupdec::AttentionArgs a{};
+  a.B = sizes[0], a.H = sizes[1], a.KVH = sizes[2], a.Q = sizes[3], a.D = sizes[4], a.cmax = sizes[5];
+  if (a.B < 0 || a.Q < 0 || a.KVH < 1 || a.H % a.KVH || a.cmax < 0 || a.D < 16 || a.D > 128 || a.D % 16)
+    throw std::invalid_argument("tree_attention_at: bad sizes");
+  for (int i = 0; i < 4; ++i) a.qs[i] = sizes[6 + i], a.ks[i] = sizes[10 + i], a.vs[i] = sizes[14 + i];
+  if (a.qs[3] != 1 || a.ks[3] != 1 || a.vs[3] != 1) throw std::invalid_argument("tree_attention_at: head dims not contiguous");
+  a.q = reinterpret_cast<const float*>(q), a.k = reinterpret_cast<const float*>(k), a.v = reinterpret_cast<const float*>(v);
+  a.cols = reinterpret_cast<const int32_t*>(cols), a.counts = reinterpret_cast<const int32_t*>(counts);
+  a.common = reinterpret_cast<const int32_t*>(common), a.bias = reinterpret_cast<const float*>(bias);
+  a.live = reinterpret_cast<const uint8_t*>(live), a.out = reinterpret_cast<float*>(out);
+  a.scale = static_cast<float>(scale);
+  const int threads = lookupdec::skinny_threads(int64_t{1} << 40);
+  nb::gil_scoped_release release;
+  lookupdec::tree_attention(a, threads, isa ? isa->c_str() : nullptr);
+}
+
+// attention.hpp's plan of a mask the caller has checked (model/kernels.py, attention_plan_core):
+// float32 or uint8 (bool) elements at b * sb + t * st + j, outputs of `width` >= L per row.
+int64_t attention_plan_at(uintptr_t mask, bool boolean, int64_t B, int64_t Q, int64_t L, int64_t sb, int64_t st,
+                          double hidden, int64_t width, uintptr_t cols, uintptr_t counts, uintptr_t common,
+                          uintptr_t bias, uintptr_t live) {
+  if (B < 0 || Q < 0 || L < 0 || width < L) throw std::invalid_argument("attention_plan_at: bad sizes");
+  return lookupdec::attention_plan(reinterpret_cast<const void*>(mask), boolean, B, Q, L, sb, st,
+                                   static_cast<float>(hidden), width, reinterpret_cast<int32_t*>(cols),
+                                   reinterpret_cast<int32_t*>(counts), reinterpret_cast<int32_t*>(common),
+                                   reinterpret_cast<float*>(bias), reinterpret_cast<uint8_t*>(live));
 }
 
 // tree.observe_draft: one draft's reached nodes counted into a calibration row's three arrays.
@@ -1153,6 +1190,11 @@ NB_MODULE(_core, m) {
   m.def("skinny_linear_at", &skinny_linear_at);
   m.def("rotary_at", &rotary_at);
   m.def("rms_norm_at", &rms_norm_at);
+  m.def("tree_attention_at", &tree_attention_at, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cols"),
+        nb::arg("counts"), nb::arg("common"), nb::arg("bias"), nb::arg("live"), nb::arg("out"), nb::arg("sizes"),
+        nb::arg("scale"), nb::arg("isa") = nb::none());
+  m.def("attention_isas", &lookupdec::attention_isas);
+  m.def("attention_plan_at", &attention_plan_at);
   m.def("skinny_isa", &lookupdec::skinny_isa);
   m.def("skinny_isas", &lookupdec::skinny_isas);
   m.def("skinny_threads", &lookupdec::skinny_threads);
