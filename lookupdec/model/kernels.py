@@ -932,13 +932,18 @@ def _folded_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 # The core's tree attention (``_core.tree_attention_at``, attention.hpp): inside ``swapped(gqa=True)``
-# a masked call of ``GROUPED_MIN_QUERIES`` or more query tokens, float32 with head dims of 32, 64 or
-# 128, is one call of the core: each (row, K/V head, block of up to 16 of its query heads' tokens)
-# reads only the slots some query of the row sees, once. The mask's plan (``attention_plan``) is
-# made once per forward. ``CORE_ATTENTION`` False: the folded SDPA call above instead.
+# a masked call of ``CORE_MIN_QUERIES`` to ``CORE_MAX_QUERIES`` query tokens, float32 with head
+# dims of 16 to 128 by 16, grouped K/V heads or not, is one call of the core: each (row, K/V head,
+# block of up to 16 of its query heads' tokens) reads only the slots some query of the row sees,
+# once. The mask's plan (``attention_plan``) is made once per forward. ``CORE_ATTENTION`` False:
+# the folded SDPA call above instead. SmolLM2 on the AMD EPYC at 2 threads, taking turns
+# (``bench/batch_profile.py --attention core grouped``,
+# ``bench/results/batch_forwards_core_attention_2t_epyc.json``): attention 2.1-2.4x faster than
+# the folded call, forwards 1x8 27.0 against 31.8 ms, 8x4 74.9 against 91.6, 16x2 89.3 against 116.7.
 CORE_ATTENTION = True
 CORE_ATTENTION_CALLS = [0]  # calls the core made (tests)
 CORE_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)
+CORE_MIN_QUERIES = 1  # a batch's rows verifying their roots alone too (folded SDPA gained nothing there)
 CORE_MAX_QUERIES = 64  # a tree's or batch width's tokens; more (a prefill's) go to SDPA
 _attention_at = getattr(_core, "tree_attention_at", None) if _core is not None else None
 
@@ -1051,35 +1056,37 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 
 def grouped_attention(original):
-    """A transformers attention function (``sdpa_attention_forward``'s signature) computing a
-    masked call of ``GROUPED_MIN_QUERIES`` or more query tokens with grouped K/V heads as one SDPA call over folded
-    query heads (``fold_query_heads``) while ``_GROUPED.on`` (``swapped``), on a CPU; any other
-    call (another thread's, a model outside ``swapped``, one query token, no mask, options it
-    does not handle) goes to ``original`` unchanged."""
+    """A transformers attention function (``sdpa_attention_forward``'s signature) that, while
+    ``_GROUPED.on`` (``swapped``) on a CPU, computes a masked call of ``CORE_MIN_QUERIES`` to
+    ``CORE_MAX_QUERIES`` float32 query tokens with a head dim the core takes as the core's tree
+    attention (``core_attention``), else one of ``GROUPED_MIN_QUERIES`` or more query tokens with
+    grouped K/V heads as one SDPA call over folded query heads (``fold_query_heads``); any other
+    call (another thread's, a model outside ``swapped``, no mask, options it does not handle)
+    goes to ``original`` unchanged."""
 
     @functools.wraps(original)
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                   is_causal=None, **kwargs):
         groups = getattr(module, "num_key_value_groups", 1)
         if (GROUPED_ATTENTION and getattr(_GROUPED, "on", False) and attention_mask is not None
-                and query.shape[2] >= GROUPED_MIN_QUERIES and isinstance(groups, int) and groups > 1
-                and query.device.type == "cpu" and not dropout
+                and isinstance(groups, int) and groups >= 1 and query.device.type == "cpu" and not dropout
                 and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
                 and attention_mask.shape[-1] == key.shape[-2] and key.shape[1] * groups == query.shape[1]
                 and all(kwargs.get(k) is None for k in _UNHANDLED) and not kwargs.get("output_attentions", False)):
             batch, heads, q, dim = query.shape
             if (CORE_ATTENTION and _attention_at is not None and query.dtype == torch.float32
                     and key.dtype == torch.float32 and value.dtype == torch.float32 and dim in CORE_HEAD_DIMS
-                    and q <= CORE_MAX_QUERIES
+                    and CORE_MIN_QUERIES <= q <= CORE_MAX_QUERIES
                     and value.shape[-1] == dim and query.stride(-1) == 1 and key.stride(-1) == 1
                     and value.stride(-1) == 1 and attention_mask.dtype in (torch.float32, torch.bool)):
                 scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
                 GROUPED_CALLS[0] += 1
                 return core_attention(query, key, value, _plan_of(attention_mask), scale), None
-            out = F.scaled_dot_product_attention(fold_query_heads(query, key.shape[1]), key, value,
-                                                 attn_mask=_folded_mask(attention_mask, groups), scale=scaling)
-            GROUPED_CALLS[0] += 1
-            return out.reshape(batch, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+            if groups > 1 and q >= GROUPED_MIN_QUERIES:
+                out = F.scaled_dot_product_attention(fold_query_heads(query, key.shape[1]), key, value,
+                                                     attn_mask=_folded_mask(attention_mask, groups), scale=scaling)
+                GROUPED_CALLS[0] += 1
+                return out.reshape(batch, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         is_causal=is_causal, **kwargs)
 
@@ -1097,8 +1104,8 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
     a mask is given, i.e. for every tree of 2 or more tokens. On CPU that copy of the whole
     cache costs SmolLM2 about 6 ms per forward at a 512-token context; the logits are bitwise
     the same. Not on CUDA, where SDPA with a mask and enable_gqa falls back to its slowest kernel.
-    On this thread, a masked call of several query tokens folds each K/V head's query heads
-    into one SDPA call instead (``grouped_attention``).
+    On this thread, a masked call of a tree's tokens is the core's tree attention, or folds each
+    K/V head's query heads into one SDPA call (``grouped_attention``).
     ``tokens``: the forward's token count, for the body's choice of form (``PackedLinears.chosen``);
     None: packed weights whatever the count. ``norms``: ``fused_norms_for(model)``, each norm's
     fused forward set on it for the block. ``rotary``: ``fused_rotary_for(model)``, its function
