@@ -1163,6 +1163,10 @@ def test_grouped_attention_calls_the_core_where_it_applies(monkeypatch):
     monkeypatch.setattr(kernels, "CORE_MAX_QUERIES", 4)
     with swapped(model, None, gqa=True):
         grouped(module, *odd)
+        broadcast = mask[:1].clone()  # one mask row for both rows: SDPA broadcasts it, the core's plan would not
+        want_broadcast, _ = sdpa_attention_forward(module, query[:, :, :4], key, value, broadcast[:, :, :4], scaling=0.125)
+        got_broadcast, _ = grouped(module, query[:, :, :4], key, value, broadcast[:, :, :4], scaling=0.125)
+        assert torch.allclose(got_broadcast[:, :3], want_broadcast[:, :3], rtol=1e-5, atol=2e-6)
         grouped(module, query, key, value, mask, scaling=0.125)  # 5 query tokens > 4
         monkeypatch.setattr(kernels, "CORE_MAX_QUERIES", 64)
         monkeypatch.setattr(kernels, "CORE_ATTENTION", False)

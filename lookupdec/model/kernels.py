@@ -1076,7 +1076,8 @@ def grouped_attention(original):
             batch, heads, q, dim = query.shape
             if (CORE_ATTENTION and _attention_at is not None and query.dtype == torch.float32
                     and key.dtype == torch.float32 and value.dtype == torch.float32 and dim in CORE_HEAD_DIMS
-                    and CORE_MIN_QUERIES <= q <= CORE_MAX_QUERIES
+                    and CORE_MIN_QUERIES <= q <= CORE_MAX_QUERIES and attention_mask.shape[0] == batch
+                    and attention_mask.shape[2] == q and value.shape[:3] == key.shape[:3] and key.shape[0] == batch
                     and value.shape[-1] == dim and query.stride(-1) == 1 and key.stride(-1) == 1
                     and value.stride(-1) == 1 and attention_mask.dtype in (torch.float32, torch.bool)):
                 scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
