@@ -970,8 +970,8 @@ _plan_at = getattr(_core, "attention_plan_at", None) if _core is not None else N
 def attention_plan(mask: torch.Tensor) -> AttentionPlan:
     """The plan of an additive float32 mask (a slot is hidden at the dtype's minimum or -inf, as
     ``tree_inputs`` and ``BatchTarget`` fill them) or a boolean one (True: seen), made by the
-    core (``_core.attention_plan_at``: 10-20 µs where ``attention_plan_reference``'s torch calls
-    take 170-440, once per forward), its rows ``L`` wide (the slots past ``counts`` unused)."""
+    core (``_core.attention_plan_at``, one pass over the mask, where ``attention_plan_reference``
+    takes a dozen torch calls), its rows ``L`` wide (the slots past ``counts`` unused)."""
     if (_plan_at is None or mask.dtype not in (torch.float32, torch.bool) or mask.device.type != "cpu"
             or mask.stride(-1) != 1):
         return attention_plan_reference(mask)
@@ -1055,6 +1055,21 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return (weights @ v).transpose(1, 2).float()
 
 
+def _core_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether ``core_attention`` computes this call (``grouped_attention`` has checked the rest:
+    a CPU, a 4D mask as wide as the K/V, K/V heads dividing the query heads): float32 tensors
+    with contiguous head dims the core takes, ``CORE_MIN_QUERIES`` to ``CORE_MAX_QUERIES`` query
+    tokens, one mask row per sequence and query (a mask broadcast over the batch would have the
+    kernel read past its plan), V shaped as K."""
+    batch, _, q, dim = query.shape
+    return (CORE_ATTENTION and _attention_at is not None and dim in CORE_HEAD_DIMS
+            and CORE_MIN_QUERIES <= q <= CORE_MAX_QUERIES
+            and query.dtype == key.dtype == value.dtype == torch.float32
+            and mask.dtype in (torch.float32, torch.bool) and mask.shape[0] == batch and mask.shape[2] == q
+            and key.shape[0] == batch and value.shape[:3] == key.shape[:3] and value.shape[-1] == dim
+            and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1)
+
+
 def grouped_attention(original):
     """A transformers attention function (``sdpa_attention_forward``'s signature) that, while
     ``_GROUPED.on`` (``swapped``) on a CPU, computes a masked call of ``CORE_MIN_QUERIES`` to
@@ -1074,12 +1089,7 @@ def grouped_attention(original):
                 and attention_mask.shape[-1] == key.shape[-2] and key.shape[1] * groups == query.shape[1]
                 and all(kwargs.get(k) is None for k in _UNHANDLED) and not kwargs.get("output_attentions", False)):
             batch, heads, q, dim = query.shape
-            if (CORE_ATTENTION and _attention_at is not None and query.dtype == torch.float32
-                    and key.dtype == torch.float32 and value.dtype == torch.float32 and dim in CORE_HEAD_DIMS
-                    and CORE_MIN_QUERIES <= q <= CORE_MAX_QUERIES and attention_mask.shape[0] == batch
-                    and attention_mask.shape[2] == q and value.shape[:3] == key.shape[:3] and key.shape[0] == batch
-                    and value.shape[-1] == dim and query.stride(-1) == 1 and key.stride(-1) == 1
-                    and value.stride(-1) == 1 and attention_mask.dtype in (torch.float32, torch.bool)):
+            if _core_takes(query, key, value, attention_mask):
                 scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
                 GROUPED_CALLS[0] += 1
                 return core_attention(query, key, value, _plan_of(attention_mask), scale), None
