@@ -23,6 +23,10 @@ the server and batch benchmarks (why batching gives rewrites about 2x, not more)
 
     python bench/batch_profile.py --threads 2      # ~2 minutes, writes bench/results/batch_profile_2t.json
     python bench/batch_profile.py --threads 2 --shapes 1x1 --repeats 1 --batch 16 --clients 8 --out PATH
+    python bench/batch_profile.py --threads 2 --shapes 8x4 8x8 16x4 16x8 --batch 16 --clients 8 --out PATH
+
+With ``--clients``, the ratio's ceiling too (``ceiling``): what any exact batching could reach at
+most on this machine, from the split's prefill and the fastest verified token of the forwards.
 """
 from __future__ import annotations
 
@@ -265,6 +269,23 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
             "hole_share": 1 - slots["kv_prefix"] / slots["kv_read"] if slots["kv_read"] else 0.0}
 
 
+def ceiling(summary: dict, rows: list[dict]) -> dict:
+    """The most any exact batching could make of the split's requests on this machine, against
+    their run one at a time: the same prompts' prefill (as the split measured it) plus one
+    verified token per token produced (every draft accepted: a token needs the target's logits
+    at the position before it) at the fastest cost per token of the timed forwards (the widest,
+    where the body's products run at the CPU's arithmetic peak), nothing else. Where the ratio
+    stays under a bar, no scheduling or drafting can reach the bar here; a faster prefill would
+    shorten both sides."""
+    fastest = min(rows, key=lambda r: r["ms_per_token"])
+    alone = summary["one_at_a_time"]["seconds"]
+    least = summary["prefill_s"] + summary["tokens"] * fastest["ms_per_token"] / 1e3
+    return {"fastest_ms_per_token": fastest["ms_per_token"],
+            "fastest_shape": f"{fastest['rows']}x{fastest['width']} {fastest['attention']}",
+            "least_seconds": least, "ratio": alone / least,
+            "prefill_only_ratio": alone / summary["prefill_s"]}
+
+
 def one_at_a_time(engine, prompts, max_tokens: int) -> dict:
     """The split's prompts through ``Engine.generate`` one after another (a fresh engine: the
     suffix cache would answer prompts it has seen), prefill timed apart."""
@@ -358,6 +379,12 @@ def main(argv=None) -> int:
             summary["vs_one_at_a_time"] = summary["tokens_per_s"] / alone["tokens_per_s"]
             print(f"one at a time: {alone['tokens_per_s']:.1f} tokens/s (prefill {alone['prefill_s']:.1f} s of "
                   f"{alone['seconds']:.1f} s); {args.clients} clients batched: {summary['vs_one_at_a_time']:.2f}x")
+            summary["ceiling"] = bound = ceiling(summary, rows)
+            print(f"ceiling: at most {bound['ratio']:.2f}x for any exact batching of these requests with these forwards "
+                  f"(prefill {summary['prefill_s']:.1f} s + {summary['tokens']} tokens x "
+                  f"{bound['fastest_ms_per_token']:.2f} ms, the fastest verified token of the forwards above "
+                  f"({bound['fastest_shape']}), against {alone['seconds']:.1f} s one at a time; prefill alone: "
+                  f"{bound['prefill_only_ratio']:.2f}x)")
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     write_result(out, "batch_profile", config, {"forwards": rows, "split": summary}, meta=meta,
                  threads_set_by_benchmark=True)
