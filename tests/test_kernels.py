@@ -988,27 +988,34 @@ def test_grouped_attention_leaves_other_calls_to_transformers(core, monkeypatch)
 def test_the_engine_verifies_trees_with_grouped_queries():
     """A grouped-K/V model's tree and batched verify forwards on a CPU go through the grouped
     call (transformers' "sdpa" attention wrapped), and the output stays ``transformers``' greedy."""
-    from helpers import hf_greedy
-
-    from lookupdec.batch import BatchDecoder, BatchRequest
     from lookupdec.model import kernels
 
     model = cached_tiny("qwen2")  # grouped K/V heads
     assert model.config.num_attention_heads > model.config.num_key_value_heads
     engine = Engine(model, FakeTokenizer(), EngineConfig(budget="fixed", max_nodes=8))
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 9, 10], [11, 12, 13, 11, 12, 13, 14]]
-    calls = kernels.GROUPED_CALLS[0]
+    _greedy_alone_and_batched(engine, model, prompts, kernels.GROUPED_CALLS)
+
+
+def _greedy_alone_and_batched(engine, model, prompts, counter: list) -> None:
+    """``engine`` generates ``prompts[0]`` alone and all of ``prompts`` in one batch, 30 tokens
+    each, every output ``transformers``' greedy, and ``counter`` (a kernel's call count) rises in both."""
+    from helpers import hf_greedy
+
+    from lookupdec.batch import BatchDecoder, BatchRequest
+
+    calls = counter[0]
     assert engine.generate(prompts[0], max_new_tokens=30).token_ids == hf_greedy(model, prompts[0], 30)
-    alone = kernels.GROUPED_CALLS[0]
+    alone = counter[0]
     assert alone > calls
-    decoder = BatchDecoder(engine, 2)
+    decoder = BatchDecoder(engine, len(prompts))
     for p in prompts:
         decoder.submit(BatchRequest(p, 30))
     done = []
     while not decoder.idle:
         done.extend(decoder.generation(s).token_ids for s in decoder.step())
     assert sorted(done) == sorted(hf_greedy(model, p, 30) for p in prompts)
-    assert kernels.GROUPED_CALLS[0] > alone
+    assert counter[0] > alone
 
 
 def kernels_core_attention() -> bool:
@@ -1180,9 +1187,7 @@ def test_the_engine_verifies_with_the_core_attention():
     """A grouped-K/V model whose head dim the core takes (16): its tree and batched verify
     forwards call the core's tree attention, and the output stays ``transformers``' greedy."""
     import transformers
-    from helpers import hf_greedy
 
-    from lookupdec.batch import BatchDecoder, BatchRequest
     from lookupdec.model import kernels
 
     torch.manual_seed(3)
@@ -1192,15 +1197,4 @@ def test_the_engine_verifies_with_the_core_attention():
     assert model.config.hidden_size // model.config.num_attention_heads == 16
     engine = Engine(model, FakeTokenizer(), EngineConfig(budget="fixed", max_nodes=8))
     prompts = [[5, 6, 7, 5, 6, 8, 5, 6, 9, 5, 6], [11, 12, 13, 11, 12, 14, 11, 12], [20, 21, 22, 20, 21, 23, 20]]
-    calls = kernels.CORE_ATTENTION_CALLS[0]
-    assert engine.generate(prompts[0], max_new_tokens=30).token_ids == hf_greedy(model, prompts[0], 30)
-    alone = kernels.CORE_ATTENTION_CALLS[0]
-    assert alone > calls
-    decoder = BatchDecoder(engine, 3)
-    for p in prompts:
-        decoder.submit(BatchRequest(p, 30))
-    done = []
-    while not decoder.idle:
-        done.extend(decoder.generation(s).token_ids for s in decoder.step())
-    assert sorted(done) == sorted(hf_greedy(model, p, 30) for p in prompts)
-    assert kernels.CORE_ATTENTION_CALLS[0] > alone
+    _greedy_alone_and_batched(engine, model, prompts, kernels.CORE_ATTENTION_CALLS)
