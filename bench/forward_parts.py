@@ -12,6 +12,9 @@ the kernels it chooses) for chains of ``--sizes`` tokens after a ``--context``-t
   computes it (``fused``: the compiled core's, ``model/kernels.fused_rotary_for``; else the
   model's ``apply_rotary_pos_emb``) against one returning them unrotated; and
   ``fused_rotary_saves_ms``: the forward with the model's own rotation against the fused one;
+* ``lean_layers_saves_ms`` -- the forward with each decoder layer's own ``forward`` (a module
+  call per norm, projection, attention and MLP) against the engine's lean layers
+  (``model/lean.py``: one function per layer, the same calls bit for bit);
 * ``attention_ms`` -- time inside ``scaled_dot_product_attention`` (every layer's call,
   ``batch_profile.AttentionTimer``, in forwards apart from the timed ones);
 * ``aten_calls``   -- ATen operator calls per forward (``torch.profiler``), the dispatcher's
@@ -59,7 +62,7 @@ def _eps(norm) -> float:
 def measure(target, size: int, repeats: int) -> dict:
     forward = target.chain_forward_timer(None)
     module = rotary_module(target.model)
-    norms, rotary = target.norms, target.rotary
+    norms, rotary, layers = target.norms, target.rotary, target.layers
     identity = [(m, lambda x: x) for m, _ in norms]
     aten = [(m, lambda x, m=m: torch.nn.functional.rms_norm(x, m.weight.shape, m.weight, _eps(m))) for m, _ in norms]
     if module is not None:  # (set for the forward as the engine's fused rotation is: swapped)
@@ -69,15 +72,17 @@ def measure(target, size: int, repeats: int) -> dict:
     def timed(variant: str) -> float:
         target.norms = {"no-norms": identity, "aten-norms": aten}.get(variant, norms)
         target.rotary = skipped if variant == "no-rotary" else None if variant == "own-rotary" else rotary
+        target.layers = [] if variant == "own-layers" else layers
         try:
             start = time.perf_counter()
             forward(size)
             return time.perf_counter() - start
         finally:
-            target.norms, target.rotary = norms, rotary
+            target.norms, target.rotary, target.layers = norms, rotary, layers
 
     variants = (["whole", "no-norms"] + (["no-rotary"] if module is not None else [])
-                + (["own-rotary"] if rotary is not None else []) + (["aten-norms"] if norms else []))
+                + (["own-rotary"] if rotary is not None else []) + (["aten-norms"] if norms else [])
+                + (["own-layers"] if layers else []))
     for variant in variants * 3:  # kernel choices, caches
         timed(variant)
     times = {v: [] for v in variants}
@@ -99,6 +104,7 @@ def measure(target, size: int, repeats: int) -> dict:
             "rotary_ms": 1e3 * (median["whole"] - median["no-rotary"]) if module is not None else None,
             "core_norms_saves_ms": 1e3 * (median["aten-norms"] - median["whole"]) if norms else None,
             "fused_rotary_saves_ms": 1e3 * (median["own-rotary"] - median["whole"]) if rotary else None,
+            "lean_layers_saves_ms": 1e3 * (median["own-layers"] - median["whole"]) if layers else None,
             "attention_ms": 1e3 * timer.seconds / repeats, "aten_calls": calls,
             "samples_ms": {v: [round(1e3 * x, 3) for x in t] for v, t in times.items()}}
 
@@ -142,6 +148,7 @@ def main(argv=None) -> int:
                               ("norms_ms", "norms ms", ".2f"), ("rotary_ms", "rotary ms", ".2f"),
                               ("core_norms_saves_ms", "core norms save ms", ".2f"),
                               ("fused_rotary_saves_ms", "fused rotation saves ms", ".2f"),
+                              ("lean_layers_saves_ms", "lean layers save ms", ".2f"),
                               ("attention_ms", "attention ms", ".2f"), ("aten_calls", "ATen calls", "d")]))
     config = {"model": args.model, "threads": args.threads, "context": args.context, "sizes": args.sizes,
               "repeats": args.repeats, "device": "cpu", "dtype": "float32"}

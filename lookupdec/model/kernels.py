@@ -1107,7 +1107,8 @@ def grouped_attention(original):
 
 @contextlib.contextmanager
 def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLinears | None = None,
-            tokens: int | None = None, norms: list | None = None, rotary: tuple | None = None):
+            tokens: int | None = None, norms: list | None = None, rotary: tuple | None = None,
+            layers: list | None = None):
     """Inside the block: ``model``'s output projection replaced by ``fast`` (if not None), its
     body's linear layers on packed weights (``body``, if not None) and,
     with ``gqa``, transformers' SDPA told to pass grouped K/V heads to torch as they are
@@ -1121,7 +1122,9 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
     None: packed weights whatever the count. ``norms``: ``fused_norms_for(model)``, each norm's
     fused forward set on it for the block. ``rotary``: ``fused_rotary_for(model)``, its function
     set in the module for the block (bit for bit the module's own; what it does not take goes to
-    that one, so another thread's model of the family is unaffected)."""
+    that one, so another thread's model of the family is unaffected). ``layers``:
+    ``lean.lean_layers_for(model)``, each decoder layer's lean forward set on it for the block
+    (bit for bit its own, without a module call per part)."""
     old_gqa = old_grouped = None
     if gqa:
         old_gqa = os.environ.get(GQA_SWITCH)
@@ -1132,6 +1135,8 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
         model.set_output_embeddings(fast)
     for m, forward in norms or ():
         m.__dict__["forward"] = forward  # as the body's: nn.Module.__setattr__ cost 2 µs a norm, 61 per forward
+    for m, forward in layers or ():
+        m.__dict__["forward"] = forward
     if rotary is not None:
         rotary[0].apply_rotary_pos_emb = rotary[1]
     try:
@@ -1143,6 +1148,8 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
             yield
     finally:
         for m, _ in norms or ():
+            m.__dict__.pop("forward", None)
+        for m, _ in layers or ():
             m.__dict__.pop("forward", None)
         if rotary is not None:
             rotary[0].apply_rotary_pos_emb = rotary[1].__wrapped_rotary__

@@ -12,6 +12,7 @@ from lookupdec.model.cache import (PrefixStore, commit_accepted, common_prefix, 
                                    new_cache)
 from lookupdec.model.kernels import (FastHead, fast_head_for, fused_norms_for, fused_rotary_for, grouped_attention,
                                      kernel_forms, packed_linears_for, seed_kernel_forms, skinny_threaded, swapped)
+from lookupdec.model.lean import lean_layers_for
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
@@ -83,6 +84,7 @@ class TargetModel:
         self.body = packed_linears_for(model) if fast_head else None  # its linears in the fastest form (idem)
         self.norms = fused_norms_for(model) if fast_head else []  # RMS norms in one ATen call, bit for bit (idem)
         self.rotary = fused_rotary_for(model) if fast_head else None  # rotary embedding in one call, bit for bit (idem)
+        self.layers = lean_layers_for(model) if fast_head else []  # decoder layers as one call each, bit for bit (lean.py)
         skinny = "skinny-mt" if skinny_threaded() else "skinny"  # (a threaded product: measured apart)
         body_forms = [skinny if f == "skinny" else f for f in self.body.forms if f != "linear"] if self.body is not None else []
         head = [f"head-{skinny}" if "skinny" in self.fast_head.forms else "head"] if self.fast_head is not None else []
@@ -165,7 +167,7 @@ class TargetModel:
         (default ``fast_head``) as the output projection, the body's, norms' and rotation's fast
         forms; ``gqa``: grouped K/V heads to SDPA (a masked forward on a CPU: ``self._gqa``)."""
         return swapped(self.model, self.fast_head if head is None else head, gqa=gqa, body=self.body,
-                       tokens=tokens, norms=self.norms, rotary=self.rotary)
+                       tokens=tokens, norms=self.norms, rotary=self.rotary, layers=self.layers)
 
     def _weights_state(self) -> tuple:
         """Every parameter's identity and version: a weight replaced or written in place since the
