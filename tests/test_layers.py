@@ -25,6 +25,7 @@ LAYERS = [
                "lookupdec.demo.train"]),
 ]
 TRANSFORMERS_GATES = {"lookupdec.model", "lookupdec.model.load", "lookupdec.model.target", "lookupdec.model.cache",
+                      "lookupdec.model.lean",
                       "lookupdec.demo.train"}
 
 

@@ -3,6 +3,8 @@
 - ``load.py``: loading a model folder, a ``.gguf`` file or an alias, and tokenizers;
 - ``target.py``: ``TargetModel``, the tree forward, KV commit and the 4D masks (``tree_inputs``:
   ids, positions and mask of a tree without a model);
+- ``lean.py``: llama-shaped decoder layers as one function each inside the engine's forwards
+  (bit for bit their own forward, probed per layer);
 - ``cache.py``: every detail of the KV cache's layout (``new_cache``, ``crop_cache``,
   ``gather_cache``, ``commit_accepted``) and ``DraftLM``, the draft model's incremental forward;
 - ``threads.py``: ``release_openmp_threads``, handing torch's CPU threads from the thread that
