@@ -117,7 +117,9 @@ def _probe(model, layer, forward) -> bool:
 def lean_layers_for(model) -> list:
     """``(layer, lean forward)`` for each decoder layer of ``model`` that takes one: a class of
     ``_FAMILIES``, on a CPU, no hooks on its parts, and the probe passed (``_probe``); shared per
-    model. Layers whose probe fails or raises keep their own forward."""
+    model. Layers whose probe fails or raises keep their own forward. A hook added to a part
+    later is not run inside the engine's forwards (``swapped``), which this list serves; every
+    other call of the layer is its own forward."""
     if model in _SHARED:
         return _SHARED[model]
     found = []
