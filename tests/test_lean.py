@@ -26,6 +26,8 @@ def test_which_families_take_the_lean_layers(family):
     else:
         assert layers == []
     assert lean.lean_layers_for(model) is layers  # shared per model
+    target = Engine(model, FakeTokenizer(), EngineConfig()).target  # the cost and form caches' keys name them
+    assert ("lean" in target.kernels.split("+")) == (family in LEAN_FAMILIES)
 
 
 def _forward(model, ids, mask, layers):

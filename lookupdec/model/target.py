@@ -88,7 +88,8 @@ class TargetModel:
         skinny = "skinny-mt" if skinny_threaded() else "skinny"  # (a threaded product: measured apart)
         body_forms = [skinny if f == "skinny" else f for f in self.body.forms if f != "linear"] if self.body is not None else []
         head = [f"head-{skinny}" if "skinny" in self.fast_head.forms else "head"] if self.fast_head is not None else []
-        self.kernels = "+".join(head + body_forms) or "plain"  # the forms on offer: the cost and form caches' keys
+        lean = ["lean"] if self.layers else []  # (the lean layers take 1-3 ms off a forward: another curve)
+        self.kernels = "+".join(head + body_forms + lean) or "plain"  # the forms on offer: the cost and form caches' keys
         self.config = model.config
         self.device = next(model.parameters()).device
         self._gqa = fast_head and self.device.type == "cpu"  # K/V heads not copied per query group (model/kernels.py)
