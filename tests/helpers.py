@@ -288,3 +288,25 @@ def failing_call(fn, nth: int, message: str = "out of memory", exc: type[BaseExc
 
     wrapper.calls = 0
     return wrapper
+
+
+def greedy_alone_and_batched(engine, model, prompts, counter: list, tokens: int = 30, batched: bool = True) -> None:
+    """``engine`` generates ``prompts[0]`` alone and (``batched``) all of ``prompts`` in one
+    ``BatchDecoder``, ``tokens`` each, every output ``transformers``' greedy, and ``counter`` (a
+    one-element list a kernel or forward counts its calls in) rises in both."""
+    from lookupdec.batch import BatchDecoder, BatchRequest
+
+    calls = counter[0]
+    assert engine.generate(prompts[0], max_new_tokens=tokens).token_ids == hf_greedy(model, prompts[0], tokens)
+    alone = counter[0]
+    assert alone > calls
+    if not batched:
+        return
+    decoder = BatchDecoder(engine, len(prompts))
+    for p in prompts:
+        decoder.submit(BatchRequest(p, tokens))
+    done = []
+    while not decoder.idle:
+        done.extend(decoder.generation(s).token_ids for s in decoder.step())
+    assert sorted(done) == sorted(hf_greedy(model, p, tokens) for p in prompts)
+    assert counter[0] > alone

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import cached_tiny
-from helpers import FakeTokenizer
+from helpers import FakeTokenizer, greedy_alone_and_batched
 from lookupdec import Engine, EngineConfig
 from lookupdec.model.kernels import (BODY_FORMS, FORM_TRIALS, FORMS, GQA_SWITCH, INHERITED_CHECK, FastHead,
                                      PackedLinears, fast_head_for, packed_available, packed_linears_for, skinny_available,
@@ -994,28 +994,7 @@ def test_the_engine_verifies_trees_with_grouped_queries():
     assert model.config.num_attention_heads > model.config.num_key_value_heads
     engine = Engine(model, FakeTokenizer(), EngineConfig(budget="fixed", max_nodes=8))
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 9, 10], [11, 12, 13, 11, 12, 13, 14]]
-    _greedy_alone_and_batched(engine, model, prompts, kernels.GROUPED_CALLS)
-
-
-def _greedy_alone_and_batched(engine, model, prompts, counter: list) -> None:
-    """``engine`` generates ``prompts[0]`` alone and all of ``prompts`` in one batch, 30 tokens
-    each, every output ``transformers``' greedy, and ``counter`` (a kernel's call count) rises in both."""
-    from helpers import hf_greedy
-
-    from lookupdec.batch import BatchDecoder, BatchRequest
-
-    calls = counter[0]
-    assert engine.generate(prompts[0], max_new_tokens=30).token_ids == hf_greedy(model, prompts[0], 30)
-    alone = counter[0]
-    assert alone > calls
-    decoder = BatchDecoder(engine, len(prompts))
-    for p in prompts:
-        decoder.submit(BatchRequest(p, 30))
-    done = []
-    while not decoder.idle:
-        done.extend(decoder.generation(s).token_ids for s in decoder.step())
-    assert sorted(done) == sorted(hf_greedy(model, p, 30) for p in prompts)
-    assert counter[0] > alone
+    greedy_alone_and_batched(engine, model, prompts, kernels.GROUPED_CALLS)
 
 
 def kernels_core_attention() -> bool:
@@ -1197,4 +1176,4 @@ def test_the_engine_verifies_with_the_core_attention():
     assert model.config.hidden_size // model.config.num_attention_heads == 16
     engine = Engine(model, FakeTokenizer(), EngineConfig(budget="fixed", max_nodes=8))
     prompts = [[5, 6, 7, 5, 6, 8, 5, 6, 9, 5, 6], [11, 12, 13, 11, 12, 14, 11, 12], [20, 21, 22, 20, 21, 23, 20]]
-    _greedy_alone_and_batched(engine, model, prompts, kernels.CORE_ATTENTION_CALLS)
+    greedy_alone_and_batched(engine, model, prompts, kernels.CORE_ATTENTION_CALLS)

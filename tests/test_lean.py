@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import cached_tiny
-from helpers import FakeTokenizer, hf_greedy
+from helpers import FakeTokenizer, greedy_alone_and_batched
 from lookupdec import Engine, EngineConfig
 from lookupdec.model import lean
 from lookupdec.model.kernels import swapped
@@ -112,8 +112,6 @@ def test_the_lean_forward_hands_what_it_does_not_repeat_to_the_layer():
 def test_the_engine_with_lean_layers_stays_transformers_greedy(family):
     """Alone (past mistral's sliding window) and batched (``BatchDecoder``), the engine's output
     with the lean layers is ``transformers``' greedy, and the lean layers ran."""
-    from lookupdec.batch import BatchDecoder, BatchRequest
-
     model = cached_tiny(family)
     engine = Engine(model, FakeTokenizer(), EngineConfig(budget="fixed", max_nodes=8))
     assert engine.target.layers == lean.lean_layers_for(model) != []
@@ -126,16 +124,5 @@ def test_the_engine_with_lean_layers_stays_transformers_greedy(family):
 
     engine.target.layers = [*engine.target.layers[:-1], (layer, counted)]
     prompts = [[5, 6, 7, 5, 6, 8, 5, 6, 9, 5, 6], [11, 12, 13, 11, 12, 14, 11, 12]]
-    assert engine.generate(prompts[0], max_new_tokens=24).token_ids == hf_greedy(model, prompts[0], 24)
-    alone = calls[0]
-    assert alone > 0
-    if engine.target._windows:  # (mistral's window, 24 tokens, passed above: no batches with windows)
-        return
-    decoder = BatchDecoder(engine, 2)
-    for p in prompts:
-        decoder.submit(BatchRequest(p, 24))
-    done = []
-    while not decoder.idle:
-        done.extend(decoder.generation(s).token_ids for s in decoder.step())
-    assert sorted(done) == sorted(hf_greedy(model, p, 24) for p in prompts)
-    assert calls[0] > alone
+    # (mistral's 24-token sliding window: passed alone; batches take no windows)
+    greedy_alone_and_batched(engine, model, prompts, calls, tokens=24, batched=not engine.target._windows)

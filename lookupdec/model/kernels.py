@@ -1133,10 +1133,9 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
         _GROUPED.on, _GROUPED.mask, _GROUPED.plan = True, None, None
     if fast is not None:
         model.set_output_embeddings(fast)
-    for m, forward in norms or ():
+    forwards = [*(norms or ()), *(layers or ())]  # modules whose forward is set for the block
+    for m, forward in forwards:
         m.__dict__["forward"] = forward  # as the body's: nn.Module.__setattr__ cost 2 µs a norm, 61 per forward
-    for m, forward in layers or ():
-        m.__dict__["forward"] = forward
     if rotary is not None:
         rotary[0].apply_rotary_pos_emb = rotary[1]
     try:
@@ -1147,9 +1146,7 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
         with context:
             yield
     finally:
-        for m, _ in norms or ():
-            m.__dict__.pop("forward", None)
-        for m, _ in layers or ():
+        for m, _ in forwards:
             m.__dict__.pop("forward", None)
         if rotary is not None:
             rotary[0].apply_rotary_pos_emb = rotary[1].__wrapped_rotary__

@@ -66,10 +66,9 @@ def lean_forward(layer, window):
             key, value = past_key_values.update(key, value, attn.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                           module.eager_attention_forward)
+        kwargs["position_ids"], kwargs["use_cache"] = position_ids, use_cache  # (as the layer hands them on)
         if window is not None:
-            kwargs = {"sliding_window": window(attn), "position_ids": position_ids, "use_cache": use_cache, **kwargs}
-        else:
-            kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
+            kwargs["sliding_window"] = window(attn)
         out, _ = interface(attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
         hidden_states = residual + o_proj.forward(out.reshape(*input_shape, -1).contiguous())
         residual = hidden_states
