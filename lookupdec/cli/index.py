@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     b.add_argument("--chunk-tokens", type=positive_int, default=256, help="tokens per chunk (256)")
     b.add_argument("--embedder", default="hash",
                    help="hash (default: hashed token n-grams, no model) or sentence-transformers:PATH (local folder)")
-    b.add_argument("--dim", type=positive_int, default=None, help="hash embedder dimension (512)")
+    b.add_argument("--dim", type=positive_int, default=None, help="hash embedder dimension, 8 to 65536 (512)")
     b.add_argument("--faiss", default="auto", choices=("auto", "flat", "ivf", "hnsw"),
                    help="FAISS index type (auto: flat below 50k chunks, HNSW above)")
     b.add_argument("--gpu", action="store_true", help="build on the GPU (needs faiss-gpu and CUDA)")
@@ -39,7 +39,8 @@ def add_parser(sub) -> None:
     b.add_argument("--exclude", nargs="+", default=(), metavar="GLOB",
                    help="leave out files or folders matching these (.git, __pycache__ ... always)")
     b.add_argument("--field", default="text", help=".jsonl: the record field with the text (text)")
-    b.add_argument("--force", action="store_true", help="replace an existing index at --out")
+    b.add_argument("--force", action="store_true",
+                   help="replace an existing index at --out (only an index: a folder holding anything else is refused)")
     b.set_defaults(func=run_build)
     i = isub.add_parser("info", help="show an index's manifest, sizes and counts",
                         description="Print what an index holds. Checks the manifest's own hash and the "
@@ -67,8 +68,12 @@ def add_parser(sub) -> None:
 def run_build(args) -> int:
     from lookupdec import model as model_lib
     from lookupdec.index import build_index
+    from lookupdec.index.build import check_build_args
 
     logging.getLogger("lookupdec").setLevel(logging.INFO)
+    # --out, --dim ...: refused before the tokenizer loads and the corpus is read
+    check_build_args(out=args.out, force=args.force, chunk_tokens=args.chunk_tokens, dim=args.dim,
+                     faiss_kind=args.faiss)
     try:
         manifest = build_index(args.paths, tokenizer=model_lib.load_tokenizer(args.tokenizer), out=args.out,
                                chunk_tokens=args.chunk_tokens, embedder=args.embedder, dim=args.dim,
@@ -110,8 +115,9 @@ def run_info(args) -> int:
     print(f"faiss        {json.dumps(f)}")
     for name, meta in sorted(manifest["files"].items()):
         print(f"  {name:<16} {meta['bytes'] / 1e6:10.2f} MB  sha256 {meta['sha256'][:16]}")
-    print(f"built        {manifest['build'].get('created')} in {manifest['build'].get('seconds')} s "
-          f"(lookupdec {manifest['build'].get('lookupdec')}, faiss {manifest['build'].get('faiss')})")
+    build = manifest.get("build", {})  # read_manifest: an object when present
+    print(f"built        {build.get('created')} in {build.get('seconds')} s "
+          f"(lookupdec {build.get('lookupdec')}, faiss {build.get('faiss')})")
     print(f"checked      {checked}")
     return 0
 
@@ -124,7 +130,10 @@ def run_query(args) -> int:
     from lookupdec.proposers.retrieval import drafts_after
 
     manifest = read_manifest(args.dir)
-    tokenizer = model_lib.load_tokenizer(args.tokenizer or manifest["tokenizer"]["path"])
+    tokenizer_path = args.tokenizer or manifest["tokenizer"].get("path")
+    if not tokenizer_path:
+        raise CliError(f"{args.dir}: the manifest records no tokenizer path: pass --tokenizer")
+    tokenizer = model_lib.load_tokenizer(tokenizer_path)
     index = Index.open(args.dir, tokenizer_fingerprint=model_lib.vocab_fingerprint(tokenizer), decode=tokenizer.decode)
     ids = list(tokenizer.encode(args.text, add_special_tokens=False))
     if not ids:

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import tempfile
 import time
 from typing import Sequence
@@ -19,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from lookupdec.index.corpus import CorpusReader
-from lookupdec.index.embed import make_embedder
+from lookupdec.index.embed import check_dim, make_embedder
 from lookupdec.index.store import (FILES, FORMAT_VERSION, MANIFEST, MANIFEST_HASH, SEPARATOR, IndexStoreError,
                                    file_sha256, import_faiss, manifest_sha256)
 from lookupdec.tokens import vocab_fingerprint
@@ -107,18 +108,12 @@ def build_index(paths: Sequence[str], *, tokenizer, out: str, chunk_tokens: int 
     by the caller (``lookupdec.model.load_tokenizer``); its ``name_or_path`` is recorded."""
     from tqdm import tqdm
 
-    if chunk_tokens < 8:
-        raise ValueError(f"--chunk-tokens {chunk_tokens}: must be >= 8")
-    if faiss_kind not in ("auto", "flat", "ivf", "hnsw"):
-        raise ValueError(f"--faiss {faiss_kind!r}: expected auto, flat, ivf or hnsw")
+    out = check_build_args(out=out, force=force, chunk_tokens=chunk_tokens, dim=dim, faiss_kind=faiss_kind)
     faiss = import_faiss()
     if gpu:
         ok, why = gpu_available()
         if not ok:
             raise ValueError(f"--gpu: {why}")
-    out = os.path.abspath(out)
-    if os.path.exists(out) and not force:
-        raise ValueError(f"{out} already exists (pass --force to replace it)")
     remove_leftovers(out)
     emb = make_embedder(embedder, tokenizer.decode, dim=dim)
     started = time.time()
@@ -146,6 +141,7 @@ def build_index(paths: Sequence[str], *, tokenizer, out: str, chunk_tokens: int 
     lengths = [len(d) for d in docs]
     tokens = np.concatenate([np.append(d, np.int32(SEPARATOR)) for d in docs])
     chunks = chunk_documents(lengths, chunk_tokens)
+    check_memory(len(chunks), emb.dim)
     chunk_list = [tokens[s:e] for s, e, _ in chunks]
     emb.fit(chunk_list)
     vectors = np.zeros((len(chunks), emb.dim), np.float32)
@@ -158,8 +154,11 @@ def build_index(paths: Sequence[str], *, tokenizer, out: str, chunk_tokens: int 
     index, faiss_info = build_faiss(vectors, faiss_kind, gpu)
 
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.building-{os.getpid()}-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.building-{os.getpid()}-", dir=parent)
+    except OSError as exc:
+        raise IndexStoreError(f"--out {out}: cannot create a folder in {parent} ({exc.strerror})") from None
     try:
         np.save(os.path.join(tmp, "tokens.npy"), tokens)
         np.save(os.path.join(tmp, "chunks.npy"), chunks)
@@ -191,8 +190,10 @@ def build_index(paths: Sequence[str], *, tokenizer, out: str, chunk_tokens: int 
             f.flush()
             os.fsync(f.fileno())
         _replace(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):  # a full disk, a folder made read-only meanwhile: one line, not a traceback
+            raise IndexStoreError(f"--out {out}: cannot write the index ({exc.strerror or exc})") from None
         raise
     return manifest
 
@@ -201,13 +202,102 @@ def _abspath(path) -> str | None:
     return os.path.abspath(path) if path else None
 
 
+def check_build_args(*, out: str, force: bool, chunk_tokens: int = 256, dim: int | None = None,
+                     faiss_kind: str = "auto") -> str:
+    """The checks of ``build_index``'s arguments that need no tokenizer, model or corpus (the CLI
+    runs them before loading anything); returns ``out`` made absolute. An existing ``out`` needs
+    ``force`` and must be an index (``not_an_index``); the nearest existing folder above ``out``
+    must be a writable folder (not a file where a folder of the path should be)."""
+    if chunk_tokens < 8:
+        raise ValueError(f"--chunk-tokens {chunk_tokens}: must be >= 8")
+    check_dim(dim)
+    if faiss_kind not in ("auto", "flat", "ivf", "hnsw"):
+        raise ValueError(f"--faiss {faiss_kind!r}: expected auto, flat, ivf or hnsw")
+    out = os.path.abspath(out)
+    if os.path.lexists(out):
+        if not force:
+            raise ValueError(f"{out} already exists (pass --force to replace it)")
+        why = not_an_index(out)
+        if why:
+            raise IndexStoreError(f"{out} exists and is not a lookupdec index ({why}): not replacing it")
+    ancestor = os.path.dirname(out)  # where the build's temporary folder goes
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise IndexStoreError(f"--out {out}: {ancestor} is not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise IndexStoreError(f"--out {out}: cannot create it in {ancestor} (not writable)")
+    return out
+
+
+def not_an_index(path: str) -> str | None:
+    """Why ``--force`` must not replace the existing ``path``, or None when it may: only a folder
+    that is empty, or that holds a manifest (a JSON object whose ``files`` names index files) and
+    nothing but that manifest and index files it names (``FILES``), all regular files. Whatever
+    else a folder holds (a web app's own ``manifest.json`` and its pages, say) would be lost."""
+    if not os.path.isdir(path):  # a link to an index folder: the link is replaced, its target kept
+        return "not a folder"
+    try:
+        entries = os.listdir(path)
+    except OSError as exc:
+        return f"cannot list it: {exc.strerror}"
+    if not entries:
+        return None
+    if MANIFEST not in entries:
+        return f"no {MANIFEST}"
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return f"its {MANIFEST} is not readable JSON"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files or not set(files) <= set(FILES):
+        return f"its {MANIFEST} does not list index files"
+    for entry in sorted(entries):
+        if entry != MANIFEST and entry not in files:
+            return f"it holds {entry!r}, which its {MANIFEST} does not list"
+        try:
+            regular = stat.S_ISREG(os.lstat(os.path.join(path, entry)).st_mode)
+        except OSError as exc:
+            return f"cannot stat {entry!r}: {exc.strerror}"
+        if not regular:
+            return f"{entry!r} is not a regular file"
+    return None
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give: RAM available plus free swap (``/proc/meminfo``), or
+    None where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+        return info["MemAvailable"] + info.get("SwapFree", 0)
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def check_memory(chunks: int, dim: int) -> None:
+    """Refuse, before allocating, a build whose vectors cannot fit in memory: the float32 matrix
+    of ``chunks`` x ``dim`` twice (ours and FAISS's copy) plus an embedding batch's float64 work
+    arrays (four of ``EMBED_BATCH`` x ``dim``). An estimate of the largest arrays, not a bound on
+    the whole build."""
+    need = 2 * chunks * dim * 4 + 4 * min(chunks, EMBED_BATCH) * dim * 8
+    have = available_memory()
+    if have is not None and need > have:
+        raise ValueError(f"--dim {dim}: the vectors of {chunks} chunks of dimension {dim} need about "
+                         f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of memory available; "
+                         "use a smaller --dim (or a larger --chunk-tokens)")
+
+
 def _replace(tmp: str, out: str) -> None:
-    """Move the finished ``tmp`` folder to ``out`` (replacing an old index only now)."""
-    if not os.path.exists(out):
+    """Move the finished ``tmp`` folder to ``out`` (replacing an old index only now, and only an
+    index: ``not_an_index``, checked again as the folder may have changed during the build)."""
+    if not os.path.lexists(out):
         os.rename(tmp, out)
         return
-    if not os.path.isdir(out) or (os.listdir(out) and not os.path.exists(os.path.join(out, MANIFEST))):
-        raise IndexStoreError(f"{out} exists and is not a lookupdec index: not replacing it")
+    why = not_an_index(out)
+    if why:
+        raise IndexStoreError(f"{out} exists and is not a lookupdec index ({why}): not replacing it")
     old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-{os.getpid()}-", dir=os.path.dirname(out))
     os.rename(out, os.path.join(old, "index"))
     os.rename(tmp, out)

@@ -1,9 +1,13 @@
 """Reading a corpus: files, folders (recursively, with include/exclude globs), ``.jsonl`` records
 (one text field) and ``.gz`` files of any of these.
 
-A file that cannot be read, is binary, or is not UTF-8 is skipped, counted and named in a
-warning; so is a ``.jsonl`` line that is not a JSON object with the text field. Folders are walked
-in sorted order, so the same corpus always gives the same documents in the same order.
+A file that cannot be read (or is not a regular file: a FIFO would block the build), is a
+corrupt ``.gz``, is binary, or is not UTF-8 is skipped, counted and named in a warning; so is a
+``.jsonl`` line that is not a JSON object with the text field, and a record whose text is not
+Unicode that UTF-8 can hold (a lone surrogate such as ``"\\ud800"``, which JSON escapes allow).
+``.jsonl`` lines are split on ``"\\n"`` only: a raw U+2028 or U+0085 inside a JSON string is
+text, not a line break. Folders are walked in sorted order, so the same corpus always gives the
+same documents in the same order.
 """
 from __future__ import annotations
 
@@ -13,6 +17,9 @@ import hashlib
 import json
 import logging
 import os
+import re
+import stat
+import zlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -21,6 +28,7 @@ log = logging.getLogger("lookupdec")
 
 DEFAULT_EXCLUDE = (".git", ".hg", ".svn", "__pycache__", "node_modules", ".venv", ".tox", "*.pyc")
 BINARY_SNIFF_BYTES = 8192  # a NUL byte in this many first bytes marks a file as binary
+SURROGATE = re.compile("[\ud800-\udfff]")  # only JSON escapes put these in a str: no UTF-8 for them
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,12 @@ class CorpusReader:
     def documents(self) -> Iterator[Document]:
         for path in self.files():
             try:
-                with open(path, "rb") as f:
+                # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+                with open(fd, "rb") as f:
+                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        self._skip("not a regular file", path)
+                        continue
                     raw = f.read()
             except OSError as exc:
                 self._skip("unreadable", f"{path}: {exc.strerror}")
@@ -103,7 +116,7 @@ class CorpusReader:
                 inner = path[: -len(".gz")]
                 try:
                     raw = gzip.decompress(raw)
-                except (OSError, EOFError) as exc:
+                except (OSError, EOFError, zlib.error) as exc:
                     self._skip("bad gzip", f"{path}: {exc}")
                     continue
             if b"\0" in raw[:BINARY_SNIFF_BYTES]:
@@ -125,17 +138,21 @@ class CorpusReader:
                 yield Document(index, path, text)
 
     def _records(self, index: int, path: str, text: str) -> Iterator[Document]:
-        for n, line in enumerate(text.splitlines(), start=1):
+        # "\n" only: str.splitlines() also breaks at U+2028, U+0085 ..., which JSON strings may hold raw
+        for n, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, a 5000-digit number, nesting too deep
                 self._skip("bad JSON line", f"{path}:{n}")
                 continue
             value = record.get(self.text_field) if isinstance(record, dict) else None
             if not isinstance(value, str):
                 self._skip(f"no string field {self.text_field!r}", f"{path}:{n}")
+                continue
+            if SURROGATE.search(value):
+                self._skip("lone surrogate (not UTF-8)", f"{path}:{n}")
                 continue
             if value.strip():
                 yield Document(index, f"{path}:{n}", value)

@@ -20,6 +20,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+EMBEDDER_NAMES = ("hash", "sentence-transformers")
+# Largest hash dimension. A chunk of ``chunk_tokens`` tokens fills at most ``len(orders) *
+# chunk_tokens`` buckets, so far larger dimensions only add empty ones; each chunk costs a float64
+# row of ``dim`` while its batch is embedded and a float32 row in FAISS, so a mistyped ``--dim``
+# (100000000) is refused here rather than attempted as a 30 GiB allocation.
+MAX_DIM = 65536
+MAX_ORDER = 32  # longest n-gram hashed (each order is one pass over the batch)
+
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _MUL = np.uint64(0x100000001B3)
@@ -43,10 +51,10 @@ class HashEmbedder:
 
     def __init__(self, dim: int = 512, orders: Sequence[int] = (1, 2, 3), seed: int = 0,
                  idf: np.ndarray | None = None) -> None:
-        if dim < 8:
-            raise ValueError(f"hash embedder dim={dim}: must be >= 8")
-        if not orders or min(orders) < 1:
-            raise ValueError(f"hash embedder orders={tuple(orders)}: must be >= 1")
+        if not 8 <= dim <= MAX_DIM:
+            raise ValueError(f"hash embedder dim={dim}: must be in [8, {MAX_DIM}]")
+        if not orders or not all(1 <= o <= MAX_ORDER for o in orders):
+            raise ValueError(f"hash embedder orders={tuple(orders)}: must be in [1, {MAX_ORDER}]")
         self.dim, self.orders, self.seed = int(dim), tuple(int(o) for o in orders), int(seed)
         self.idf = None if idf is None else np.asarray(idf, dtype=np.float32)  # [vocab] per token
 
@@ -142,10 +150,17 @@ class SentenceTransformerEmbedder:
 def make_embedder(spec: str, decode: Callable[[Sequence[int]], str], dim: int | None = None):
     """``hash`` or ``sentence-transformers:PATH`` (the ``--embedder`` option)."""
     if spec == "hash":
+        check_dim(dim)
         return HashEmbedder(dim=dim or 512)
     if spec.startswith("sentence-transformers:"):
         return SentenceTransformerEmbedder(spec.split(":", 1)[1], decode)
     raise ValueError(f"--embedder {spec!r}: expected hash or sentence-transformers:PATH")
+
+
+def check_dim(dim: int | None) -> None:
+    """``--dim``: None (the default, 512) or an integer in [8, ``MAX_DIM``]."""
+    if dim is not None and not 8 <= dim <= MAX_DIM:
+        raise ValueError(f"--dim {dim}: the hash embedder's dimension must be in [8, {MAX_DIM}] (default 512)")
 
 
 def embedder_from_manifest(params: dict, state: np.ndarray, decode: Callable[[Sequence[int]], str]):
