@@ -12,13 +12,18 @@ safetensors model folder under the cache (``$LOOKUPDEC_CACHE``, else
 ``$XDG_CACHE_HOME/lookupdec``, else ``~/.cache/lookupdec``), in ``gguf/<sha256 of the file>``.
 The folder is written under a temporary name and renamed into place whole, with a stamp
 recording the source's hash and every written file's size and SHA-256; a later load checks the
-stamp and the files' hashes, and converts again if anything differs. A lock file keeps two
-processes from converting the same file at once. Nothing here imports ``transformers``: the
+stamp and the files' hashes, and converts again if anything differs. Whatever else sits at the
+entry's name (a file, a dangling symlink, a folder without a valid stamp) is moved aside and
+removed before converting again; a symlink is removed, never its target. A lock file keeps two
+processes from converting the same file at once. A disk (or quota, or file-size limit) that
+runs out mid-conversion is a one-line ``ModelFileError`` naming the cache folder, and the
+half-written temporary folder is removed. Nothing here imports ``transformers``: the
 conversion itself is passed in by ``lookupdec.model``.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
@@ -37,6 +42,8 @@ GGUF_INSTALL = "pip install gguf accelerate"
 DEFAULT_MODEL = "smollm2"  # what generate, serve, rewrite and Engine.from_pretrained use by default
 STAMP = "lookupdec-gguf.json"
 STAMP_VERSION = 1
+# errnos of a write that ran out of room: a full disk, a full quota, a file-size limit (EFBIG)
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class ModelFileError(ValueError):
@@ -177,31 +184,53 @@ def gguf_folder(path: str, convert: Callable[[str, str], None]) -> str:
             _remove_stale(root)
             tmp = tempfile.mkdtemp(prefix=f".{source_hash[:32]}.converting-{os.getpid()}-", dir=root)
             try:
+                # what sits at the entry's name is not a valid cache: out of the way first (its
+                # room may be what the conversion needs), then the new folder renamed into place
+                _remove_entry(folder, aside=tmp + ".old")
                 log.warning("converting %s to a float32 model folder in %s (first load only)", path, folder)
                 convert(path, tmp)
                 _write_stamp(tmp, path, source_hash)
-                if os.path.exists(folder):
-                    shutil.rmtree(folder)
-                os.replace(tmp, folder)
+                os.replace(tmp, folder)  # (the name is free: only a converter holding the lock writes it)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
         return folder
     except OSError as exc:
+        if exc.errno in NO_SPACE:
+            raise ModelFileError(f"the GGUF cache {root} ran out of space converting {path} ({exc.strerror}); "
+                                 "free some space there or set LOOKUPDEC_CACHE to a folder with room") from None
         raise ModelFileError(f"cannot write the converted model of {path} under {root} ({exc}); "
                              "set LOOKUPDEC_CACHE to a writable folder") from None
 
 
+def _remove_entry(path: str, *, aside: str) -> None:
+    """Whatever is at ``path``: renamed to ``aside`` (at once, so that no half-removed folder
+    ever bears the entry's name), then removed."""
+    if os.path.lexists(path):
+        os.rename(path, aside)
+        _remove(aside)
+
+
+def _remove(path: str) -> None:
+    """A folder with its files, or a file, or a symlink (the link, never its target)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
 def _remove_stale(root: str) -> None:
-    """Temporary folders of conversions whose process is gone (killed mid-write)."""
+    """Temporary folders of conversions whose process is gone (killed mid-write), and entries
+    such a conversion had moved aside (``.old``: a file, a symlink or a folder)."""
     for name in os.listdir(root):
         if ".converting-" not in name:
             continue
         pid = name.split(".converting-", 1)[1].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
             continue  # another process is converting into it
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        log.warning("removed %s, left by an interrupted conversion", os.path.join(root, name))
+        with contextlib.suppress(OSError):
+            _remove(os.path.join(root, name))
+            log.warning("removed %s, left by an interrupted conversion", os.path.join(root, name))
 
 
 def _alive(pid: int) -> bool:

@@ -1,6 +1,7 @@
 """Checks shared by every entry point (Python API, CLI, server, rewrite pipeline): sampling
-values, seeds, token budgets, stop strings and devices (``check_generation`` runs all of a
-request's but the prompt's; ``Engine.check_request`` adds the prompt's). A bad value raises
+values, seeds, token budgets, stop strings, devices, and text that UTF-8 cannot encode
+(``check_unicode``). ``check_generation`` runs all of a request's but the prompt's;
+``Engine.check_request`` adds the prompt's. A bad value raises
 ``ParamError``, a ``ValueError`` that carries the name of the field at fault in ``.field``: the
 CLI prints its message on one line (exit 2), the server answers 400 with ``param`` set from
 ``.field`` (mapped to the request's own field name).
@@ -33,6 +34,22 @@ def shown(value) -> str:
 def bad(field: str, value, rule: str) -> ParamError:
     """``ParamError("field=value: rule", field)``."""
     return ParamError(f"{field}={shown(value)}: {rule}", field)
+
+
+# a string with a lone surrogate ("\ud800" in JSON, or an undecodable byte of a command-line
+# argument, which Python keeps as one): no text a tokenizer can take
+NOT_UNICODE = "not valid Unicode text (it holds a lone surrogate such as \\ud800, which UTF-8 cannot encode)"
+
+
+def check_unicode(field: str, text: str) -> str:
+    """``text`` if UTF-8 can encode it, else ``ParamError("FIELD: not valid Unicode text ...",
+    field)``: the one explanation every entry point gives (the rewrite pipeline's error lines;
+    the server's 400 says the same)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ParamError(f"{field}: {NOT_UNICODE}", field) from None
+    return text
 
 
 def _is_number(value) -> bool:

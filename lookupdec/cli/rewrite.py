@@ -26,8 +26,9 @@ inputs (--input, files or folders, several allowed):
 output (--output, one JSON line per record):
   {"id", "input_hash", "output", "finish_reason", "stats": {new_tokens, steps, mean_accepted,
    tokens_per_s, seconds}}  (+ "token_ids" with --token-ids), or {"id", "input_hash", "error"}
-  for a record that failed (bad JSON line, missing field, prompt longer than the model's
-  context, ...): it is reported on stderr and the run goes on.
+  for a record that failed (a .jsonl line that is not UTF-8 or not JSON, a missing field, a
+  duplicate id, a prompt longer than the model's context, ...): it is reported on stderr and
+  the run goes on.
 
 resuming: run the same command again. Records with a result line are skipped; failed records
 are done again (their error lines are replaced); a line torn by a kill is cut off and its record

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 
 import torch
 
@@ -107,8 +108,24 @@ def _convert_gguf(gguf_path: str, out_dir: str) -> None:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    try:
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    except Exception as exc:  # safetensors' SafetensorError wraps the OS error (a full disk) in its text
+        error = _os_error(exc)
+        if error is None:
+            raise
+        raise error from None
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The ``OSError`` a ``SafetensorError`` reports (``"... (os error 28)"``), so that the
+    cache (``model_files.gguf_folder``) tells a full disk from other failures; else None."""
+    found = re.search(r"\(os error (\d+)\)", str(exc)) if type(exc).__name__ == "SafetensorError" else None
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
 
 
 def tokenizer_info(tokenizer) -> dict:

@@ -6,6 +6,9 @@ What a record is:
   holds the text. Its id is the object's ``"id"`` (a string or an integer) if it has one, else
   ``PATH:LINE``. A line that is not a JSON object with a string ``field`` is still a record,
   one that fails: it carries an ``error`` naming the file and line, and is reported, not run.
+  So is a line that is not UTF-8 (in a ``.jsonl`` named directly: in a folder the file is
+  skipped, as below), and one whose text holds a lone surrogate (``"\\ud800"``: valid JSON,
+  but no text UTF-8 can encode).
 - Other text file, by ``split``:
   ``"lines"``: every ``lines_per_record`` non-blank lines form a record, id ``PATH:LINE`` of
   its first line (log files: one line, or a few, per record);
@@ -17,6 +20,10 @@ What a record is:
 
 ``PATH`` is the path as given (normalised), joined with the file's path inside a folder: run
 the same command from the same folder and the ids are the same, which is what resuming needs.
+A record whose id an earlier record has (a repeated ``"id"``, or an ``"id"`` that names another
+line's ``PATH:LINE``) fails, under its ``PATH:LINE`` as id, or ``PATH:LINE#2`` (``#3``, ...)
+where an earlier record took that one. Only the same file read twice (named twice, or also
+inside a folder named) is an ``InputError``.
 Line numbers start at 1 and count ``\\n`` only, as editors and ``wc -l`` do.
 
 Example: ``app.log`` holding ``"a\\nb\\n\\nc\\n"`` read with ``split="lines",
@@ -29,12 +36,14 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from lookupdec.index.corpus import BINARY_SNIFF_BYTES, DEFAULT_EXCLUDE
+from lookupdec.validate import ParamError, check_unicode
 
 SPLITS = ("lines", "paragraphs", "file")
 INPUT_HASH_CHARS = 16  # hex digits of SHA-256 kept in ``input_hash`` (64 bits: no accidental clash)
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark some editors write first: dropped
 
 
 class InputError(ValueError):
@@ -92,7 +101,11 @@ class RecordReader:
 
     def read(self) -> list[Record]:
         records, first_at = [], {}  # id -> where it was first used
+        read_at = set()  # every record's PATH:LINE, its own: met again, a file is read twice
         for record in self._records():
+            if record.where in read_at:
+                raise InputError(f"{record.where}: read twice (a file named twice, or also inside a folder named?)")
+            read_at.add(record.where)
             if record.id in first_at:
                 record = self._duplicate(record, first_at)
             first_at[record.id] = record.where
@@ -101,13 +114,13 @@ class RecordReader:
 
     @staticmethod
     def _duplicate(record: Record, first_at: dict) -> Record:
-        """A second record with an id already used fails under its position as id."""
-        if record.where == record.id:
-            raise InputError(f"{record.where}: read twice (a file named twice, or also inside a folder named?)")
-        if record.where in first_at:
-            raise InputError(f"{record.where}: id {record.id!r} is used twice, and so is {record.where!r}; "
-                             "give the records unique ids")
-        return Record(record.where, record.text, record.where,
+        """A second record with an id already used fails, under its position as id (or, where an
+        earlier record took that as its id, the position with ``#2``, ``#3``, ...)."""
+        rid, n = record.where, 1
+        while rid in first_at:
+            n += 1
+            rid = f"{record.where}#{n}"
+        return Record(rid, record.text, record.where,
                       f"{record.where}: duplicate id {record.id!r} (first at {first_at[record.id]})", record.group)
 
     def _records(self) -> Iterator[Record]:
@@ -141,43 +154,63 @@ class RecordReader:
             yield record if record.group is not None else replace(record, group=path)
 
     def _file_records(self, path: str, *, in_folder: bool) -> Iterator[Record]:
-        text = self._text(path, in_folder=in_folder)
-        if text is None:
+        raw = self._bytes(path, in_folder=in_folder)
+        if raw is None:
             return
         if path.endswith(".jsonl"):
-            yield from self._jsonl(path, text)
-        elif self.options.split == "file":
+            # named directly, a line that is not UTF-8 is one record that fails; in a folder the
+            # file is skipped, as any file that is not UTF-8 text
+            if not in_folder or self._text(path, raw, in_folder=True) is not None:
+                yield from self._jsonl(path, raw.removeprefix(BOM).split(b"\n"))
+            return
+        text = self._text(path, raw, in_folder=in_folder)
+        if text is None:
+            return
+        if self.options.split == "file":
             if text.strip():
                 yield Record(path, text, path)
         else:
             yield from self._blocks(path, text)
 
-    def _text(self, path: str, *, in_folder: bool) -> str | None:
-        """The file's text; None (skipped, counted) for a folder file that is not text."""
+    def _bytes(self, path: str, *, in_folder: bool) -> bytes | None:
+        """The file's bytes; None (skipped, counted) for a folder file that is not text."""
         try:
             with open(path, "rb") as f:
                 raw = f.read()
         except OSError as exc:
-            reason = exc.strerror or str(exc)
-        else:
-            if b"\0" in raw[:BINARY_SNIFF_BYTES]:
-                reason = "binary file"
-            else:
-                try:
-                    return raw.decode("utf-8-sig")  # (a byte-order mark some editors write first: dropped)
-                except UnicodeDecodeError as exc:
-                    reason = f"not UTF-8 text (byte {exc.start})"
+            return self._not_text(path, exc.strerror or str(exc), in_folder=in_folder)
+        if b"\0" in raw[:BINARY_SNIFF_BYTES]:
+            return self._not_text(path, "binary file", in_folder=in_folder)
+        return raw
+
+    def _text(self, path: str, raw: bytes, *, in_folder: bool) -> str | None:
+        """The file's text; None (skipped, counted) for a folder file that is not UTF-8."""
+        body = raw.removeprefix(BOM)
+        try:
+            return body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return self._not_text(path, f"not UTF-8 text (byte {exc.start + len(raw) - len(body)})",
+                                  in_folder=in_folder)
+
+    def _not_text(self, path: str, reason: str, *, in_folder: bool) -> None:
         if not in_folder:
             raise InputError(f"--input {path}: {reason}")
         self.skipped_files.append(f"{path} ({reason})")
         return None
 
-    def _jsonl(self, path: str, text: str) -> Iterator[Record]:
+    def _jsonl(self, path: str, lines: Iterable[bytes]) -> Iterator[Record]:
         name = self.options.field
-        for number, line in enumerate(text.split("\n"), start=1):
+        for number, data in enumerate(lines, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                column = len(data[:exc.start].decode("utf-8")) + 1  # (in characters, as JSON's errors count)
+                yield Record(where, data.decode("utf-8", "replace"), where,
+                             f"{where}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column {column})")
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -190,6 +223,11 @@ class RecordReader:
             rid = obj.get("id", where)
             if isinstance(rid, bool) or not isinstance(rid, (str, int)):
                 yield Record(where, line, where, f"{where}: \"id\" must be a string or an integer, not {rid!r}")
+                continue
+            try:  # a lone surrogate ("\\ud800") is valid JSON, but no text a tokenizer takes
+                check_unicode(name, obj[name])
+            except ParamError as exc:
+                yield Record(where, line, where, f"{where}: {exc}")
                 continue
             group = obj.get(self.options.group_by) if self.options.group_by else None
             if group is not None and not isinstance(group, str):

@@ -40,6 +40,7 @@ from lookupdec.config import MAX_BATCH  # most records per forward (--batch-size
 from lookupdec.model_files import DEFAULT_MODEL  # noqa: F401  (the model when --model is not given)
 from lookupdec.pipelines.inputs import Record
 from lookupdec.pipelines.results import ResultsFile
+from lookupdec.validate import check_unicode
 
 log = logging.getLogger("lookupdec")
 
@@ -69,6 +70,7 @@ class PromptFormat:
         ``Output:`` and a newline."""
         if not instruction.strip():
             raise ValueError("--instruction is empty")
+        check_unicode("--instruction", instruction)  # (an argument's undecodable byte is a lone surrogate)
         return cls((instruction + "\n\n", "\n\n" + OUTPUT_CUE), strip_text=True)
 
     def with_chat(self, chat: bool = True) -> "PromptFormat":
@@ -101,8 +103,9 @@ class PromptFormat:
         return text.join(part.replace(ID_SLOT, record.id) for part in self.parts)
 
     def engine_prompt(self, engine, record: Record):
-        """What ``engine.generate`` takes: the text, or with ``chat`` its chat-template token ids."""
-        text = self.prompt(record)
+        """What ``engine.generate`` takes: the text, or with ``chat`` its chat-template token ids.
+        A prompt UTF-8 cannot encode (an ``{id}`` with a lone surrogate) is a ``ParamError``."""
+        text = check_unicode("prompt", self.prompt(record))
         return engine.chat_prompt(text) if self.chat else text
 
 
