@@ -16,7 +16,7 @@ import httpx
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 180  # loading torch + transformers + the model on a loaded 2-core machine
 POLL_S = 0.1
-LISTENING = re.compile(r"lookupdec: serving \S+ at (http://[\d.]+:\d+)")
+LISTENING = re.compile(r"lookupdec: serving \S+ at (http://\S+)\s")  # (an IPv6 host in brackets; the whole line)
 
 
 class ServerProcess:
@@ -60,18 +60,16 @@ def _wait_for_health(base_url: str) -> None:
 
 
 @contextlib.contextmanager
-def running_server(*args: str, env: dict | None = None):
-    """``lookupdec serve --port 0 ARGS...`` as a ServerProcess (``env``: more environment
-    variables); terminated (then killed) on exit."""
+def _started(args, env: dict | None):
+    """``lookupdec serve --port 0 ARGS...`` (``env``: more environment variables) as (process,
+    log path); terminated (then killed) on exit."""
     log_fd, log_path = tempfile.mkstemp(prefix="lookupdec-serve-", suffix=".log")
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO} | (env or {})  # tiny models: one thread is faster
     proc = subprocess.Popen([sys.executable, "-m", "lookupdec", "serve", "--port", "0", *args], cwd=REPO,
                             env=env, stdout=log_fd, stderr=log_fd, stdin=subprocess.DEVNULL)
     os.close(log_fd)
     try:
-        base_url = _wait_for_url(proc, log_path)
-        _wait_for_health(base_url)
-        yield ServerProcess(proc, log_path, base_url)
+        yield proc, log_path
     finally:
         proc.terminate()
         try:
@@ -80,3 +78,28 @@ def running_server(*args: str, env: dict | None = None):
             proc.kill()
             proc.wait()
         os.unlink(log_path)
+
+
+@contextlib.contextmanager
+def running_server(*args: str, env: dict | None = None):
+    """``lookupdec serve --port 0 ARGS...`` as a ServerProcess (``env``: more environment
+    variables); terminated (then killed) on exit."""
+    with _started(args, env) as (proc, log_path):
+        base_url = _wait_for_url(proc, log_path)
+        _wait_for_health(base_url)
+        yield ServerProcess(proc, log_path, base_url)
+
+
+def refused_start(*args: str, env: dict | None = None) -> tuple[int | None, str]:
+    """``lookupdec serve --port 0 ARGS...`` expected to exit before it listens: (its exit
+    status, its output); (None, its output) if it listened instead (then it is terminated)."""
+    with _started(args, env) as (proc, log_path):
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            with open(log_path, encoding="utf-8", errors="replace") as f:
+                if LISTENING.search(f.read()):
+                    break
+            time.sleep(POLL_S)
+        code = proc.poll()
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            return code, f.read()

@@ -9,6 +9,12 @@ prompt thread, then the request queues for the one engine thread (``worker.Engin
 arrival order. A client that disconnects — streaming or not, running or still queued — sets its job's cancel event;
 the engine stops before its next step. The engine's global suffix cache learns from every
 request's output, so later requests in the same codebase draft from earlier ones.
+
+SIGTERM (or Ctrl+C) drains the server (``Drain``): every request from then on is a 503, the
+requests in flight run on, and once none is left the server exits (status 0 for SIGTERM). Those
+still in flight after the grace period (``serve(grace=)``, ``--grace``; or at a second signal) end
+at once with a 503 error: a JSON body, or on a stream that has begun an error event and
+``[DONE]``.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import logging
 import os
 import socket
 import sys
+import weakref
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -29,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lookupdec.config import MAX_BATCH, SERVE_MAX_BATCH
 from lookupdec.server import protocol
 from lookupdec.server.protocol import ChatRequest, CompletionRequest, RequestError, error_body
-from lookupdec.server.worker import BatchingWorker, EngineWorker, Job
+from lookupdec.server.worker import BatchingWorker, EngineWorker, Job, allocatable_bytes, batch_reservation
 
 log = logging.getLogger("lookupdec.server")
 
@@ -40,8 +47,12 @@ HTTP_NOT_FOUND = 404
 HTTP_TOO_LARGE = 413
 HTTP_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it
 HTTP_SERVER_ERROR = 500
+HTTP_UNAVAILABLE = 503
 SSE_DONE = b"data: [DONE]\n\n"
-GRACEFUL_SHUTDOWN_S = 5  # on SIGTERM / Ctrl+C: open streams get this long, then the engine is cancelled
+DEFAULT_GRACE_S = 20.0  # on SIGTERM: the requests in flight get this long (under Kubernetes' 30 s before SIGKILL)
+# after the drain (``Drain``): what uvicorn gives the answers still being written (a client that
+# does not read its stream) before it cancels them
+GRACEFUL_SHUTDOWN_S = 5
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB: far more than any context holds as text or token ids
 API_KEY_ENV = "LOOKUPDEC_API_KEY"
 OPEN_PATHS = ("/health",)  # answered without the API key (load balancers, monitoring)
@@ -59,6 +70,71 @@ def _bad_request(exc: RequestError) -> Response:
     return _json(error_body(str(exc), exc.param, exc.code), exc.status)
 
 
+def http_url(host: str, port: int) -> str:
+    """The URL of ``host:port``; an IPv6 address in brackets (``http://[::1]:8000``, RFC 3986)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _shutting_down(message: str) -> dict:
+    return error_body(message, None, "server_shutting_down", "server_error")
+
+
+REFUSED_BODY = _shutting_down("the server is shutting down and takes no new requests: send it to another "
+                              "server, or again once this one has restarted")
+
+
+class Drain:
+    """The server's shutdown, on the loop, in two stages. ``begin``: every request from then on
+    is refused (503, by ``RequestGuard``); those admitted before (``active``: admitted and not yet
+    fully answered) run on. ``abort`` (past the grace period): each admitted request still
+    waiting for its engine job ends at once with a 503 (``_reply``; a stream that has begun: an
+    error event, then ``[DONE]``), its job cancelled; a request whose prompt is still being built
+    gets the 503 instead of a job. ``wait_idle`` returns once no admitted request is left."""
+
+    def __init__(self, grace: float = DEFAULT_GRACE_S) -> None:
+        self.grace = grace  # (named in the 503 of an aborted request)
+        self.draining = self.aborted = False
+        self.active = 0
+        self.jobs: weakref.WeakSet[Job] = weakref.WeakSet()  # the admitted requests' engine jobs
+        self._idle = asyncio.Event()
+
+    def admit(self) -> bool:
+        if self.draining:
+            return False
+        self.active += 1
+        self._idle.clear()
+        return True
+
+    def leave(self) -> None:
+        self.active -= 1
+        if not self.active:
+            self._idle.set()
+
+    def begin(self) -> None:
+        self.draining = True
+        if not self.active:
+            self._idle.set()
+
+    def abort(self) -> int:
+        """End every job still in flight with ("shutdown", None); how many there were. The event
+        is queued before the cancel is set, so it comes before whatever the engine thread posts
+        on cancelling (a job's earlier events, its pieces or its answer, come first)."""
+        self.aborted = True
+        jobs = list(self.jobs)
+        for job in jobs:
+            job.events.put_nowait(("shutdown", None))
+            job.cancel.set()
+        return len(jobs)
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def aborted_body(self) -> dict:
+        return _shutting_down(f"the server is shutting down and this request did not finish within its "
+                              f"shutdown grace period ({self.grace:g} s): send it again to another server, "
+                              "or once this one has restarted")
+
+
 class RequestGuard:
     """ASGI middleware in front of the app: the API key (every path but ``OPEN_PATHS``), then
     the body size. The body is read here, at most ``max_request_bytes`` of it, and handed on to
@@ -67,13 +143,21 @@ class RequestGuard:
     client that sends its whole body before reading still gets the 413 rather than a reset
     connection)."""
 
-    def __init__(self, app, *, api_key: str | None, max_request_bytes: int | None) -> None:
-        self.app, self.max_bytes = app, max_request_bytes
+    def __init__(self, app, *, api_key: str | None, max_request_bytes: int | None, drain: Drain) -> None:
+        self.app, self.max_bytes, self.drain = app, max_request_bytes, drain
         self.api_key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if not self.drain.admit():  # shutting down: every path, /health too (a load balancer stops routing here)
+            return await _send_error(send, HTTP_UNAVAILABLE, REFUSED_BODY, close=True)
+        try:  # (the drain waits for this call, which returns once the answer is sent)
+            return await self._guarded(scope, receive, send)
+        finally:
+            self.drain.leave()
+
+    async def _guarded(self, scope, receive, send):
         headers = dict(scope.get("headers") or ())
         if self.api_key is not None and scope.get("path") not in OPEN_PATHS and not self._authorized(headers):
             return await _send_error(send, HTTP_UNAUTHORIZED, error_body(
@@ -125,7 +209,7 @@ class RequestGuard:
 async def _send_error(send, status: int, body: dict, headers=(), *, close: bool = False) -> None:
     data = json.dumps(body, separators=(",", ":")).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers]
-    if close:  # the body was not read: end the connection rather than read (and discard) the rest
+    if close:  # the body was not read (or the server is closing): end the connection rather than read the rest
         head.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": data, "more_body": False})
@@ -155,8 +239,8 @@ def _stats(job: Job, generation) -> dict:
 class Api:
     """The routes' logic, bound to one worker and model id."""
 
-    def __init__(self, worker: EngineWorker, model_name: str) -> None:
-        self.worker, self.model_name = worker, model_name
+    def __init__(self, worker: EngineWorker, model_name: str, drain: Drain) -> None:
+        self.worker, self.model_name, self.drain = worker, model_name, drain
 
     async def handle(self, http: Request, body, *, chat: bool) -> Response:
         if body.model and body.model != self.model_name:
@@ -166,7 +250,10 @@ class Api:
         body.check_values()
         build = self.worker.prompts.chat if chat else self.worker.prompts.completion
         prompt = await self.worker.build(build, body)
+        if self.drain.aborted:  # (past the grace period while its prompt was built)
+            return _json(self.drain.aborted_body(), HTTP_UNAVAILABLE)
         job = self.worker.submit(prompt, body)
+        self.drain.jobs.add(job)
         watcher = asyncio.create_task(_cancel_on_disconnect(http, job))
         try:  # streaming: "start" once the prompt is accepted; otherwise the finished generation
             kind, value = await job.events.get()
@@ -179,6 +266,7 @@ class Api:
             return StreamingResponse(self._stream(job, watcher, rid, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         watcher.cancel()
+        self.drain.jobs.discard(job)
         return self._reply(kind, value, job, rid, chat)
 
     def _reply(self, kind: str, value, job: Job, rid: str, chat: bool) -> Response:
@@ -187,6 +275,8 @@ class Api:
             return _json(self._final(rid, job, value.text, value, chat=chat, chunk=False))
         if kind == "cancelled":
             return _json(error_body("client disconnected before its turn", None), HTTP_CLIENT_CLOSED)
+        if kind == "shutdown":
+            return _json(self.drain.aborted_body(), HTTP_UNAVAILABLE)
         if isinstance(value, RequestError):
             return _bad_request(value)
         return _json(_server_error(value), HTTP_SERVER_ERROR)
@@ -212,6 +302,8 @@ class Api:
                     yield _sse(protocol.completion_body(rid, self.model_name, value, None, chat=chat, chunk=True))
                 elif kind == "done":
                     yield _sse(self._final(rid, job, "", value, chat=chat, chunk=True))
+                elif kind == "shutdown":
+                    yield _sse(self.drain.aborted_body())
                 else:
                     yield _sse(_server_error(value))
             yield SSE_DONE
@@ -219,23 +311,27 @@ class Api:
             if not finished:
                 job.cancel.set()
             watcher.cancel()
+            self.drain.jobs.discard(job)
 
 
 def create_app(engine, model_name: str, *, api_key: str | None = None,
-               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, openapi: bool = False, max_batch: int = 1):
+               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, openapi: bool = False, max_batch: int = 1,
+               grace: float = DEFAULT_GRACE_S):
     """The OpenAI-compatible app serving ``engine`` under the id ``model_name``, behind
     ``RequestGuard`` (``api_key``: required on every path but /health; ``max_request_bytes``:
     larger bodies are a 413; None or 0: no limit). ``openapi``: also serve ``/openapi.json``.
     No docs pages (/docs, /redoc): FastAPI's load their scripts from a CDN. ``max_batch`` > 1:
     up to that many requests share each verify forward (``BatchingWorker``) where the model can
-    batch; else requests run one at a time."""
+    batch; else requests run one at a time. ``app.state.drain``: its shutdown (``Drain``;
+    ``grace``: the seconds its 503 names)."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
         raise ValueError(f"max_batch={max_batch!r}: expected an integer in [1, {MAX_BATCH}]")
     if max_batch > 1 and not engine.batchable:
         log.warning("max_batch=%d: this model cannot share a forward (no tree masks, or sliding windows): "
                     "requests run one at a time", max_batch)
     worker = BatchingWorker(engine, max_batch) if max_batch > 1 and engine.batchable else EngineWorker(engine)
-    api = Api(worker, model_name)
+    drain = Drain(grace)
+    api = Api(worker, model_name, drain)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -244,8 +340,8 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
 
     app = FastAPI(title="lookupdec", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if openapi else None)
-    app.state.worker = worker
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.state.worker, app.state.drain = worker, drain
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes, drain=drain)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc):
@@ -279,18 +375,50 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
     return app
 
 
+def check_batch_memory(engine, max_batch: int) -> None:
+    """``serve``'s start check of the node budget against the batch's K/V memory: a request
+    joining the batch reserves its row's slots for ``max_nodes`` tree nodes, in one buffer for
+    all ``max_batch`` rows (``worker.batch_reservation``); where that is more than the device can
+    allocate, every request would fail, so the server does not start (a ValueError naming
+    ``--max-nodes`` and ``--max-batch``, with bounds whose buffer takes at most half of that
+    memory: the weights, the forwards and the prefix cache need the rest). One request at a
+    time (``max_batch`` 1, or a model that cannot batch) reserves nothing ahead: no check."""
+    if max_batch <= 1 or not engine.batchable:
+        return
+    nodes = engine.config.max_nodes
+    need = batch_reservation(engine, max_batch, nodes)
+    memory = allocatable_bytes(engine.target.device)
+    if need is None or memory is None or need <= memory:
+        return
+    budget = memory // 2
+    low, high = -1, nodes  # the most nodes whose reservation fits the budget: in (low, high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if batch_reservation(engine, max_batch, mid) <= budget else (low, mid)
+    rows = next((r for r in range(max_batch - 1, 1, -1) if batch_reservation(engine, r, nodes) <= budget), 1)
+    fits = f"--max-nodes {low} or less, or " if low >= 1 else ""
+    where = "this machine can allocate" if engine.target.device.type == "cpu" else f"{engine.target.device} has free"
+    raise ValueError(f"--max-nodes {nodes} with --max-batch {max_batch}: every request would fail, as the batch "
+                     f"reserves {need / 2**30:.1f} GiB of K/V memory for its rows' trees, more than the "
+                     f"{memory / 2**30:.1f} GiB {where}; use {fits}--max-batch {rows}")
+
+
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           index=None, draft_model=None, device=None, dtype=None, config=None, log_level: str = "info",
           api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
-          openapi: bool = False, max_batch: int = SERVE_MAX_BATCH) -> None:
-    """Load the engine (never downloads), bind ``host:port`` (0: a free port) and serve until
-    interrupted (``max_batch``: see ``create_app``). Prints ``lookupdec: serving NAME at
-    http://HOST:PORT`` on stderr once listening.
+          openapi: bool = False, max_batch: int = SERVE_MAX_BATCH, grace: float = DEFAULT_GRACE_S) -> None:
+    """Load the engine (never downloads), bind ``host:port`` (0: a free port; an IPv6 address
+    with or without brackets) and serve until SIGTERM or Ctrl+C, which drain the server: the
+    requests in flight get ``grace`` seconds to finish (``Drain``, ``shutdown.DrainingServer``).
+    ``max_batch``: see ``create_app``; a node budget (``config.max_nodes``) whose batch could
+    not be allocated is a ValueError (``check_batch_memory``). Prints ``lookupdec: serving NAME
+    at URL`` on stderr once listening (``http_url``).
     ``api_key`` (default: ``$LOOKUPDEC_API_KEY``; "" for none): required as a Bearer token on
     every path but /health."""
     import uvicorn
 
     from lookupdec.engine import Engine
+    from lookupdec.server.shutdown import DrainingServer
     from lookupdec.validate import check_device
 
     check_device(device)  # a one-line error before anything loads
@@ -298,8 +426,13 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
         api_key = os.environ.get(API_KEY_ENV) or None
     if max_request_bytes is not None and max_request_bytes < 0:
         raise ValueError(f"max_request_bytes={max_request_bytes}: must be >= 0 (0: no limit)")
+    if not (isinstance(grace, (int, float)) and 0 <= grace < float("inf")):
+        raise ValueError(f"grace={grace!r}: expected a number of seconds >= 0")
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 address as a URL writes it
+        host = host[1:-1]
     engine = Engine.from_pretrained(model, device=device, dtype=dtype, config=config, index=index,
                                     draft_model=draft_model)
+    check_batch_memory(engine, max_batch)
     name = model_name or os.path.basename(os.path.normpath(model))
     # proto=IPPROTO_TCP (not 0): asyncio only sets TCP_NODELAY on connections of a socket that
     # says it is TCP; without it a keep-alive client waits ~40 ms per response for a delayed ACK
@@ -313,12 +446,12 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
         raise ValueError(f"--host {host} --port {port}: cannot listen ({exc.strerror})") from None
     sock.listen()
     app = create_app(engine, name, api_key=api_key, max_request_bytes=max_request_bytes, openapi=openapi,
-                     max_batch=max_batch)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
-                                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+                     max_batch=max_batch, grace=grace)
+    server = DrainingServer(uvicorn.Config(app, log_level=log_level, access_log=False,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), app.state.drain)
     if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"lookupdec: warning: listening on {host} without an API key: anyone who can reach this port "
               f"can use it (--api-key or ${API_KEY_ENV})", file=sys.stderr, flush=True)
-    print(f"lookupdec: serving {name} at http://{host}:{sock.getsockname()[1]}"
+    print(f"lookupdec: serving {name} at {http_url(host, sock.getsockname()[1])}"
           + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
     server.run(sockets=[sock])

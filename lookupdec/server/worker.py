@@ -155,6 +155,52 @@ class EngineWorker:
         return ("cancelled" if generation.finish_reason == "cancelled" else "completed"), ("done", generation)
 
 
+def batch_reservation(engine, rows: int, max_nodes: int) -> int | None:
+    """Bytes of K/V memory that ``rows`` batch rows with the node budget ``max_nodes`` take as
+    the smallest request joins (a one-token prompt, one new token), or None where the model's
+    config does not say its K/V shape. The batch's K/V buffer is ``[layers, 2, rows, kv heads,
+    capacity, head dim]`` for all ``rows`` at once (``model/cache.py``, ``BatchStore.reserve``),
+    and a joining row reserves room for its tokens and the widest tree, ``max_nodes + 1`` slots
+    (``BatchDecoder._room``): whatever its request, a row needs ``max_nodes + 3`` slots, grown
+    by ``GROWTH``. (The rule mirrors those two; where they change, this changes with them.)"""
+    from lookupdec.model.cache import GROWTH, INITIAL_SLOTS
+
+    target = engine.target
+    text = target.config.get_text_config(decoder=True)
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    if not (target._num_layers and kv_heads and head_dim):
+        return None
+    capacity = max(INITIAL_SLOTS, int((max_nodes + 3) * GROWTH))
+    return target._num_layers * 2 * rows * kv_heads * capacity * head_dim * target.dtype.itemsize
+
+
+def allocatable_bytes(device) -> int | None:
+    """The largest allocation ``device`` can grant (None: unknown, or unbounded): a GPU's free
+    memory; on Linux the physical memory and swap (what the kernel's overcommit heuristic
+    refuses beyond; with overcommit off, the commit limit left)."""
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            mode = f.read().strip()
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+    except (OSError, ValueError, IndexError):
+        return None
+    if mode == "1":  # always overcommit: no allocation is refused
+        return None
+    if mode == "2":
+        return info.get("CommitLimit", 0) - info.get("Committed_AS", 0)
+    return info.get("MemTotal", 0) + info.get("SwapTotal", 0) or None
+
+
 class BatchingWorker(EngineWorker):
     """Continuous batching: one engine thread steps a ``BatchDecoder`` of up to ``max_batch`` rows."""
 
