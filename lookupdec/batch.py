@@ -81,7 +81,7 @@ class BatchRequest:
     tag: object = None  # the caller's, returned untouched
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself, whatever its request's values (a prompt may be an array)
 class _Sequence:
     request: BatchRequest
     index: int
@@ -187,11 +187,15 @@ class BatchDecoder:
 
     def run(self) -> list:
         """Step until every submitted request is done; their ``Generation``s in submission order.
-        A prompt whose prefill fails raises its error."""
-        while not self.idle:
-            self.done.extend(self.step())
-            if self.failed_in_step:  # (a prompt's prefill: the whole call fails, as alone)
-                raise self.failed_in_step[0][1]
+        A prompt whose prefill fails raises its error (the others abandoned)."""
+        try:
+            while not self.idle:
+                self.done.extend(self.step())
+                if self.failed_in_step:  # (a prompt's prefill: the whole call fails, as alone)
+                    raise self.failed_in_step[0][1]
+        except BaseException:
+            self.abandon()  # (their step state released: nothing of them stays in the engine)
+            raise
         return [self.generation(seq) for seq in sorted(self.done, key=lambda s: s.index)]
 
     def generation(self, seq: _Sequence):
@@ -204,7 +208,18 @@ class BatchDecoder:
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[_Sequence]:
         """One batched step (admitting waiting requests first). Returns the sequences that
-        finished during it."""
+        finished during it. A step holds the engine's turn (``Engine.turn``: other threads'
+        requests wait; this thread's live stream raises ``EngineBusy``). Between steps the
+        batch's state (its own K/V rows, its requests' step state by id) is apart from the
+        engine's single request, so the caller may run one to its end there (rewrite's records
+        redone alone)."""
+        self.engine.turn.take(f"a step of a BatchDecoder of {self.max_batch} rows")
+        try:
+            return self._step()
+        finally:
+            self.engine.turn.give()
+
+    def _step(self) -> list[_Sequence]:
         finished: list[_Sequence] = []
         self.ended_in_step = finished
         self.failed_in_step = []

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from lookupdec import cache_file
 from lookupdec.tree import (CELLS_PER_ROW, COND_MIDS, MATCH_BUCKETS, Calibration, Draft, _core, calibration_row_key,
                             observe_draft)
 
@@ -474,23 +475,17 @@ def forms_key(model_config: dict, device, dtype, kernels: str = "") -> str:
 
 
 def _read_cache() -> dict | None:
-    """The cost cache's document, or None (no cache, unreadable, another version)."""
+    """The cost cache's document, or None (no cache, unusable or unreadable, another version:
+    ``cache_file.read``)."""
     path = cost_cache_path()
-    if not path or not os.path.exists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as exc:
-        log.debug("cost cache %s unreadable (%r)", path, exc)
-        return None
+    doc = cache_file.read(path) if path else None
     return doc if isinstance(doc, dict) and doc.get("version") == COST_CACHE_VERSION else None
 
 
 def _update_cache(section: str, key: str, entry: dict, bound: int) -> None:
     """Put ``entry`` under ``doc[section][key]`` in the cache file, the ``bound`` entries of the
-    section updated last kept (atomically: written aside, then renamed; the other sections as
-    they were; an unwritable cache is only logged)."""
+    section updated last kept (atomically, the other sections as they were; a cache that is not
+    a regular file, or unwritable, is left alone: ``cache_file.write``)."""
     path = cost_cache_path()
     if not path:
         return
@@ -504,13 +499,10 @@ def _update_cache(section: str, key: str, entry: dict, bound: int) -> None:
             kept = sorted(part.items(), key=lambda kv: (kv[0] == key, str(kv[1].get("updated", ""))))
             doc[section] = dict(kept[-bound:])
         doc.setdefault("curves", {})
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, path)
-    except (OSError, ValueError, AttributeError) as exc:  # (AttributeError: an entry not a dict)
-        log.warning("could not write the cost cache %s: %s", path, exc)
+    except AttributeError as exc:  # (an entry not a dict): the section starts again
+        log.debug("cost cache %s: section %s unusable (%r): rewritten", path, section, exc)
+        doc[section] = {key: part[key]}
+    cache_file.write(path, doc)
 
 
 def load_cached_cost(key: str) -> CostModel | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import numbers
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
@@ -120,8 +121,46 @@ class _Timer:
         return (self.total - self.forward - self.prepare) / self.steps if self.steps else 0.0
 
 
+class EngineBusy(RuntimeError):
+    """A request started on an ``Engine`` while this same thread still runs another on it (a
+    stream not yet read to its end nor closed, or an active ``BatchDecoder``)."""
+
+
+class Turn:
+    """Whose turn it is to run requests on one engine. An engine holds one request's state at a
+    time (the target's K/V cache, the step's buffers), so a request holds the turn from its
+    first forward to its end: a thread asking while another holds it waits; a thread asking
+    while it holds it itself (two streams read in turn) gets ``EngineBusy`` naming the holder,
+    never the other request's state."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holder: tuple[int, str] | None = None  # (thread ident, what holds it)
+
+    def take(self, what: str) -> None:
+        holder = self._holder  # (only this thread can have set it to this thread's ident)
+        if holder is not None and holder[0] == threading.get_ident():
+            raise EngineBusy(f"this engine is still running {holder[1]} on this thread: read it to its end or "
+                             f"close() it before starting {what} (one request at a time per Engine; "
+                             f"other threads wait their turn)")
+        self._lock.acquire()
+        self._holder = (threading.get_ident(), what)
+
+    def give(self) -> None:
+        self._holder = None
+        self._lock.release()
+
+    @property
+    def holder(self) -> str | None:
+        """What holds the turn now (None: free)."""
+        holder = self._holder
+        return None if holder is None else holder[1]
+
+
 class TextStream:
-    """Iterator of text pieces; ``.generation`` is set once it is exhausted."""
+    """Iterator of text pieces; ``.generation`` is set once it is exhausted. A stream holds its
+    engine from its first piece until it is exhausted or ``close``d (a ``with`` block closes
+    it): meanwhile other threads' requests wait, and this thread's raise ``EngineBusy``."""
 
     def __init__(self, pieces: Iterator[str]) -> None:
         self._pieces = pieces
@@ -129,6 +168,37 @@ class TextStream:
 
     def __iter__(self):
         self.generation = yield from self._pieces
+
+    def close(self) -> None:
+        """Stop generating (if started) and let the engine go."""
+        self._pieces.close()
+
+    def __enter__(self) -> "TextStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _token_ids(prompt, field: str) -> list[int]:
+    """``prompt`` (a sequence of token ids: list, tuple, 1-D numpy array or tensor) as a list of
+    ints; anything else (bytes, floats, bools, nested lists) raises ``ParamError``."""
+    expected = "expected a string or a list of token ids"
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise ParamError(f"prompt={shown(prompt)}: {expected}, got bytes (decode them to a string first)",
+                         field)
+    if isinstance(prompt, (np.ndarray, torch.Tensor)):
+        if prompt.ndim != 1:
+            raise ParamError(f"prompt: {expected} (1-D), got an array of shape {tuple(prompt.shape)}", field)
+        prompt = prompt.tolist()
+    try:
+        values = list(prompt)
+    except TypeError:
+        raise ParamError(f"prompt={shown(prompt)}: {expected}", field) from None
+    for t in values:
+        if isinstance(t, bool) or not isinstance(t, (numbers.Integral, np.integer)):
+            raise ParamError(f"prompt={shown(prompt)}: {expected}; {shown(t)} is not an integer token id", field)
+    return [int(t) for t in values]
 
 
 @contextlib.contextmanager
@@ -184,6 +254,7 @@ class Engine:
             self.target.seed_kernel_forms(load_cached_forms(self._forms_key))
             self._forms_stored = self.target.kernel_forms()
         self._request_ids = itertools.count()
+        self.turn = Turn()  # one request at a time: a stream, or a BatchDecoder's step, holds it while it runs
 
     @classmethod
     def from_pretrained(cls, model_path=DEFAULT_MODEL, *, device=None, dtype=None, config: EngineConfig | None = None,
@@ -246,7 +317,9 @@ class Engine:
         if not params.greedy:
             generator = torch.Generator(device=self.target.device)
             generator.manual_seed(seed) if seed is not None else generator.seed()
-        return TextStream(self._text_pieces(prompt_ids, params, max_new_tokens, stops, generator, seed, cancelled))
+        what = f"the stream of {shown(prompt)}"
+        return TextStream(self._text_pieces(prompt_ids, params, max_new_tokens, stops, generator, seed, cancelled,
+                                            what))
 
     def generate_batch(self, prompts: Sequence, *, max_new_tokens: int, temperature: float = 0.0, top_k=None,
                        top_p=None, repetition_penalty=None, seed=None, stop=None, max_batch: int = 8) -> list[Generation]:
@@ -316,11 +389,7 @@ class Engine:
                 raise ParamError("prompt is empty", field)
             ids = self.tokenizer(prompt).input_ids
         else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ParamError(f"prompt={shown(prompt)}: expected a string or a list of token ids",
-                                 field) from None
+            ids = _token_ids(prompt, field)
             outside = [t for t in ids if not 0 <= t < self.target.vocab_size]
             if outside:
                 raise ParamError(f"prompt token id {shown(outside[0])} outside the vocabulary "
@@ -329,7 +398,7 @@ class Engine:
             raise ParamError("prompt is empty", field)
         limit = self.target.max_context
         if limit is not None and len(ids) >= limit:
-            what = "prompt" if field == "prompt" else f"the prompt the chat template makes of the {field}"
+            what = "the prompt the chat template makes of the messages" if field == "messages" else "prompt"
             raise ParamError(f"{what} has {len(ids)} tokens; the model's context is {limit} tokens", field)
         return ids
 
@@ -346,22 +415,27 @@ class Engine:
         return self.prompt_ids(list(self.tokenizer(text, add_special_tokens=False).input_ids), field="messages")
 
     # -- internals ------------------------------------------------------------------------------
-    def _text_pieces(self, prompt_ids, params, max_new_tokens, stops, generator, seed=None, cancelled=None):
-        text = TextAssembler(self.tokenizer, stops)
-        stats, timer = GenerationStats(), _Timer()
-        start = time.perf_counter()
-        steps = self._steps(prompt_ids, params, max_new_tokens, generator, stats, timer, seed, cancelled)
-        finish = "length"
+    def _text_pieces(self, prompt_ids, params, max_new_tokens, stops, generator, seed=None, cancelled=None,
+                     what: str = "a request"):
+        self.turn.take(what)  # (waits for another thread's request; raises EngineBusy for this thread's)
         try:
-            for new_ids, finish in steps:
-                piece = text.add(new_ids)
-                if piece:
-                    yield piece
-                if text.stopped:
-                    finish = "stop"
-                    break
-        finally:  # however this ends (stop string, consumer closing the stream): release the request
-            steps.close()
+            text = TextAssembler(self.tokenizer, stops)
+            stats, timer = GenerationStats(), _Timer()
+            start = time.perf_counter()
+            steps = self._steps(prompt_ids, params, max_new_tokens, generator, stats, timer, seed, cancelled)
+            finish = "length"
+            try:
+                for new_ids, finish in steps:
+                    piece = text.add(new_ids)
+                    if piece:
+                        yield piece
+                    if text.stopped:
+                        finish = "stop"
+                        break
+            finally:  # however this ends (stop string, consumer closing the stream): release the request
+                steps.close()
+        finally:
+            self.turn.give()
         tail = text.flush()
         if tail:
             yield tail

@@ -15,7 +15,8 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Bottom first. A module belongs to the entry with the longest matching prefix.
 LAYERS = [
     ("base", ["lookupdec.tree", "lookupdec.tokens", "lookupdec.config", "lookupdec.version", "lookupdec.automaton",
-              "lookupdec.stops", "lookupdec.workloads", "lookupdec.model_files", "lookupdec.validate", "lookupdec.demo"]),
+              "lookupdec.stops", "lookupdec.workloads", "lookupdec.model_files", "lookupdec.validate", "lookupdec.demo",
+              "lookupdec.cache_file"]),
     ("index", ["lookupdec.index"]),
     ("model", ["lookupdec.model", "lookupdec.sampling"]),
     ("proposers", ["lookupdec.proposers"]),
