@@ -21,6 +21,7 @@ DEFAULT_MAX_MATCH = 64
 # (bench/results/server_batch_{1t_426b7d2,2t_395361e}.json). The batch's K/V buffer holds this
 # many rows of the longest context, paid for as the rows in use write them (model/cache.py, BatchStore).
 SERVE_MAX_BATCH = 8
+SERVE_GRACE_S = 20.0  # on SIGTERM the requests in flight get this long (under Kubernetes' 30 s before SIGKILL)
 # most sequences per verify forward for ``rewrite --batch-size`` and ``serve --max-batch`` (a
 # program calling ``Engine.generate_batch`` sizes its own): each row reserves K/V memory for the
 # longest context, and past 16 rows a CPU gains nothing

@@ -162,13 +162,6 @@ def test_grace_is_checked(capsys, grace):
     assert "argument --grace" in capsys.readouterr().err
 
 
-def test_the_cli_grace_default_is_the_servers():
-    from lookupdec.cli import serve as cli_serve
-    from lookupdec.server import app
-
-    assert cli_serve.DEFAULT_GRACE_S == app.DEFAULT_GRACE_S
-
-
 # -- 13: an IPv6 host's URL ----------------------------------------------------------------------------
 def _ipv6_loopback() -> bool:
     try:

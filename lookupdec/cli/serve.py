@@ -6,11 +6,7 @@ import math
 
 from lookupdec.cli.options import (CliError, add_engine_options, batch_rows, check_engine_options, engine_config,
                                    engine_kwargs, non_negative_int)
-from lookupdec.config import MAX_BATCH, SERVE_MAX_BATCH
-
-# ``server.app.DEFAULT_GRACE_S``, which is not imported here: the server's modules import FastAPI,
-# and --help stays light
-DEFAULT_GRACE_S = 20.0
+from lookupdec.config import MAX_BATCH, SERVE_GRACE_S, SERVE_MAX_BATCH
 
 
 def add_parser(sub) -> None:
@@ -38,8 +34,8 @@ def add_parser(sub) -> None:
                    "time); they join and leave the batch between steps, outputs unchanged; /health shows the running "
                    "batch. Models without tree masks or with sliding windows take requests one at a time whatever "
                    "N. The K/V memory N rows reserve for --max-nodes nodes each must fit the device (checked at start)")
-    p.add_argument("--grace", type=seconds, default=DEFAULT_GRACE_S, metavar="SECONDS",
-                   help=f"shutdown grace period ({DEFAULT_GRACE_S:g} s): on SIGTERM or Ctrl+C new requests get a 503, "
+    p.add_argument("--grace", type=seconds, default=SERVE_GRACE_S, metavar="SECONDS",
+                   help=f"shutdown grace period ({SERVE_GRACE_S:g} s): on SIGTERM or Ctrl+C new requests get a 503, "
                    "those in flight get this long to finish, then end with a 503 error (a stream: an error event, "
                    "then [DONE]); a second signal ends the grace period at once. The server exits once none is "
                    "left (status 0 after SIGTERM)")

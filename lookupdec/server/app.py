@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lookupdec.config import MAX_BATCH, SERVE_MAX_BATCH
+from lookupdec.config import MAX_BATCH, SERVE_GRACE_S, SERVE_MAX_BATCH
 from lookupdec.server import protocol
 from lookupdec.server.protocol import ChatRequest, CompletionRequest, RequestError, error_body
 from lookupdec.server.worker import BatchingWorker, EngineWorker, Job, allocatable_bytes, batch_reservation
@@ -49,7 +49,6 @@ HTTP_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it
 HTTP_SERVER_ERROR = 500
 HTTP_UNAVAILABLE = 503
 SSE_DONE = b"data: [DONE]\n\n"
-DEFAULT_GRACE_S = 20.0  # on SIGTERM: the requests in flight get this long (under Kubernetes' 30 s before SIGKILL)
 # after the drain (``Drain``): what uvicorn gives the answers still being written (a client that
 # does not read its stream) before it cancels them
 GRACEFUL_SHUTDOWN_S = 5
@@ -91,7 +90,7 @@ class Drain:
     error event, then ``[DONE]``), its job cancelled; a request whose prompt is still being built
     gets the 503 instead of a job. ``wait_idle`` returns once no admitted request is left."""
 
-    def __init__(self, grace: float = DEFAULT_GRACE_S) -> None:
+    def __init__(self, grace: float = SERVE_GRACE_S) -> None:
         self.grace = grace  # (named in the 503 of an aborted request)
         self.draining = self.aborted = False
         self.active = 0
@@ -316,7 +315,7 @@ class Api:
 
 def create_app(engine, model_name: str, *, api_key: str | None = None,
                max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, openapi: bool = False, max_batch: int = 1,
-               grace: float = DEFAULT_GRACE_S):
+               grace: float = SERVE_GRACE_S):
     """The OpenAI-compatible app serving ``engine`` under the id ``model_name``, behind
     ``RequestGuard`` (``api_key``: required on every path but /health; ``max_request_bytes``:
     larger bodies are a 413; None or 0: no limit). ``openapi``: also serve ``/openapi.json``.
@@ -406,7 +405,7 @@ def check_batch_memory(engine, max_batch: int) -> None:
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           index=None, draft_model=None, device=None, dtype=None, config=None, log_level: str = "info",
           api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
-          openapi: bool = False, max_batch: int = SERVE_MAX_BATCH, grace: float = DEFAULT_GRACE_S) -> None:
+          openapi: bool = False, max_batch: int = SERVE_MAX_BATCH, grace: float = SERVE_GRACE_S) -> None:
     """Load the engine (never downloads), bind ``host:port`` (0: a free port; an IPv6 address
     with or without brackets) and serve until SIGTERM or Ctrl+C, which drain the server: the
     requests in flight get ``grace`` seconds to finish (``Drain``, ``shutdown.DrainingServer``).

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from lookupdec.validate import ParamError, check_generation
+from lookupdec.validate import NOT_UNICODE, ParamError, check_generation
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -169,7 +169,6 @@ EXPECTED = {
 
 
 # a string with a lone surrogate ("\ud800" in the JSON): valid JSON, no text a tokenizer can take
-NOT_UNICODE = "not valid Unicode text (it holds a lone surrogate such as \\ud800, which UTF-8 cannot encode)"
 
 
 def validation_error(errors: list[dict]) -> RequestError:
