@@ -2,11 +2,15 @@
 
 The methods decode the same prompts, greedy, side by side, in an order rotated per prompt:
 
-* ``greedy``    -- ``model.generate(do_sample=False)``; by default each prompt twice, right before
-  and right after lookupdec (``greedy_after``; ``--no-bracket``: once), and a prompt's greedy
-  time is the two runs' mean: this machine's speed drifts within minutes (a prompt's two greedy
-  runs up to 1.34x apart, ``bench/results/real_model_2t_xeon_63de1b1.json``), which a single
-  run of each side reads as a speedup or a loss. The single-run ratio is reported beside it (``worst (1 greedy run)``).
+* ``plain``     -- the same engine with no drafts, ``EngineConfig(proposers=())``: the same kernels,
+  prefix cache and step, one token per forward. The figure this benchmark leads with is
+  lookupdec over ``plain`` (what the lookups add, as Spec-Bench reports), per request (prefill
+  included) and for the decode phase alone (from the first generated token on). By default each
+  prompt runs plain twice, right before and right after lookupdec (``plain_after``;
+  ``--no-bracket``: once), and a prompt's plain time is the two runs' mean: this machine's speed
+  drifts within minutes, which a single run of each side reads as a speedup or a loss.
+* ``greedy``    -- ``transformers``' ``model.generate(do_sample=False)``: its eager forward, so
+  lookupdec over it mixes the engine's faster kernels with what the lookups add
 * ``pld``       -- ``model.generate(do_sample=False, prompt_lookup_num_tokens=10)``
 * ``lookupdec`` -- ``Engine(model, tokenizer, EngineConfig()).generate(...)``, the default
   configuration, one engine per thread setting kept across prompts as a server keeps it
@@ -145,13 +149,15 @@ def cost_curve(engine) -> dict:
 
 
 def ld_run(engine, prompt, max_new) -> tuple[list[int], dict]:
+    """One request through ``engine``: its tokens and figures (``decode_s``: from the first
+    generated token on, the request's time less its prefill)."""
     gc.collect()
     start = time.perf_counter()
     gen = engine.generate(prompt, max_new_tokens=max_new)
     seconds = time.perf_counter() - start
     s = gen.stats
     return list(gen.token_ids), {
-        "seconds": seconds, "steps": s.steps, "mean_accepted": s.mean_accepted, "overhead_us": s.overhead_us,
+        "seconds": seconds, "decode_s": seconds - s.prefill_ms / 1e3, "steps": s.steps, "mean_accepted": s.mean_accepted, "overhead_us": s.overhead_us,
         "draft_us": s.draft_us, "forward_ms": s.forward_ms, "prefill_ms": s.prefill_ms,
         "mean_tree_nodes": s.mean_tree_nodes, "predicted_accepted": s.predicted_accepted,
         "realised_accepted": s.realised_accepted, "accepted_by_source": dict(s.accepted_by_source),
@@ -163,14 +169,14 @@ def run_order(methods: list[str], k: int, bracket: bool) -> list[str]:
     """The methods' order for the ``k``-th prompt: rotated by ``k``; with ``bracket``, greedy runs
     again right after lookupdec, and the two are rotated as one block with greedy's first run.
 
-    >>> run_order(["greedy", "pld", "lookupdec", "fixed4"], 1, bracket=False)
-    ['pld', 'lookupdec', 'fixed4', 'greedy']
-    >>> run_order(["greedy", "pld", "lookupdec", "fixed4"], 1, bracket=True)
-    ['pld', 'fixed4', 'greedy', 'lookupdec', 'greedy_after']
+    >>> run_order(["plain", "greedy", "pld", "lookupdec"], 1, bracket=False)
+    ['greedy', 'pld', 'lookupdec', 'plain']
+    >>> run_order(["plain", "greedy", "pld", "lookupdec"], 1, bracket=True)
+    ['greedy', 'pld', 'plain', 'lookupdec', 'plain_after']
     """
     units = [[m] for m in methods]
     if bracket:
-        units = [["greedy", "lookupdec", "greedy_after"]] + [[m] for m in methods if m not in ("greedy", "lookupdec")]
+        units = [["plain", "lookupdec", "plain_after"]] + [[m] for m in methods if m not in ("plain", "lookupdec")]
     k %= len(units)
     return [m for unit in units[k:] + units[:k] for m in unit]
 
@@ -180,23 +186,28 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
                   after_workload=None) -> tuple[dict, list[dict]]:
     """Every workload's prompts through every method at ``threads``; ``after_workload(info,
     runs)`` (if given) after each workload with what was measured so far. With ``bracket``,
-    greedy decodes each prompt twice, right before and right after lookupdec (``greedy_after``):
-    a prompt's greedy time is the mean of the two, so a machine whose speed drifts over seconds
-    to minutes (this one: a prompt's two greedy runs up to 1.34x apart) shifts both sides of the
-    ratio alike instead of only one."""
+    plain decodes each prompt twice, right before and right after lookupdec (``plain_after``):
+    a prompt's plain time is the mean of the two, so a machine whose speed drifts over seconds
+    to minutes shifts both sides of the ratio alike instead of only one."""
     label = f"{threads}t" if model.device.type == "cpu" else model.device.type  # the run's name in the tables
     from lookupdec import Engine, EngineConfig
 
     torch.set_num_threads(threads)
-    engines = {"lookupdec": Engine(model, tokenizer, EngineConfig())}
+    # plain's second run has an engine of its own: each engine sees each prompt once, so every
+    # one's prefix cache holds the same earlier prompts when it starts one (a second run on the
+    # first run's engine would find its whole prompt cached)
+    engines = {"plain": Engine(model, tokenizer, EngineConfig(proposers=())),
+               "lookupdec": Engine(model, tokenizer, EngineConfig())}
+    if bracket:
+        engines["plain_after"] = Engine(model, tokenizer, EngineConfig(proposers=()))
     for n in fixed:
         engines[f"fixed{n}"] = Engine(model, tokenizer, EngineConfig(budget="fixed", max_nodes=n))
     if all_logits:
         engines["all-logits"] = Engine(model, tokenizer, EngineConfig(partial_logits=False))
     if no_prefix_cache:
         engines["no-prefix-cache"] = Engine(model, tokenizer, EngineConfig(prefix_cache=False))
-    methods = ["greedy", "pld", *engines]
-    info = {"threads": threads, "methods": methods + (["greedy_after"] if bracket else []),
+    methods = ["plain", "greedy", "pld", *[m for m in engines if m not in ("plain", "plain_after")]]
+    info = {"threads": threads, "methods": methods + (["plain_after"] if bracket else []),
             "cost_curve": cost_curve(engines["lookupdec"]),
             "load_average_before": load_average()}
     print(f"\n== smollm2 on {model.device.type}, {threads} torch thread(s); verify cost t(n)/t(1) at context {COST_CONTEXT}: "
@@ -204,7 +215,7 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
           flush=True)
     warm = engines["lookupdec"].chat_prompt(WARMUP)
     t = time.perf_counter()
-    for method in methods:  # allocator, oneDNN, each engine's cost curve seed (a few forwards, then online)
+    for method in [*methods, *(["plain_after"] if bracket else [])]:  # allocator, oneDNN, cost curve seeds
         if method in engines:
             ld_run(engines[method], warm, 16)
         else:
@@ -219,7 +230,7 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
                 if method in engines:
                     out, rec = ld_run(engines[method], prompt, max_new)
                 else:
-                    out, rec = run_method("greedy" if method == "greedy_after" else method, model, None, prompt, max_new)
+                    out, rec = run_method(method, model, None, prompt, max_new)
                 group.append({"method": method, "prompt_tokens": len(prompt), "new_tokens": len(out),
                               "load_1m": round(os.getloadavg()[0], 2), **rec, "_out": out})
             outs = {r["method"]: r.pop("_out") for r in group}
@@ -230,10 +241,11 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
             runs.extend(group)
             rate = {r["method"]: r["new_tokens"] / r["seconds"] for r in group}
             ld = next(r for r in group if r["method"] == "lookupdec")
-            greedy = greedy_rate(group)
-            print(f"  {workload:13s} #{i:<2d} {len(prompt):4d} tok  greedy {greedy:5.1f} t/s  "
-                  + "  ".join(f"{m} {rate[m] / greedy:.2f}" for m in methods[1:])
-                  + (f" (greedy runs {rate['greedy'] / rate['greedy_after']:.2f} apart)" if bracket else "")
+            plain = plain_rate(group)
+            print(f"  {workload:13s} #{i:<2d} {len(prompt):4d} tok  plain {plain:5.1f} t/s  "
+                  + "  ".join(f"{m} {rate[m] / plain:.2f}" for m in methods[1:])
+                  + f"  decode {plain_decode_s(group) / ld['decode_s']:.2f}"
+                  + (f" (plain runs {rate['plain'] / rate['plain_after']:.2f} apart)" if bracket else "")
                   + f"  MAT {ld['mean_accepted']:.2f} nodes {ld['mean_tree_nodes']:.1f} "
                   f"pred/real {ld['predicted_accepted']:.2f}/{ld['realised_accepted']:.2f}"
                   + ("" if all(r["identical_to_greedy"] for r in group) else "  MISMATCH"), flush=True)
@@ -243,54 +255,80 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
     return info, runs
 
 
-def greedy_rate(group: list[dict]) -> float:
-    """One prompt's greedy tokens/s: its runs' tokens over their seconds (with ``greedy_after``,
+def plain_rate(group: list[dict]) -> float:
+    """One prompt's plain tokens/s: its runs' tokens over their seconds (with ``plain_after``,
     the rate of the two runs' mean time)."""
-    runs = [r for r in group if r["method"] in ("greedy", "greedy_after")]
+    runs = [r for r in group if r["method"] in ("plain", "plain_after")]
     return sum(r["new_tokens"] for r in runs) / sum(r["seconds"] for r in runs)
 
 
+def plain_decode_s(group: list[dict]) -> float:
+    """One prompt's plain decode phase in seconds (with ``plain_after``, the two runs' mean)."""
+    runs = [r for r in group if r["method"] in ("plain", "plain_after")]
+    return statistics.fmean(r["decode_s"] for r in runs)
+
+
+def rate_of(group: list[dict], method: str) -> float:
+    runs = [r for r in group if r["method"] == method]
+    return sum(r["new_tokens"] for r in runs) / sum(r["seconds"] for r in runs)
+
+
+DECODE_BAR = 0.6  # issue bar: decode-phase gain >= this x (accepted tokens per step) / (tree verify cost / one token's)
+
+
 def summarize_runs(runs: list[dict]) -> list[dict]:
-    """Per thread setting x workload: each method's total tokens/s over greedy's, the worst
-    prompt, lookupdec's step figures, the best fixed budget."""
+    """Per thread setting x workload: lookupdec over its own plain decoding (per request and
+    decode phase, total and worst prompt), each method's total tokens/s over plain's and over
+    greedy's, lookupdec's step figures, the best fixed budget."""
     rows = []
     for model, workload in dict.fromkeys((r["model"], r["workload"]) for r in runs):
         group = [r for r in runs if (r["model"], r["workload"]) == (model, workload)]
-        methods = list(dict.fromkeys(r["method"] for r in group))
-        total = {m: sum(r["new_tokens"] for r in group if r["method"] == m)
-                 / sum(r["seconds"] for r in group if r["method"] == m) for m in methods}
-        total["greedy"] = greedy_rate(group)  # with greedy_after: both runs of every prompt
+        methods = list(dict.fromkeys(r["method"] for r in group if r["method"] != "plain_after"))
+        total = {m: rate_of(group, m) for m in methods}
+        total["plain"] = plain_rate(group)  # with plain_after: both runs of every prompt
         ld = [r for r in group if r["method"] == "lookupdec"]
-        greedy = {r["prompt"]: greedy_rate([q for q in group if q["prompt"] == r["prompt"]]) for r in ld}
-        ratios = [r["new_tokens"] / r["seconds"] / greedy[r["prompt"]] for r in ld]
-        # against greedy's run before lookupdec alone (what a run without greedy_after reads)
-        first = {r["prompt"]: r["new_tokens"] / r["seconds"] for r in group if r["method"] == "greedy"}
-        single = [r["new_tokens"] / r["seconds"] / first[r["prompt"]] for r in ld]
-        after = {r["prompt"]: r["new_tokens"] / r["seconds"] for r in group if r["method"] == "greedy_after"}
+        by_prompt = {r["prompt"]: [q for q in group if q["prompt"] == r["prompt"]] for r in ld}
+        ratios = [r["new_tokens"] / r["seconds"] / plain_rate(by_prompt[r["prompt"]]) for r in ld]
+        decode = [plain_decode_s(by_prompt[r["prompt"]]) / r["decode_s"] for r in ld]
+        first = {r["prompt"]: r["new_tokens"] / r["seconds"] for r in group if r["method"] == "plain"}
+        after = {r["prompt"]: r["new_tokens"] / r["seconds"] for r in group if r["method"] == "plain_after"}
         steps = sum(r["steps"] for r in ld)
+        plain_runs = [r for r in group if r["method"] in ("plain", "plain_after")]
+        plain_fwd = sum(r["forward_ms"] * r["steps"] for r in plain_runs) / max(1, sum(r["steps"] for r in plain_runs))
+        mat = sum(r["new_tokens"] - r.get("prefill_tokens", 0) for r in ld) / steps
+        fwd = sum(r["forward_ms"] * r["steps"] for r in ld) / steps
+        tree_cost = fwd / plain_fwd if plain_fwd else float("nan")  # the chosen trees' verify cost / one token's
+        decode_total = (sum(plain_decode_s(by_prompt[r["prompt"]]) for r in ld)
+                        / sum(r["decode_s"] for r in ld))
         row = {"model": model, "workload": workload, "prompts": len(ld),
                "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in ld),
-               "greedy_tok_s": total["greedy"], "lookupdec/greedy": total["lookupdec"] / total["greedy"],
-               "lookupdec/pld": total["lookupdec"] / total["pld"], "pld/greedy": total["pld"] / total["greedy"],
-               "worst ld/greedy": min(ratios), "worst_prompt": ratios.index(min(ratios)),
+               "plain_tok_s": total["plain"], "lookupdec/plain": total["lookupdec"] / total["plain"],
+               "worst ld/plain": min(ratios), "worst_prompt": ratios.index(min(ratios)),
                "prompts_below_0.97": sum(x < 0.97 for x in ratios),
-               "worst ld/first greedy run": min(single), "prompts_below_0.97_first_greedy_run": sum(x < 0.97 for x in single),
-               # the most a prompt's two greedy runs differ (their rates' ratio, >= 1): the drift bracketed
-               "greedy_runs_apart": (max(math.exp(abs(math.log(first[p] / after[p]))) for p in after)
-                                     if after else None),
+               "decode ld/plain": decode_total, "worst decode ld/plain": min(decode),
+               "decode_bar": DECODE_BAR * mat / tree_cost,
+               "plain_runs_apart": (max(math.exp(abs(math.log(first[p] / after[p]))) for p in after)
+                                    if after else None),
+               "greedy_tok_s": total["greedy"], "lookupdec/greedy": total["lookupdec"] / total["greedy"],
+               "plain/greedy": total["plain"] / total["greedy"],
+               "lookupdec/pld": total["lookupdec"] / total["pld"], "pld/greedy": total["pld"] / total["greedy"],
                # tokens per step: the first of each answer is the prefill's, in no step
-               "lookupdec_mean_accepted": sum(r["new_tokens"] - r.get("prefill_tokens", 0) for r in ld) / steps,
+               "lookupdec_mean_accepted": mat, "tree_cost": tree_cost,
                "lookupdec_tree_nodes": sum(r["mean_tree_nodes"] * r["steps"] for r in ld) / steps,
                "lookupdec_predicted": sum(r["predicted_accepted"] * r["steps"] for r in ld) / steps,
                "lookupdec_realised": sum(r["realised_accepted"] * r["steps"] for r in ld) / steps,
                "lookupdec_overhead_us": sum(r["overhead_us"] * r["steps"] for r in ld) / steps,
-               "lookupdec_forward_ms": sum(r["forward_ms"] * r["steps"] for r in ld) / steps,
+               "plain_overhead_us": sum(r["overhead_us"] * r["steps"] for r in plain_runs)
+               / max(1, sum(r["steps"] for r in plain_runs)),
+               "lookupdec_forward_ms": fwd, "plain_forward_ms": plain_fwd,
+               "lookupdec_prefill_ms": statistics.fmean(r["prefill_ms"] for r in ld),
+               "plain_prefill_ms": statistics.fmean(r["prefill_ms"] for r in plain_runs),
                "lookupdec_logit_rows": sum(r.get("logit_rows", 0.0) * r["steps"] for r in ld) / steps,
                "lookupdec_logit_misses": sum(r.get("logit_misses", 0) for r in ld),
                "identical": f"{sum(r['identical_to_greedy'] for r in group)}/{len(group)}"}
         fixed = [m for m in methods if m.startswith("fixed")]
         for m in fixed:
-            row[f"{m}/greedy"] = total[m] / total["greedy"]
+            row[f"{m}/plain"] = total[m] / total["plain"]
         if fixed:
             best = max(fixed, key=lambda m: total[m])
             row["best_fixed"] = best
@@ -299,24 +337,26 @@ def summarize_runs(runs: list[dict]) -> list[dict]:
             row["lookupdec/all-logits"] = total["lookupdec"] / total["all-logits"]
         if "no-prefix-cache" in total:
             row["lookupdec/no-prefix-cache"] = total["lookupdec"] / total["no-prefix-cache"]
-            row["no-prefix-cache/pld"] = total["no-prefix-cache"] / total["pld"]
         row["lookupdec_prefix_reused"] = statistics.fmean(r.get("prefix_reused", 0) for r in ld)
         rows.append(row)
     return rows
 
 
 TABLE = [("model", "run", ""), ("workload", "workload", ""), ("prompts", "n", "d"),
-         ("mean_prompt_tokens", "prompt", ".0f"), ("greedy_tok_s", "greedy t/s", ".1f"),
-         ("lookupdec/greedy", "ld/greedy", ".2f"), ("lookupdec/pld", "ld/pld", ".2f"),
-         ("pld/greedy", "pld/greedy", ".2f"), ("worst ld/greedy", "worst", ".2f"),
-         ("worst ld/first greedy run", "worst (1 greedy run)", ".2f"), ("greedy_runs_apart", "greedy runs apart", ".2f"),
+         ("mean_prompt_tokens", "prompt", ".0f"), ("plain_tok_s", "plain t/s", ".1f"),
+         ("lookupdec/plain", "ld/plain", ".2f"), ("worst ld/plain", "worst", ".2f"),
+         ("decode ld/plain", "decode", ".2f"), ("worst decode ld/plain", "worst dec", ".2f"),
+         ("decode_bar", "dec bar", ".2f"), ("plain_runs_apart", "plain runs apart", ".2f"),
+         ("lookupdec/greedy", "ld/greedy", ".2f"), ("plain/greedy", "plain/greedy", ".2f"),
+         ("lookupdec/pld", "ld/pld", ".2f"), ("pld/greedy", "pld/greedy", ".2f"),
          ("lookupdec/best_fixed", "ld/best fixed", ".2f"), ("best_fixed", "best fixed", ""),
-         ("lookupdec_mean_accepted", "MAT", ".2f"), ("lookupdec_tree_nodes", "nodes", ".1f"),
+         ("lookupdec_mean_accepted", "MAT", ".2f"), ("tree_cost", "tree cost", ".2f"),
+         ("lookupdec_tree_nodes", "nodes", ".1f"),
          ("lookupdec_predicted", "pred acc", ".2f"), ("lookupdec_realised", "real acc", ".2f"),
-         ("lookupdec_overhead_us", "ovh us", ".0f"), ("lookupdec_forward_ms", "fwd ms", ".1f"),
-         ("lookupdec_logit_rows", "rows", ".1f"), ("lookupdec/all-logits", "ld/all-logits", ".2f"),
-         ("lookupdec_prefix_reused", "reused", ".0f"), ("lookupdec/no-prefix-cache", "ld/no-prefix", ".2f"),
-         ("no-prefix-cache/pld", "no-prefix/pld", ".2f"),
+         ("lookupdec_overhead_us", "ovh us", ".0f"), ("plain_overhead_us", "plain ovh us", ".0f"),
+         ("lookupdec_forward_ms", "fwd ms", ".1f"), ("plain_forward_ms", "plain fwd ms", ".1f"),
+         ("lookupdec/all-logits", "ld/all-logits", ".2f"),
+         ("lookupdec/no-prefix-cache", "ld/no-prefix", ".2f"),
          ("identical", "identical", "")]
 
 
@@ -383,17 +423,26 @@ def report(args, argv, meta, workloads, load_s, infos, runs, echo: bool = True) 
     totals = {}
     for model in dict.fromkeys(r["model"] for r in runs):
         mine = [r for r in runs if r["model"] == model]
-        rate = {m: sum(r["new_tokens"] for r in mine if r["method"] == m) / sum(r["seconds"] for r in mine
-                                                                             if r["method"] == m)
-                for m in ("pld", "lookupdec")}
-        rate["greedy"] = greedy_rate(mine)
-        totals[model] = {"lookupdec/greedy": round(rate["lookupdec"] / rate["greedy"], 3),
+        rate = {m: rate_of(mine, m) for m in ("greedy", "pld", "lookupdec")}
+        rate["plain"] = plain_rate(mine)
+        ld = [r for r in mine if r["method"] == "lookupdec"]
+        prompts = {(r["workload"], r["prompt"]): [q for q in mine if (q["workload"], q["prompt"]) == (r["workload"], r["prompt"])]
+                   for r in ld}
+        ratios = [r["new_tokens"] / r["seconds"] / plain_rate(prompts[(r["workload"], r["prompt"])]) for r in ld]
+        totals[model] = {"lookupdec/plain": round(rate["lookupdec"] / rate["plain"], 3),
+                         "worst ld/plain": round(min(ratios), 3),
+                         "decode ld/plain": round(sum(plain_decode_s(g) for g in prompts.values())
+                                                  / sum(r["decode_s"] for r in ld), 3),
+                         "lookupdec/greedy": round(rate["lookupdec"] / rate["greedy"], 3),
+                         "plain/greedy": round(rate["plain"] / rate["greedy"], 3),
                          "lookupdec/pld": round(rate["lookupdec"] / rate["pld"], 3),
-                         "pld/greedy": round(rate["pld"] / rate["greedy"], 3),
                          "mismatches": sum(not r["identical_to_greedy"] for r in mine)}
         if echo:
-            print(f"{model}: all workloads, lookupdec/greedy {totals[model]['lookupdec/greedy']:.2f}, "
-                  f"lookupdec/pld {totals[model]['lookupdec/pld']:.2f}, mismatches {totals[model]['mismatches']}")
+            t = totals[model]
+            print(f"{model}: all workloads, lookupdec/plain {t['lookupdec/plain']:.2f} (worst prompt "
+                  f"{t['worst ld/plain']:.2f}, decode phase {t['decode ld/plain']:.2f}), lookupdec/greedy "
+                  f"{t['lookupdec/greedy']:.2f}, plain/greedy {t['plain/greedy']:.2f}, lookupdec/pld "
+                  f"{t['lookupdec/pld']:.2f}, mismatches {t['mismatches']}")
     config = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
               "model": args.model, "device": args.device, "prompts_per_workload": args.prompts, "prompt_offset": args.prompt_offset,
               "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
@@ -423,17 +472,18 @@ def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
         mine = [r for r in rows if r["model"] == model]
         names = [r["workload"] for r in mine]
         xs = range(len(names))
-        ax.bar([x - 0.2 for x in xs], [r["lookupdec/greedy"] for r in mine], 0.4, label="lookupdec / greedy")
-        ax.bar([x + 0.2 for x in xs], [r["pld/greedy"] for r in mine], 0.4, label="prompt lookup / greedy")
+        ax.bar([x - 0.27 for x in xs], [r["lookupdec/plain"] for r in mine], 0.27, label="lookupdec / plain")
+        ax.bar(list(xs), [r["decode ld/plain"] for r in mine], 0.27, label="decode phase: lookupdec / plain")
+        ax.bar([x + 0.27 for x in xs], [r["pld/greedy"] for r in mine], 0.27, label="transformers: prompt lookup / greedy")
         for x, name in zip(xs, names):
             group = [r for r in runs if r["model"] == model and r["workload"] == name]
-            dots = [r["new_tokens"] / r["seconds"] / greedy_rate([q for q in group if q["prompt"] == r["prompt"]])
+            dots = [r["new_tokens"] / r["seconds"] / plain_rate([q for q in group if q["prompt"] == r["prompt"]])
                     for r in group if r["method"] == "lookupdec"]
-            ax.scatter([x - 0.2] * len(dots), dots, s=8, color="black", zorder=3)
+            ax.scatter([x - 0.27] * len(dots), dots, s=8, color="black", zorder=3)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.axhline(0.97, color="red", lw=0.6, ls="--")
         ax.set_xticks(list(xs), names, rotation=30, ha="right")
-        ax.set_ylabel("tokens/s over transformers greedy")
+        ax.set_ylabel("tokens/s ratio (per request, prefill included)")
         ax.set_title(f"SmolLM2-135M, {model.split('/')[1]} (dots: single prompts)")
         ax.legend(fontsize=8)
     fig.tight_layout()
