@@ -50,29 +50,25 @@ COST_LEARNING_RATE = 0.1  # an observed forward moves its size's estimate this f
 COST_SPIKE = 2.0  # an observation above this many times the estimate counts as this many times
 # The chooser takes a size observed c times as costing (1 - COST_OPTIMISM / sqrt(c)) of its
 # estimate: a size over-measured once (a noisy forward) is tried again, and so re-measured, where
-# it would otherwise never be chosen, hence never corrected. SmolLM2, chat, one thread: 5 tokens
-# measured once at 55.4 ms kept the default at 4 (50.3 ms) while 5 cost 47.1 ms (0.90x fixed4).
-# 0.15 before exploration (EXPLORE_EVERY below) re-measured stale sizes: with decayed counts it
-# kept sizes chosen now and then 9-15% cheaper than measured, and on math prompts the default's
-# forwards cost 7.7% more per step than a fixed 4-node budget's for 2% fewer steps.
+# it would otherwise never be chosen, hence never corrected (one slow measurement of a size kept
+# the default budget off it for good). Small, since exploration (EXPLORE_EVERY below) re-measures
+# stale sizes: a larger optimism, with decayed counts, priced sizes chosen now and then well
+# below what they measured, and the default's forwards cost more per step than a fixed budget's.
 COST_OPTIMISM = 0.05
 # A size the chooser stopped taking was never re-measured, so an estimate made under other
-# conditions (a kernel form since replaced, a cached curve, the seed's single forward) stuck:
-# SmolLM2, QA, one thread: 5 tokens cached at 63.6 ms while they cost 49.8 and 4 tokens 51.3, so
-# the default kept 4 tokens, 0.80-0.95x a fixed 5; and with 2-3 tokens slow (64-73 ms) and 5
-# never measured, weak drafts kept trees of 2-3 tokens, 0.68x a fixed 5 on a QA prompt. So the
+# conditions (a kernel form since replaced, a cached curve, the seed's single forward) stuck: a
+# size priced too dear kept the default on a smaller tree that verified slower than a fixed
+# budget of the avoided size would, and weak drafts kept small trees of a slow size. So the
 # counts behind each estimate decay (COUNT_DECAY per forward of the curve, whatever its size: a
 # size seen every step settles near 200, one not seen for 500 forwards at 8% of that), an
 # old estimate gives way fast when observed again (its rate is 1 / count), and every
 # EXPLORE_EVERY choices one step verifies the size, among one token fewer and up to EXPLORE_SPAN
 # more (and twice the nodes plus one, below), that was observed least lately (if under
 # EXPLORE_MIN_COUNT): a step in 32, never more.
-# A step in 32 at a neighbouring size could not leave a high plateau of stale estimates: at two
-# threads a cached SmolLM2 curve (512-token bucket) held 13-17 tokens at 200-300 ms, counts 0.3-0.5,
-# where such forwards took 57-78 ms, and 9-12 tokens at 111-121 ms, 74-97 in a timing beside it
-# (scratch); the default kept 7 nodes on log rewriting (0.80 of a fixed 16-node budget, 10 prompts)
-# where the first 5 of those prompts on a fresh curve (the cached kernel forms kept) kept 13.5-17.6
-# nodes. So exploration also tries twice the nodes chosen plus one (``explore``), and a curve read
+# A step in 32 at a neighbouring size could not leave a high plateau of stale estimates (a cached
+# curve holding a run of sizes at several times what such forwards cost, at counts below 1): the
+# default kept half the nodes a fresh curve chose, and ran slower than a fixed budget of those.
+# So exploration also tries twice the nodes chosen plus one (``explore``), and a curve read
 # from the cache or taken for another bucket keeps only the sizes observed at least
 # CACHED_MIN_COUNT times lately (``CostModel.trusted``; the rest are interpolated from those and
 # measured again when chosen or explored) and explores at its first choice.
@@ -87,18 +83,16 @@ CACHED_MIN_COUNT = 0.5  # ... and keeps only sizes observed this many times late
 # Within a process a size's estimate still outlived what made it where the chooser stopped taking
 # that size and exploration (around the sizes chosen) never reached it: one slow forward of 4
 # tokens (another process, a cold cache) priced 4 nodes at twice their cost, so weak drafts got
-# the root alone or a large tree, never a small one (``bench/cost_replay.py``: SmolLM2's own
-# outputs replayed model-free, the measured two-thread chain curve, observed forwards noisy and
-# 3% of them doubled; on the worst of 8 noise seeds chat read 1.15x greedy, summaries 1.18x and
-# QA 1.16x, where the chooser on the true curve reads 1.34x, 1.32x and 1.36x). So the choosers
+# the root alone or a large tree, never a small one (``bench/cost_replay.py`` replays SmolLM2's own
+# outputs model-free on a measured curve with noisy observations, a few of them doubled: stale
+# estimates lost much of the speedup the chooser reaches on the true curve). So the choosers
 # read ``CostModel.prices``: a size's estimate drawn down towards the line through its
 # neighbours observed at least TRUST_COUNT times lately, weighted as SHRINK_COUNT forwards
 # against its own decayed count (``shrunk``): a stale high estimate drifts back to what its
 # neighbours say, is taken again and measured again. Never up: a low estimate is taken, so
 # measured, anyway, and a size cheaper than its neighbours (found by exploration) stays so; a
-# size whose kernels are slow (7 tokens at one thread) is re-measured now and then. Same replay,
-# worst seed: 1.23x, 1.28x, 1.30x; the other workloads, the seeds' means and the one-thread
-# curve (whose bumps it re-measures: math's worst seed 1.49x against 1.54x) within 0.05.
+# size whose kernels are slow (a bump in the curve) is re-measured now and then. In the same
+# replay this wins back most of what stale estimates lost, bumps included.
 SHRINK_COUNT = 1.0
 TRUST_COUNT = 1.0
 SHRINK_BELOW = 8.0  # a size observed this many times lately keeps its own estimate
@@ -116,8 +110,8 @@ class CostModel:
     Seeded by a few timed forwards (``measure``) or from the cost cache, then refined by every
     verify forward the engine times (``observe``): each size keeps a running estimate, spikes
     (another process, a cold cache) clipped. Between observed sizes ``t`` is interpolated
-    linearly. Costs need not grow with ``n`` (on one CPU thread SmolLM2 verifies 4-6 tokens
-    faster than 2: the matrix kernels for 2 and 3 rows are slow): ``choose_num_nodes`` weighs
+    linearly. Costs need not grow with ``n`` (a CPU's matrix kernels for a few rows can be
+    slower than for a few more): ``choose_num_nodes`` weighs
     every size at its own cost, and where a caller pads smaller trees (a batch's width),
     ``n`` tokens cost the cheapest of any size ``>= n`` (``__call__``, ``dense(padded=True)``). Sizes
     the chooser no longer takes are re-measured now and then (``explore``), and the counts behind
@@ -130,7 +124,7 @@ class CostModel:
         self.sizes, self.seconds = [int(n) for n in sizes], [float(t) for t in seconds]
         # observations per size (``counts``), decayed: raw sums times one running scale, so an
         # observe changes one size's sum and the scale, not every size's count (a list of them
-        # made anew cost about 7 µs a step, cold after the forward); the compiled chooser and curve
+        # made anew would cost every step, cold after the forward); the compiled chooser and curve
         # take the two as they are (``choose_tree_nodes``, ``dense``) and multiply
         self.raw_counts = [float(c) for c in counts] if counts is not None else [1.0] * len(self.sizes)
         self.count_scale = 1.0
@@ -249,8 +243,9 @@ class CostModel:
         """What the choosers take each size to cost: its estimate drawn down towards the line
         through its neighbours observed lately, as far as its own observations are stale (``shrunk``).
         Computed whole every ``PRICES_EVERY`` observations or after a new size; in between
-        ``observe`` updates the observed size's own (its neighbours' lines move little in 16
-        forwards; the whole computation, 13 µs, would be a twentieth of a step's overhead)."""
+        ``observe`` updates the observed size's own (its neighbours' lines move little in
+        ``PRICES_EVERY`` forwards; the whole computation at every step would add a visible share
+        to a step's overhead)."""
         if self._prices is None or self._since_prices >= PRICES_EVERY:
             self._prices, self._lines = shrunk(self.sizes, self.seconds, self.counts, SHRINK_COUNT, TRUST_COUNT)
             self._since_prices = 0
@@ -270,10 +265,10 @@ class CostModel:
         estimates too. Where the root alone (one token) is priced at or above the ``nodes`` chosen
         and was observed less lately than the size exploration would try (and under
         ``EXPLORE_MIN_COUNT`` times), it is what is explored: a stale estimate may say one token
-        costs as much as more, and the chooser would never take it to find out (SmolLM2, two
-        threads: a curve learnt while the machine ran slow held 1-15 tokens at 66-109 ms, then 16
-        tokens were measured at 58 ms, and the chooser verified 15 draft nodes on every step, never
-        timing the root alone again; a 13-token translation ran at 0.66x greedy); where it then runs
+        costs as much as more, and the chooser would never take it to find out (a curve learnt
+        while the machine ran slow, then a large tree measured fast: the chooser verified that
+        tree on every step, never timing the root alone again, slower than greedy decoding where
+        nothing drafted well); where it then runs
         faster than its estimate, the stale sizes follow (``_follow_level``). When the chooser takes
         the root alone (``nodes`` = 0) nothing is explored. History only (the curve's own timings):
         sampling stays exact.
@@ -333,8 +328,8 @@ class CostModel:
 
         Cached until the next ``observe``, which the engine makes every step: the curve is
         computed again before each step's choice, in one compiled call where the core is built
-        (``dense_reference``'s numpy operations, bit for bit: ten numpy calls took 120-240 µs
-        of a step there, every one of them cold after the forward)."""
+        (``dense_reference``'s numpy operations, bit for bit: ten numpy calls, every one of them
+        cold after the forward, cost a step far more than the one call)."""
         key = (optimistic, padded)
         cached = self._curves.get(key)
         if cached is None or len(cached) <= upto:
@@ -406,8 +401,9 @@ def tail_slope(sizes: Sequence[float], seconds: Sequence[float]) -> float:
     """Seconds per token past the largest size of a cost curve (``CostModel`` extrapolates with
     it): the secant from the largest size back to one at most half as large, never below 0 nor
     above the largest size's seconds per token. Two adjacent sizes (62 and 64 nodes, both seen
-    by a single sequence's engine) differ by noise alone: their slope, 5 ms a token on a GPU
-    whose forwards all cost about 35 ms, priced a batch of 8 rows x 65 nodes at seconds and
+    by a single sequence's engine) differ by noise alone: their slope, a good part of a whole
+    forward per token on a GPU whose forwards all cost about the same, priced a batch of 8 rows
+    x 65 nodes at seconds and
     kept the batch's trees at a node or two. The cap holds because ``n`` tokens never cost
     more than ``n / m`` forwards of ``m``.
 
@@ -832,8 +828,8 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
     is the cost curve's optimistic reading (``CostModel.dense``): sizes seldom observed are
     tried again; each size at its own estimate, not padded: the tree verified has exactly
     ``1 + n`` tokens, so ``n`` costs what they cost (a larger tree that costs less wins by its
-    own rate). A curve read as padded made weak drafts pay for 2 tokens (SmolLM2, one thread:
-    61-65 ms) what 5 cost (44-46 ms), where a size-2 record promised more than the rest. The
+    own rate). A curve read as padded made weak drafts pay for 2 tokens what 5 cost, where 2
+    were slower than 5 and a size-2 record promised more than the rest. The
     first of equal rates wins (fewer nodes).
 
     >>> cost = CostModel([1, 2, 4], [1.0, 1.1, 1.3])
@@ -862,7 +858,7 @@ def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int,
     where the compiled core holds the tree (``TokenTree._from_core``) in one call that reads the
     gains where they are and makes the optimistic cost curve only as far as it is read (at one
     CPU thread the list of gains, the whole curve and their conversions cost more than the
-    choice: 20 µs a step, cold after the forward). With ``record`` (a ``SizeRecord``; ``scale``
+    choice, every step, cold after the forward). With ``record`` (a ``SizeRecord``; ``scale``
     then a number, the overall correction) each size's gains are corrected by
     ``record.scales(..., scale, factor)``, which the core makes from ``record.table`` as it reads
     them; without ``record``, ``factor`` multiplies ``scale``."""

@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 # the long copies of code edits at no cost where matches are short.
 DEFAULT_MAX_MATCH = 64
 
-# ``lookupdec serve``'s requests per verify forward (``--max-batch``): on SmolLM2 (2-core CPU),
-# 8 concurrent clients got 1.38x (1 thread) and 1.44x (2 threads) the tokens/s of the server
-# taking them one at a time on log and code rewrites, and a client alone the same latency
-# (bench/results/server_batch_{1t_426b7d2,2t_395361e}.json). The batch's K/V buffer holds this
+# ``lookupdec serve``'s requests per verify forward (``--max-batch``): concurrent clients verified
+# together get more tokens per second than taken one at a time, at one thread and at two, and a
+# client alone keeps its latency (bench/results/server_batch_*.json). The batch's K/V buffer holds this
 # many rows of the longest context, paid for as the rows in use write them (model/cache.py, BatchStore).
 SERVE_MAX_BATCH = 8
-SERVE_GRACE_S = 20.0  # on SIGTERM the requests in flight get this long (under Kubernetes' 30 s before SIGKILL)
+SERVE_GRACE_S = 20.0  # on SIGTERM the requests in flight get this long (inside Kubernetes' default grace before SIGKILL)
 # most sequences per verify forward for ``rewrite --batch-size`` and ``serve --max-batch`` (a
 # program calling ``Engine.generate_batch`` sizes its own): each row reserves K/V memory for the
 # longest context, and past 16 rows a CPU gains nothing

@@ -116,7 +116,7 @@ def target_probs(logits: torch.Tensor, prefix_ids: torch.Tensor | None, params: 
     return process_row(logits, prefix_ids, params).softmax(-1)
 
 
-@dataclass(slots=True)  # (not frozen: a frozen dataclass's __init__ costs three times as much, every step)
+@dataclass(slots=True)  # (not frozen: a frozen dataclass's __init__ costs more, every step)
 class Acceptance:
     accepted: list[int]  # accepted node indices, root's child first (root excluded)
     next_token: int  # the bonus or recovered token emitted after them
@@ -221,8 +221,8 @@ def accept(
     """Walk the tree from the root, keeping draft tokens the target agrees with.
 
     Greedy without a repetition penalty takes the argmax of only the rows the walk visits on
-    the CPU (a row is 20-40x cheaper than the whole tensor, and the walk visits the accepted
-    nodes plus one), in one call into the compiled core for float32 logits
+    the CPU (a row's argmax costs a small share of the whole tensor's, and the walk visits the
+    accepted nodes plus one), in one call into the compiled core for float32 logits
     (``TokenTree.greedy_walk``); on an accelerator, one argmax over every row and one transfer.
     ``accept_reference`` takes every row's argmax first; both give the same result.
 
@@ -383,7 +383,7 @@ def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, gen
             accepted, tops, tokens, start = [], [] if top_k else None, [], 0
             while True:  # walk the rows computed; a node reached without one gets its rows, and the walk goes on
                 choices = logits.tops if logits.tops is not None and logits.tops.shape[1] >= max(top_k, 1) else None
-                rows = logits.logits.numpy() if choices is None else None  # (a cold .numpy(): ~25 µs)
+                rows = logits.logits.numpy() if choices is None else None  # (only when needed: a cold .numpy() is not free)
                 walked = tree.greedy_walk(rows, top_k, logits.row_of.tobytes(), start, choices)
                 if walked is None:
                     break

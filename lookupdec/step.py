@@ -379,8 +379,8 @@ class StepCore:
         is ``scale`` times this, clipped to ``[REQUEST_MIN, SCALE_MAX]`` (the chooser multiplies
         each size's record by it). Steps without a tree fade the record as the shared one fades:
         a request that stopped drafting on a few unlucky steps tries again (without the fade, chat and
-        QA requests that had stopped so drafted less than a fixed 4-node budget: 0.90 and 0.88 of
-        it, 10 prompts each, against 0.98 and 0.92 with the fade)."""
+        QA requests that had stopped so ran slower than a fixed 4-node budget; with it, close to
+        that budget's speed)."""
         record = self._requests.get(request_id)
         if record is None:
             return 1.0

@@ -47,7 +47,7 @@ Counts and end positions: each state's occurrence count and most recent end posi
 exact whenever they are read. ``extend`` only notes the new leaf state of each appended token;
 the next query adds 1 along each noted leaf's suffix-link path (cost: the leaf's depth, ~15
 on real text, 8 walks interleaved), or, after a bulk extend where that would cost more,
-recounts every state (states sorted by length, one pass: ~1 s at 10M tokens). Then
+recounts every state (states sorted by length, one pass, linear in the states). Then
 ``most_recent_end`` is O(1), and ``end_positions`` walks the suffix-link subtree best-first by
 newest end position, so its cost grows with ``limit``, not with the number of occurrences.
 

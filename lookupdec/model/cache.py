@@ -101,8 +101,8 @@ class SlotStore:
         """Append ``keys``/``values`` [batch, heads, new, head dim] to ``layer``; its whole K, V.
         Every layer of a forward appends at the same slots: the views of them (and of each
         layer's whole K, V) are made once for all layers (``_Spans``), where indexing the buffer
-        per layer (``write_reference``) made four a layer: SmolLM2's 30 layers, a 65-token
-        forward, one CPU thread: 255 against 758 µs (``bench/overhead_bench.py``)."""
+        per layer (``write_reference``) made four a layer, every forward (``bench/overhead_bench.py``
+        times the two)."""
         start = self.lengths[layer]
         end = start + keys.shape[-2]
         spans = self._spans
@@ -212,9 +212,9 @@ class BatchStore(SlotStore):
     in use holds K/V the model wrote or zeros (``put_row`` zeroes the holes a row's joining
     makes).
 
-    On a CPU memory is paid at its pages' first touch, and on this VM that touch is dear: a
-    zeroed 16-row buffer for a client alone on ``serve --max-batch 16`` cost 1.55 s when its
-    1002-token code edit outgrew it (SmolLM2, two threads). So a new buffer is uninitialised
+    On a CPU memory is paid at its pages' first touch, which can be dear (on a VM especially):
+    zeroing a whole new buffer of ``max_rows`` rows puts every row's first touch on the one
+    request whose growth made it, though a client alone uses one row. So a new buffer is uninitialised
     (``new_buffer``; rows no sequence uses cost nothing), a growth copies the rows in use only,
     and ``put_row`` zeroes the holes a joining row makes. A joining row reserves room for its
     request (``put_row(room=)``), so growths come as rows join, not in the middle of a step."""
@@ -260,7 +260,7 @@ class BatchStore(SlotStore):
             return
         _, heads, _, head_dim = like.shape
         capacity = max(INITIAL_SLOTS, int(slots * GROWTH), int(old.shape[4] * GROWTH) if old is not None else 0)
-        # (zeroed whole or not, 8 clients' arrival in one process ran alike: 87.8 and 87.7 tokens/s)
+        # (zeroed whole or not, many clients arriving in one process ran as fast: zeroing buys nothing)
         self.buffer = new_buffer((self.num_layers, 2, self.max_rows, heads, capacity, head_dim), like.dtype, like.device)
         rows = max(self.rows, like.shape[0])
         kept = max(self.lengths) if old is not None else 0
@@ -292,8 +292,7 @@ class BatchStore(SlotStore):
         """``gather_row(row, slots, start)`` for every ``(row, slots, start)`` of ``moves`` (rows
         distinct). ``at_once`` (None: on an accelerator) in one gather and one scatter, with one
         index transfer to the device instead of one per row (a GPU waits for each); on a CPU row
-        by row is faster (405 against 713 us for 16 rows of SmolLM2's cache: indexing two
-        dimensions at once is a generic gather)."""
+        by row is faster (indexing two dimensions at once is a generic gather)."""
         if at_once is None:
             at_once = self.buffer is not None and self.buffer.device.type != "cpu"
         if not at_once:
@@ -372,7 +371,7 @@ def _gather_in_place(buffer: torch.Tensor, offset: int, outer: tuple[int, int], 
     over the rows of slots of a store's ``buffer`` [..., capacity, head dim] at ``offset + o *
     outer[1] + i * inner[1]`` elements, o < outer[0], i < inner[0]; False where the core cannot
     (not built, not a contiguous CPU buffer): the caller's torch reference then. (Counts and
-    strides, not a view: a view's dispatch, cold after a forward, cost 20 µs of a 46 µs commit.)"""
+    strides, not a view: a view's dispatch, cold after a forward, was a large share of a commit.)"""
     if _core is None or buffer.device.type != "cpu" or not buffer.is_contiguous():
         return False
     size = buffer.element_size()

@@ -1,19 +1,17 @@
 """How the engine's own forwards are computed on CPU: the same products, in faster forms.
 
 On CPU a verify forward of a few tokens is far from its fastest under the kernels
-``torch.nn.functional.linear`` reaches for. Measured at one thread on this project's machine
-(SmolLM2-135M, float32):
+``torch.nn.functional.linear`` reaches for, and which form is fastest depends on the machine,
+the row count and the thread count (the measurements behind this:
+docs/design/measurements-from-comments.md):
 
 - **Body** (``PackedLinears``). The 210 linear layers of the 30 blocks with weights prepacked
   once in oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied
-  with ``torch.ops.mkldnn._linear_pointwise``: 31.5 ms for one row (35.9 ms with
-  ``F.linear``), 36.6 ms for 8 rows (55.0), 47.6 ms for 16 (73.5), 142 ms for 64 (194). A
-  tree of 8 tokens costs the body 1.16x a single token instead of 1.5x. That was one machine:
-  on another of the same kind a whole forward took 69.7 ms packed against 59.9 ms plain for one
-  token at one thread (78.9 against 98.5 for 4 tokens), and at two threads packed lost up to 8
-  tokens (47.1 against 35.6 ms for one). So, like the head, the body takes whichever of the two
-  was faster for the forward's token count (bucket) and thread count (a third form since, the
-  compiled core's skinny product: ``PackedLinears``): the first forwards of a
+  with ``torch.ops.mkldnn._linear_pointwise``, whose cost grows more slowly with the rows than
+  ``F.linear``'s; but on some machines, and at two threads, plain ``F.linear`` beats it for
+  few rows. So, like the head, the body takes whichever form was faster for the forward's token
+  count (bucket) and thread count (a third form since, the compiled core's skinny product:
+  ``PackedLinears``): the first forwards of a
   bucket alternate, timed whole, ``FORM_TRIALS`` of each (what the head's own trials took in
   them not counted), then the faster is kept; from then on the chosen form is timed, and
   checked against the other, on one linear layer in ``PROBE_SHARE`` alone
@@ -22,12 +20,12 @@ On CPU a verify forward of a few tokens is far from its fastest under the kernel
 - **Head** (``FastHead``). The output projection (49,152 x 576, a sixth of SmolLM2) in
   whichever of five forms was fastest for that number of rows: ``F.linear``; ``x @ W^T``
   with ``W^T`` stored; ``(W @ x^T)^T``; the prepacked oneDNN product; the compiled core's
-  skinny product (as the body's, at most ``SKINNY_MAX_ROWS`` rows). 1 row 10.1 ms under
-  ``F.linear``, 4.7 ms transposed; 16 rows 23.8 ms, 12.5 ms packed. The first calls with a
+  skinny product (as the body's, at most ``SKINNY_MAX_ROWS`` rows). Which one wins depends on
+  the rows (``F.linear`` seldom does). The first calls with a
   row count (bucket) try each form in turn on the real input, ``FORM_TRIALS`` times each, timing
   them; from then on the fastest computes that bucket. (Timing every form on a random input
-  the first time a bucket occurred cost 0.15-0.45 s per bucket at SmolLM2's size, about 3 s
-  over a process's first requests, all of it in their latency.) The transposed and packed
+  the first time a bucket occurred put every trial's whole cost into a process's first
+  requests' latency.) The transposed and packed
   copies of the weight are made once (``prepare``, kept out of the engine's cost timings).
 
 Every form computes the same float32 sums up to rounding (tests/test_kernels.py). ``swapped``
@@ -64,7 +62,7 @@ FORMS = ("linear", "transposed", "right", "packed", "skinny")
 BODY_FORMS = ("packed", "skinny", "linear")  # the body's linears: oneDNN prepacked, the core's skinny product, nn.Linear
 FORM_TRIALS = 2  # timed calls of each form per row bucket before the fastest is kept
 PROBE_SHARE = 10  # the body's chosen form is timed, and checked, on one linear layer in this many
-PACK_ROWS = 16  # the row count oneDNN's weight layout is prepacked for (fastest at 1-64 rows here)
+PACK_ROWS = 16  # the row count oneDNN's weight layout is prepacked for (one layout serves every row count)
 PACKED_MAX_BYTES = 4 << 30  # linear weights beyond this are not copied (the copy doubles their memory)
 
 
@@ -113,15 +111,13 @@ def _record_trial(trials: dict, choice: dict, key, form: str, seconds: float, fo
 RECHECK_FIRST = 16  # calls of a bucket after its choice (or a switch) before another form is timed again
 INHERITED_CHECK = 4  # calls of a bucket that took its nearest bucket's choice before its first check
 RECHECK_MARGIN = 0.97  # another form takes over when its call took less than this x the chosen's fastest
-# A bucket's check against the rest of the same forward: the machine's speed moves by 10-20% over
-# seconds (bench/chain_curve.py: forwards of all sizes in turn, 0.6-0.9 correlated within a
-# round, a round's level lasting into the next), so a check's one call, made whenever the check
-# falls due, against the chosen form's fastest call since the last check (made in the fastest
-# moment of many) lost to the level, not to the form: SmolLM2 at one thread kept ``nn.Linear``
-# for the body at 7 and 14 tokens from the cost cache, 129.7 and 174.1 ms a forward where the
-# skinny product takes 92.0 and 112.6 (all forms forced in turn, level out; scratch), and every
-# failed check doubled the wait for the next. The body's probe layers are timed against the rest
-# of their own forward (``FormChooser.record``'s ``reference``): milliseconds apart, at one speed.
+# A bucket's check against the rest of the same forward: the machine's speed drifts over
+# seconds, and neighbouring forwards share its level (bench/chain_curve.py), so a check's one
+# call, made whenever the check falls due, against the chosen form's fastest call since the last
+# check (made in the fastest moment of many) lost to the level, not to the form: a slower form
+# kept its buckets for good, every failed check doubling the wait for the next. The body's probe
+# layers are timed against the rest of their own forward (``FormChooser.record``'s
+# ``reference``): milliseconds apart, at one speed.
 RECENT_CALLS = 8  # the chosen form's last calls (probe over the rest of the forward) a check is held against
 
 
@@ -158,15 +154,14 @@ class FormChooser:
     per group of neighbouring buckets (``check_group``: 4-7 rows, 8-15, ...), not per bucket: a
     check lands on whichever bucket of the group is called when it falls due, so a tree size
     chosen now and then does not pay checks of its own (the default budget's varied tree sizes
-    opened a bucket per size and paid 34 checks over 5 chat requests, 0.74 s, against 13 for a
-    fixed 4-node budget; a scratch count).
+    would open a bucket per size, and a varied budget would pay several times the checks of a
+    fixed one).
     Noise on a shared machine only ever adds time, so a form can lose its two trials to a burst
-    of it and then compute its bucket for the whole process (SmolLM2 at one thread: the body kept
-    ``nn.Linear`` for 8-token forwards, 108 ms, where packed weights take 67); a check costs one
-    call in another form, ever more rarely, and puts that right within a few dozen calls. Where
-    the caller times work beside each call at the same moment (the body: the rest of the
-    forward), a check compares calls over that reference (``record``), so the machine's speed,
-    which moves by 10-20% over seconds, cannot keep a slower form or unseat a faster one."""
+    of it and then compute its bucket for the whole process, however much slower it is; a check
+    costs one call in another form, ever more rarely, and puts that right within a few dozen
+    calls. Where the caller times work beside each call at the same moment (the body: the rest
+    of the forward), a check compares calls over that reference (``record``), so the machine's
+    speed, which drifts over seconds, cannot keep a slower form or unseat a faster one."""
 
     def __init__(self, forms, forms_of=None) -> None:
         """``forms_of(key)``: the forms that may compute ``key``'s bucket (None: all of ``forms``)."""
@@ -225,9 +220,9 @@ class FormChooser:
     def _schedule(self, key):
         """Whose schedule of checks ``key``'s bucket follows: its group's (``check_group``), or
         its own where its choice differs from the buckets' on either side: the odd one out is the likely
-        stale one, and in a shared schedule its checks are the few that land on it (SmolLM2 at
-        one thread kept ``nn.Linear`` at 7 tokens among skinny 4-6 through 68 rounds of every
-        size; a scratch run). Its own schedule checks it after ``INHERITED_CHECK`` of its calls."""
+        stale one, and in a shared schedule its checks are the few that land on it (a stale
+        choice outlived many rounds of every size). Its own schedule checks it after
+        ``INHERITED_CHECK`` of its calls."""
         chosen, rows, threads = self.choice.get(key), key[0], key[1]
         if chosen is not None and rows > 0:
             if len(self.choice) != self._rows_of[0]:  # (buckets are only ever added)
@@ -258,8 +253,8 @@ class FormChooser:
     def _inherit(self, key) -> str | None:
         """A new bucket ``(rows, threads)`` takes the choice of the nearest bucket (by ratio) at
         the same thread count, checked against the other forms after ``INHERITED_CHECK`` calls:
-        trying every form twice cost SmolLM2 25-70 ms per slower trial, in every new bucket,
-        all of it in the first requests' latency. None where no bucket has a choice yet."""
+        trying every form twice costs every slower trial's excess in every new bucket, all of
+        it in the first requests' latency. None where no bucket has a choice yet."""
         form = self._nearest_choice(key)
         if form is None:
             return None
@@ -460,8 +455,8 @@ def skinny_threaded() -> bool:
 
 def skinny_available() -> bool:
     """The compiled core has the skinny product (``csrc/skinny.hpp``) in a vector instruction set
-    of this CPU (AVX-512 or AVX2; the compiler's default kernel, 2-5x slower, is a reference
-    for tests, not a form)."""
+    of this CPU (AVX-512 or AVX2; the compiler's default kernel, several times slower than
+    either, is a reference for tests, not a form)."""
     return _core is not None and hasattr(_core, "skinny_linear") and _core.skinny_isa() != "generic"
 
 
@@ -538,10 +533,9 @@ class PackedLinears:
 
     The skinny product (``csrc/skinny.hpp``) reads each weight once per call and multiplies it
     into up to 8 rows held in registers: a verify forward of a few tokens on a CPU costs about
-    the weights' read. Measured at one thread (this project's Intel Xeon, SmolLM2's 210 body
-    layers alone, random inputs): 1 row 31.1 ms (packed 39.4), 8 rows 34.5 (46.1), 16 rows
-    48.0 (56.1), 32 rows 65.2 (77.0). It runs one thread; at two threads and on CPUs without
-    AVX-512 the timed choice decides as between the other two."""
+    the weights' read, and at one thread on an AVX-512 CPU it beats oneDNN's prepacked product
+    for the few rows of a verify forward. At two threads and on CPUs without AVX-512 the
+    timed choice decides as between the other two."""
 
     def __init__(self, modules: list[torch.nn.Linear], forms=None) -> None:
         self.modules = modules
@@ -577,8 +571,8 @@ class PackedLinears:
         check excess left out). Once a form is chosen, only the probe layers (``_probe``: one
         linear layer in ``PROBE_SHARE`` of the body's, in the middle) are timed, and a check of
         another form runs those alone in it: a check costs a tenth of a forward's difference
-        between the forms, not all of it (whole-forward checks of ``nn.Linear`` cost SmolLM2
-        about 50 ms each at one thread, 0.4 s over 10 log prompts; a scratch count)."""
+        between the forms, not all of it (whole-forward checks of a slow form added up to a
+        visible share of a run)."""
         key = (_bucket(tokens), torch.get_num_threads())
         form = self._chooser.pick(key)  # the chosen form, or one being tried or checked (FormChooser)
         chosen = self.choice.get(key)
@@ -710,8 +704,8 @@ def fused_norms_for(model) -> list:
     adds in ATen's order) where a probe of several row counts and scales finds it bit-equal to
     ``F.rms_norm`` on this machine, else that one ATen call (which ATen runs as about ten small
     operations; transformers' own forward makes six Python-level ones): 61 norms in a SmolLM2
-    forward, 1.9-3.2 ms of it at two threads through ``F.rms_norm``
-    (``bench/forward_parts.py``). Shared per model."""
+    forward, a measurable part of it even through ``F.rms_norm`` (``bench/forward_parts.py``
+    measures it). Shared per model."""
     if model in _SHARED_NORMS:
         return _SHARED_NORMS[model]
     found = []
@@ -895,12 +889,10 @@ GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: SDPA's enabl
 # Grouped queries (``grouped_attention``): inside ``swapped(gqa=True)`` on this thread, a masked
 # attention call of 2 or more query tokens folds each K/V head's query heads into its query
 # rows. torch's CPU flash kernel given ``enable_gqa`` walks the K/V of a head once per query head
-# of its group (SmolLM2: three times); folded, once, with three times the rows. SmolLM2 on the
-# AMD EPYC at 2 threads, the two taking turns (``bench/batch_profile.py --attention both``,
-# ``bench/results/batch_forwards_attention_2t_epyc.json``): 8 rows of 4 tokens 93.9 ms against
-# 106.4 (attention 31.7 against 43.5), 4 x 4 49.7 against 53.9; 8 x 8 and one sequence's trees
-# the same within noise; calls of one query token gained nothing folded
-# (``batch_forwards_attention_q1_2t_epyc.json``), hence ``GROUPED_MIN_QUERIES``.
+# of its group (SmolLM2: three times); folded, once, with three times the rows. Folding pays
+# where K/V reads dominate (batches of several query tokens per row) and gains nothing for
+# calls of one query token, hence ``GROUPED_MIN_QUERIES`` (``bench/batch_profile.py
+# --attention both`` compares the two).
 _GROUPED = threading.local()  # .on: grouped calls wanted on this thread (``swapped``); .mask: the
 # last mask folded, (the mask, its group size, the folded copy): every layer of a forward gets the same mask
 _UNHANDLED = ("softcap", "position_bias", "cache", "sinks", "s_aux")  # options left to transformers' call
@@ -936,10 +928,8 @@ def _folded_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 # dims of 16 to 128 by 16, grouped K/V heads or not, is one call of the core: each (row, K/V head,
 # block of up to 16 of its query heads' tokens) reads only the slots some query of the row sees,
 # once. The mask's plan (``attention_plan``) is made once per forward. ``CORE_ATTENTION`` False:
-# the folded SDPA call above instead. SmolLM2 on the AMD EPYC at 2 threads, taking turns
-# (``bench/batch_profile.py --attention core grouped``,
-# ``bench/results/batch_forwards_core_attention_2t_epyc.json``): attention 2.1-2.4x faster than
-# the folded call, forwards 1x8 27.0 against 31.8 ms, 8x4 74.9 against 91.6, 16x2 89.3 against 116.7.
+# the folded SDPA call above instead (``bench/batch_profile.py --attention core grouped``
+# compares the two: the core's call reads fewer slots, so it is the faster one).
 CORE_ATTENTION = True
 CORE_ATTENTION_CALLS = [0]  # calls the core made (tests)
 CORE_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)
@@ -1114,8 +1104,8 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
     with ``gqa``, transformers' SDPA told to pass grouped K/V heads to torch as they are
     (``enable_gqa``) instead of copying them ``heads / kv_heads`` times, which it does whenever
     a mask is given, i.e. for every tree of 2 or more tokens. On CPU that copy of the whole
-    cache costs SmolLM2 about 6 ms per forward at a 512-token context; the logits are bitwise
-    the same. Not on CUDA, where SDPA with a mask and enable_gqa falls back to its slowest kernel.
+    cache is paid by every forward and grows with the context; the logits are bitwise the
+    same. Not on CUDA, where SDPA with a mask and enable_gqa falls back to its slowest kernel.
     On this thread, a masked call of a tree's tokens is the core's tree attention, or folds each
     K/V head's query heads into one SDPA call (``grouped_attention``).
     ``tokens``: the forward's token count, for the body's choice of form (``PackedLinears.chosen``);
@@ -1135,7 +1125,7 @@ def swapped(model, fast: FastHead | None, *, gqa: bool = False, body: PackedLine
         model.set_output_embeddings(fast)
     forwards = [*(norms or ()), *(layers or ())]  # modules whose forward is set for the block
     for m, forward in forwards:
-        m.__dict__["forward"] = forward  # as the body's: nn.Module.__setattr__ cost 2 µs a norm, 61 per forward
+        m.__dict__["forward"] = forward  # as the body's: nn.Module.__setattr__ is slow, and runs per module per forward
     if rotary is not None:
         rotary[0].apply_rotary_pos_emb = rotary[1]
     try:

@@ -3,9 +3,8 @@
 projections, rotation, cache update, attention and MLP directly, in the order and with the
 arguments transformers' own forward uses (its ``forward`` read for transformers 5.20-5.23), so the
 result is the same to the bit. What it saves is Python: a SmolLM2 layer makes twelve sublayer
-calls, each through ``_call_impl``, and the attention's keyword plumbing; at two threads on the
-AMD EPYC 1.1-2.6 ms of a one-sequence forward of 1-32 tokens (18.3-63.5 ms;
-``bench/forward_parts.py``, ``bench/results/forward_parts_2t_lean_epyc.json``).
+calls, each through ``_call_impl``, and the attention's keyword plumbing: an overhead per layer
+that every forward pays whatever its token count (``bench/forward_parts.py`` measures it).
 
 Only classes whose forward was read and repeated here take it (``_FAMILIES``: llama, qwen2,
 mistral; the three differ only in the sliding window their attention passes on), and each layer

@@ -88,7 +88,7 @@ class TargetModel:
         skinny = "skinny-mt" if skinny_threaded() else "skinny"  # (a threaded product: measured apart)
         body_forms = [skinny if f == "skinny" else f for f in self.body.forms if f != "linear"] if self.body is not None else []
         head = [f"head-{skinny}" if "skinny" in self.fast_head.forms else "head"] if self.fast_head is not None else []
-        lean = ["lean"] if self.layers else []  # (the lean layers take 1-3 ms off a forward: another curve)
+        lean = ["lean"] if self.layers else []  # (the lean layers make every forward cheaper: another curve)
         self.kernels = "+".join(head + body_forms + lean) or "plain"  # the forms on offer: the cost and form caches' keys
         self.config = model.config
         self.device = next(model.parameters()).device
@@ -364,7 +364,7 @@ class _RowsHead(torch.nn.Module):
 class InputBuffers:
     """Where ``tree_inputs`` writes a CPU verify forward's inputs, kept across steps (a
     ``TargetModel`` holds one). A fresh mask [1+n, n_cached+1+n] per step costs its page faults
-    and a write of every prefix column (0.5 MB at a 2000-token context, tens of µs); here the
+    and a write of every prefix column (0.5 MB at a 2000-token context); here the
     mask is a view of a zeroed buffer [rows, cols] whose prefix columns are never written: a step
     clears the last step's tree block and writes its own ([1+n, 1+n], ``_core.tree_inputs_at``).
     The tensors returned are views, valid until the next call (a forward reads them at once)."""

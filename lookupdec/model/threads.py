@@ -6,9 +6,9 @@ team's workers spinning between operators only while it manages no more threads 
 CPUs; past that it lets them sleep at once, and each small operator then waits for sleeping
 workers to wake. A server loads its model on the main thread (which keeps its team) and decodes
 on an engine thread (a second team): on 2 CPUs and 2 torch threads, that is 4 managed threads,
-and every small operator of decoding took about twice as long (an 8 x 576 by 576 x 1536 matrix
-product 164 against 72 us; SmolLM2's verify forwards of a few nodes 56-67 against 36-43 ms, a
-client alone on ``serve`` 1.3x slower than ``Engine.generate`` in the main thread).
+and every small operator of decoding slowed down, and with them every verify forward of a few
+nodes: a client alone on ``serve`` waited far longer than ``Engine.generate`` takes in the main
+thread.
 
 ``release_openmp_threads`` lets the calling thread's team go (OpenMP 5.0's
 ``omp_pause_resource_all``): the thread that loaded a model calls it as it hands the model to

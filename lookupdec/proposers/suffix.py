@@ -7,7 +7,7 @@ Two automata (``lookupdec.automaton.SuffixAutomaton``, compiled core):
   a capacity in tokens. When a finished request pushes it past the capacity, the oldest outputs
   are dropped until ``GLOBAL_RETAIN`` of the capacity is left and the automaton is rebuilt from
   what remains: O(retained tokens) once per ``(1 - GLOBAL_RETAIN) * capacity`` new tokens, so
-  amortised about three appends per cached token (measured: ~2M appends/s).
+  amortised about three appends per cached token.
 
 Each step, each automaton matches the longest suffix of the context that occurred before with
 a continuation, then grows a best-first subtree from it: a node's score is the product along
@@ -32,7 +32,7 @@ from lookupdec.tokens import SEPARATOR
 MATCH_PRIOR = 1.0  # confidence in a match of length L is L / (L + MATCH_PRIOR)
 EMPTY_MATCH_CONFIDENCE = 0.2  # pseudo match length: a 0-token match still scores above 0
 MATCH_LEVELS = 2  # subtrees from this many match lengths (the longest and shorter ones)
-SHORTER_MATCH_NODES_DIVISOR = 2  # shorter matches add breadth: half the nodes are enough (replay: same MAT, 1.5x less drafting)
+SHORTER_MATCH_NODES_DIVISOR = 2  # shorter matches add breadth: half the nodes are enough (replay: the same MAT for less drafting)
 CERTAIN_STEP = 0.9  # prior probability that a step all earlier occurrences agree on is right
 CERTAIN_PRIOR_WEIGHT = 20.0  # observations the prior is worth
 CERTAIN_DECAY = 0.998  # per observation: the estimate follows the last ~500 certain steps

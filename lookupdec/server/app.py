@@ -434,7 +434,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
     check_batch_memory(engine, max_batch)
     name = model_name or os.path.basename(os.path.normpath(model))
     # proto=IPPROTO_TCP (not 0): asyncio only sets TCP_NODELAY on connections of a socket that
-    # says it is TCP; without it a keep-alive client waits ~40 ms per response for a delayed ACK
+    # says it is TCP; without it a keep-alive client waits out a delayed ACK on every response
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted connections

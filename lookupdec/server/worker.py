@@ -84,7 +84,7 @@ class EngineWorker:
         self.prompts = PromptBuilder(engine)
         # the thread making the app (serve's main thread: it loaded the model, then runs the event
         # loop) lets its OpenMP workers go, else the engine thread's workers sleep between
-        # operators and a client alone waits 1.3x as long (``model/threads.py``)
+        # operators and a client alone waits longer for every token (``model/threads.py``)
         release_openmp_threads()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookupdec-engine")
         self._prompt_executor = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="lookupdec-prompt")

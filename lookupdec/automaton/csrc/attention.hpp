@@ -3,8 +3,8 @@
 // whose rows hide slots (holes) their masks never show.
 //
 // torch's CPU SDPA kernel, on these shapes, walks a K/V head once per query head of its group
-// and reads every slot, hidden or not (SmolLM2 on an AMD EPYC: 8 rows of 4 tokens spent 31.7 of
-// 93.9 ms in attention, with its query heads already folded; bench/README.md). Here each task
+// and reads every slot, hidden or not (a sizeable share of a batch's verify forward, even with its
+// query heads already folded; bench/README.md). Here each task
 // -- a row, a K/V head, a block of up to 16 of that head's (query head, token) pairs -- reads
 // only the slots some query of the row sees (`cols`), once, and holds the block's queries in
 // the lanes of one vector: a score is one vector of fused multiply-adds over the head's dims,

@@ -520,7 +520,7 @@ void Automaton::cache_best_children(int32_t state, size_t keep, int64_t total,
 }
 
 // After a full recount (a bulk load), cache the best children of every state with at least
-// kPrewarmDegree edges, so that no query pays their scan (~30 ns per edge) cold; the others
+// kPrewarmDegree edges, so that no query pays their scan (a cache miss per edge) cold; the others
 // cost at most kPrewarmDegree edges per expansion. Entries go stale one by one as later
 // extends add occurrences, and are recomputed on use.
 void Automaton::prewarm_children_cache() {

@@ -45,7 +45,7 @@ namespace {
 using TokensIn = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 // Small results go back as bytes (the wrapper views them with np.frombuffer): creating a
-// numpy array through nanobind costs a few microseconds each, bytes a tenth of that.
+// numpy array through nanobind costs an order of magnitude more than a bytes object.
 template <class T>
 nb::bytes to_bytes(const std::vector<T>& values) {
   return nb::bytes(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
@@ -446,8 +446,9 @@ void skinny_linear(MatrixIn x, PanelsIn panels, MatrixOut y, std::optional<std::
                            isa ? isa->c_str() : nullptr);
 }
 
-// skinny_linear without the ndarray conversions (a torch tensor's DLPack import cost 5 µs of a
-// call's 8, 211 calls per SmolLM2 forward): addresses and sizes the caller has checked
+// skinny_linear without the ndarray conversions (a torch tensor's DLPack import cost more than
+// the rest of a small call, and a forward makes one call per linear layer): addresses and sizes
+// the caller has checked
 // (model/kernels.py: float32 CPU tensors, x's rows contiguous, panels of ceil(n / 16) * 16 * k
 // floats, y [m, n] contiguous).
 void skinny_linear_at(uintptr_t x, int64_t ldx, int64_t m, int64_t k, uintptr_t panels, int64_t n, uintptr_t y) {

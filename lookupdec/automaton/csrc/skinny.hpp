@@ -2,9 +2,9 @@
 // [N, K] packed once into panels of 16 outputs (`skinny_pack`: K x 16 floats each, zero-padded).
 // Each panel is read from memory once per call and multiplied into several rows held in
 // registers (AVX-512: 8 rows x 3 panels), so a tree of a few tokens costs about the weights'
-// read, which is what a CPU's verify forward of a small model is bound by (SmolLM2's 210 body
-// layers at one thread on an AVX-512 Xeon: 1 row 31-36 ms, 8 rows 35-42, 16 rows 48-57, against
-// 39-47, 46-59, 56-71 under oneDNN's prepacked product). Every output is one sum over k in
+// read, which is what a CPU's verify forward of a small model is bound by (at one thread on an
+// AVX-512 CPU it beats oneDNN's prepacked product for the few rows of a verify forward; the form
+// chooser in model/kernels.py decides per machine). Every output is one sum over k in
 // order, with fused multiply-adds where the ISA has them: a row's values do not depend on the
 // other rows (nor on M).
 //

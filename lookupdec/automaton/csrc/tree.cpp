@@ -809,7 +809,7 @@ __attribute__((target("avx2"))) inline void topk_block8(const float* x, int64_t 
   __m256 floor = _mm256_set1_ps(top->floor());
   int mask = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, floor, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
   // RowTopK::add is plain (SSE) code: with the upper halves of the ymm registers dirty every SSE
-  // instruction waits on them (a row's top k took 4x its argmax until this line)
+  // instruction waits on them (a row's top k took several times its argmax without this line)
   if (mask) _mm256_zeroupper();
   while (mask) {
     int lane = __builtin_ctz(static_cast<unsigned>(mask));

@@ -58,8 +58,8 @@ struct CellMemo {
 
 // A merge's working arrays (its full trie, the trie's index, per-draft factors and ranks, the
 // children lists, the prune order): their owner (a request's Lookups) keeps them from merge to
-// merge, so a merge allocates only the tree it returns (counted over the overhead replay's steps:
-// the allocator's instructions per step 50.7 k -> 42.1 k). They grow to the largest merge seen
+// merge, so a merge allocates only the tree it returns (the allocator's instructions per step
+// were a visible share of the overhead replay's). They grow to the largest merge seen
 // and stay. Every array is emptied or sized before it is read: a merge's result never depends on
 // the one before (tests/test_fused_plan.py's twins fail when one is not). Defined in tree.cpp;
 // make one with new_merge_scratch().
