@@ -4,7 +4,7 @@
 
     admit    waiting sequences join while rows are free (a prefill forward of the prompt each, or
              one for all of them on a GPU: ``BatchTarget.add_many``); each one's first token
-             comes from its prefill's last logits (``Engine._first``, as alone)
+             comes from its prefill's last logits (``RequestCore.first``, as alone)
     plan     every sequence's drafts and merged tree (``StepCore.plan``, no pruning yet)
     choose   one joint budget: the width ``W`` (nodes per row, root included) maximising the
              batch's expected tokens per second, sum over rows of ``1 + scale(W) x`` the gains of
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from lookupdec.budget import CostModel, DraftBudget, SizeRecord
+from lookupdec.request import Generation, GenerationStats, StepTimer, cancel_check, count_step, finish_stats
 from lookupdec.sampling import GreedyChoices, PartialLogits, SamplingParams
 from lookupdec.step import Verdict
 from lookupdec.stops import StopStrings, TextAssembler
@@ -109,7 +110,11 @@ class BatchDecoder:
         """``joint_prefill``: sequences joining together prefill in one forward (None: on a GPU,
         not on a CPU; ``BatchTarget``). ``record_widths``: keep every step's width in ``widths``
         (benchmarks, tests; a server's or a long job's decoder keeps nothing per step or per
-        finished sequence, so its memory stays flat)."""
+        finished sequence, so its memory stays flat). ``engine``: an ``Engine``, of which the
+        decoder uses the public face only (this module imports nothing of ``engine.py``): its
+        request rules (``Engine.request_core``, shared with its own requests), ``step_core``,
+        ``target``, ``config``, ``turn``, ``check_request``, ``cost_model``, ``batch_costs``,
+        ``batch_probes`` and ``store_forms``."""
         from lookupdec.model.batch import BatchTarget
 
         if max_batch < 1:
@@ -149,8 +154,6 @@ class BatchDecoder:
     def submit(self, request: BatchRequest, field: str = "prompt") -> int:
         """Queue ``request`` (checked now: a bad value raises ``ParamError``, a bad prompt's
         ``.field`` ``field``); its index."""
-        from lookupdec.engine import GenerationStats, _cancel_check, _Timer
-
         engine = self.engine
         ids = engine.check_request(request.prompt, max_new_tokens=request.max_new_tokens,
                                    temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
@@ -165,8 +168,8 @@ class BatchDecoder:
         index = self._count
         self._count += 1
         seq = _Sequence(request, index, f"batch-{id(self)}-{index}", list(ids), params, generator,
-                        TextAssembler(engine.tokenizer, StopStrings(request.stop)), _cancel_check(request.cancel),
-                        GenerationStats(), _Timer(), time.perf_counter(), seen=set(ids))
+                        TextAssembler(engine.tokenizer, StopStrings(request.stop)), cancel_check(request.cancel),
+                        GenerationStats(), StepTimer(), time.perf_counter(), seen=set(ids))
         self.waiting.append(seq)
         return index
 
@@ -198,10 +201,8 @@ class BatchDecoder:
             raise
         return [self.generation(seq) for seq in sorted(self.done, key=lambda s: s.index)]
 
-    def generation(self, seq: _Sequence):
-        from lookupdec.engine import Engine, Generation
-
-        Engine._finish_stats(seq.stats, seq.timer, time.perf_counter() - seq.started, len(seq.text.output_ids))
+    def generation(self, seq: _Sequence) -> Generation:
+        finish_stats(seq.stats, seq.timer, time.perf_counter() - seq.started, len(seq.text.output_ids))
         return Generation(text=seq.text.text, token_ids=seq.text.output_ids, finish_reason=seq.finish,
                           stats=seq.stats)
 
@@ -229,7 +230,7 @@ class BatchDecoder:
                 self._end(seq, "cancelled", finished)
         if not self.active:
             return finished
-        engine, core = self.engine, self.engine.step_core
+        engine, core, request_core = self.engine, self.engine.step_core, self.engine.request_core
         auto = engine.config.budget == "auto"
         # a sequence alone in the batch is chosen for as it would be alone (``_lone_cost``)
         lone = self._lone_cost(self.active[0]) if auto and LONE_ROW_ALONE and len(self.active) == 1 else None
@@ -251,9 +252,9 @@ class BatchDecoder:
                                      max_depth=self._depth(seq))
             trees = self._choose(self.active)
         t1 = time.perf_counter()
-        head_rows = [engine._head_rows(tree, seq.params) for seq, tree in zip(self.active, trees)]
+        head_rows = [request_core.head_rows(tree, seq.params) for seq, tree in zip(self.active, trees)]
         # (as alone, ``Engine._verdict``: the output projection picks the selected rows' best tokens)
-        picks = max(engine._recycle_successors(), 1) if any(r is not None for r in head_rows) else 0
+        picks = max(request_core.recycle_successors(), 1) if any(r is not None for r in head_rows) else 0
         logits = self.target.verify(trees, head_rows, picks)
         if auto:  # timed to the device's end, as alone (TargetModel.sync)
             engine.target.sync()
@@ -292,7 +293,7 @@ class BatchDecoder:
             step = core.finish(seq.rid, seq.plan, Verdict(acc, new, successors))
             seq.timer.forward += forward
             seq.timer.prepare += engine.target.last_prepare_s
-            engine._count(seq.stats, seq.timer, step, t0)
+            count_step(seq.stats, seq.timer, step, t0)
             self._emit(seq, step.new_tokens, finished)
         outside = (t1 - t0) + (time.perf_counter() - t2)  # the step outside its forward
         self.overhead_s = outside if self.steps == 1 else 0.8 * self.overhead_s + 0.2 * outside
@@ -307,14 +308,13 @@ class BatchDecoder:
             return None
         if not any(seq.params.greedy and not seq.params.uses_prefix for seq in self.active):
             return None
-        engine = self.engine
-        k = engine.config.recycle.successors if engine.mixture.successor_sinks else 0
+        k = self.engine.request_core.recycle_successors()
         return GreedyChoices.of_batch(logits, [len(tree) for tree in trees], k)
 
     def _admit(self, finished: list) -> None:
         """Waiting sequences join while rows are free: each prompt prefilled into a row, and its
-        first token taken from the prefill's last logits (``Engine._first``, as alone)."""
-        engine = self.engine
+        first token taken from the prefill's last logits (``RequestCore.first``, as alone)."""
+        engine, request_core = self.engine, self.engine.request_core
         joining = self.waiting[: self.max_batch - len(self.active)]
         if not joining:
             return
@@ -334,8 +334,8 @@ class BatchDecoder:
         for seq, first in zip(joining, logits):
             if seq.cancelled is not None and seq.cancelled():  # checked before every forward's tokens
                 self._end(seq, "cancelled", finished)
-            elif seq.request.max_new_tokens > 0 and engine._room(seq.context) > 0:
-                new = engine._first(seq.rid, seq.context, first, seq.params, seq.generator, seq.seen, 1)
+            elif seq.request.max_new_tokens > 0 and request_core.room(seq.context) > 0:
+                new = request_core.first(seq.rid, seq.context, first, seq.params, seq.generator, seq.seen, 1)
                 seq.stats.prefill_tokens = len(new)
                 self._emit(seq, new, finished)
             else:
@@ -385,7 +385,7 @@ class BatchDecoder:
             self._end(seq, "stop", finished)
         elif new and new[-1] in engine.eos_token_ids:
             self._end(seq, "eos", finished)
-        elif seq.produced >= seq.request.max_new_tokens or engine._room(seq.context) <= 0:
+        elif seq.produced >= seq.request.max_new_tokens or engine.request_core.room(seq.context) <= 0:
             self._end(seq, "length", finished)
 
     def _end(self, seq: _Sequence, finish: str, finished: list) -> None:
@@ -401,17 +401,17 @@ class BatchDecoder:
             self.active[row] = last
             last.row = row
         finished.append(seq)
-        self.engine._store_forms()  # kernel forms chosen meanwhile, for the next process
+        self.engine.store_forms()  # kernel forms chosen meanwhile, for the next process
 
     def _accept(self, seq: _Sequence, tree, logits: torch.Tensor) -> tuple[list[int], list[int], tuple | None]:
         engine = self.engine
-        limit = min(seq.request.max_new_tokens - seq.produced, engine._room(seq.context))
+        limit = min(seq.request.max_new_tokens - seq.produced, engine.request_core.room(seq.context))
         prev = seq.context[-2] if len(seq.context) > 1 else -1
-        return engine._accept(tree, logits, seq.params, seq.generator, seq.seen, limit, prev)
+        return engine.request_core.accept(tree, logits, seq.params, seq.generator, seq.seen, limit, prev)
 
     # -- the joint budget ----------------------------------------------------------------------
     def _key(self, rows: int) -> tuple[int, int]:
-        return self.engine._cost_bucket(max(len(seq.context) for seq in self.active)), rows
+        return self.engine.request_core.cost_bucket(max(len(seq.context) for seq in self.active)), rows
 
     def _cost(self, rows: int) -> CostModel:
         """``t(rows x width)`` at the batch's context bucket, learnt from the batch's forwards. A
@@ -455,12 +455,12 @@ class BatchDecoder:
         """K/V slots ``seq``'s row reserves beyond its prompt as it joins: its new tokens (at most
         ``RESERVE_NEW_TOKENS``; a longer answer grows the buffer as it needs) and the widest tree."""
         engine = self.engine
-        new = min(seq.request.max_new_tokens, RESERVE_NEW_TOKENS, engine._room(seq.context))
+        new = min(seq.request.max_new_tokens, RESERVE_NEW_TOKENS, engine.request_core.room(seq.context))
         return max(0, new) + engine.config.max_nodes + 1
 
     def _depth(self, seq: _Sequence) -> int:
         """The deepest tree ``seq`` may verify: the step's cap, or the room left in its context."""
-        return min(self.engine.config.max_depth, self.engine._room(seq.context))
+        return min(self.engine.config.max_depth, self.engine.request_core.room(seq.context))
 
     def _lone_cost(self, seq: _Sequence) -> CostModel:
         """The cost curve of a sequence alone in the batch: the engine's own, at the bucket it

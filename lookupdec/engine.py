@@ -3,7 +3,10 @@
 ``Engine.generate`` returns a ``Generation``; ``Engine.stream`` yields text pieces. Both run the
 same step loop (``Engine._steps``); each step is ``step.StepCore.run`` (the part the replay
 simulator shares) with the target's verify forward and exact acceptance as its verdict
-(``Engine._verdict``).
+(``Engine._verdict``). What a request needs beyond the step (room in the context, the first
+token, exact acceptance, the stats) is ``request.py``'s, which ``BatchDecoder`` (``batch.py``:
+many sequences per forward, ``generate_batch``) shares; ``GenerationStats`` and ``Generation``
+live there and are re-exported here.
 """
 from __future__ import annotations
 
@@ -12,113 +15,28 @@ import itertools
 import numbers
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from lookupdec import model as model_lib
+from lookupdec.batch import BatchDecoder, BatchRequest
 from lookupdec.budget import AcceptanceCalibrator, CostModel, DraftBudget
 from lookupdec.config import EngineConfig
 from lookupdec.mixture import Mixture
 from lookupdec.model_files import DEFAULT_MODEL
 from lookupdec.proposers import Proposer, build_proposers
-from lookupdec.sampling import HEAD_MIN_ROWS, PartialLogits, SamplingParams, accept, head_rows, top_tokens_compiled
-from lookupdec.step import StepCore, StepResult, Verdict
+from lookupdec.request import (MIN_CALIBRATION_CONTEXT, Generation, GenerationStats, RequestCore, StepTimer,
+                               cancel_check, count_step, finish_stats)
+from lookupdec.request import top_tokens, top_tokens_reference  # noqa: F401 -- re-exported (their old home)
+from lookupdec.sampling import PartialLogits, SamplingParams
+from lookupdec.step import StepCore, Verdict
 from lookupdec.stops import StopStrings, TextAssembler
 from lookupdec.tree import TokenTree
 from lookupdec.validate import ParamError, bad, check_device, check_generation, shown
 
-
-@dataclass
-class GenerationStats:
-    steps: int = 0  # target verify forwards
-    new_tokens: int = 0  # tokens emitted (the prefill's first, then accepted + one bonus/recovered per step)
-    prefill_tokens: int = 0  # tokens taken from the prefill's logits, in no step (1: the first)
-    mean_accepted: float = 0.0  # new tokens per target verify forward (the prefill's first not counted)
-    accepted_by_source: dict = field(default_factory=dict)  # proposer -> accepted draft tokens
-    nodes_by_source: dict = field(default_factory=dict)  # proposer -> draft nodes verified (its share of the budget)
-    draft_model_steps: int = 0  # steps on which the draft model ran
-    mean_tree_nodes: float = 0.0  # draft nodes verified per step (root not counted)
-    predicted_accepted: float = 0.0  # per step: draft tokens the calibrated tree promised ...
-    realised_accepted: float = 0.0  # ... and draft tokens accepted (mean_accepted - 1 unless cut)
-    draft_us: float = 0.0  # per step: proposers' time (with the merge where the lookups are fused: Mixture.plan)
-    overhead_us: float = 0.0  # per step: drafting + tree + acceptance + KV commit + observe
-    forward_ms: float = 0.0  # per step: the verify forward
-    logit_rows: float = 0.0  # per step: tree nodes whose logits the forward computed (greedy: the likely ones)
-    logit_misses: int = 0  # times a walk reached a node whose logits were not computed (computed then)
-    prefill_ms: float = 0.0  # the prompt's forward
-    prefix_reused: int = 0  # prompt tokens whose K/V the last request's prefill left (EngineConfig.prefix_cache)
-    kernel_ms: float = 0.0  # in all: kernel-form trials and checks inside verify forwards (model/kernels.py),
-    # in tokens_per_s but in neither forward_ms nor overhead_us (a batch's: those of the forwards it shared)
-    tokens_per_s: float = 0.0  # new tokens / (prefill + all steps)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Generation:
-    text: str  # output text, ending exactly before a stop string if one was hit
-    token_ids: list[int]  # generated tokens (EOS included when it ended the output)
-    finish_reason: str  # "stop" (stop string), "length" (max_new_tokens or context), "eos", "cancelled"
-    stats: GenerationStats
-
-
-def top_tokens(logits: torch.Tensor, rows: Sequence[int], k: int) -> list[list[int]]:
-    """The ``k`` highest-scoring token ids of each of ``rows`` of ``logits`` [n, vocab], best
-    first: one pass per row in the compiled core (CPU float32), else ``top_tokens_reference``."""
-    fast = top_tokens_compiled(logits, rows, k)  # one pass per row in the compiled core (CPU float32)
-    if fast is not None:
-        return fast
-    return top_tokens_reference(logits, rows, k)
-
-
-def top_tokens_reference(logits: torch.Tensor, rows: Sequence[int], k: int) -> list[list[int]]:
-    """``top_tokens`` by repeated argmax (CPU) or ``topk``."""
-    if logits.device.type != "cpu":
-        return logits[list(rows)].topk(k, dim=-1).indices.tolist()
-    out = []
-    array = logits.numpy()
-    for r in rows:
-        row = array[r].copy()
-        best = []
-        for _ in range(min(k, len(row))):
-            i = int(row.argmax())
-            best.append(i)
-            row[i] = -np.inf
-        out.append(best)
-    return out
-
-
-def _cancel_check(cancel):
-    """``cancel`` (None, a ``threading.Event`` or a zero-argument callable) as a callable or None."""
-    if cancel is None or callable(cancel):
-        return cancel
-    if callable(getattr(cancel, "is_set", None)):
-        return cancel.is_set
-    raise bad("cancel", cancel, "expected a threading.Event or a zero-argument callable")
-
-
-MIN_CALIBRATION_CONTEXT = 64  # cost curves are kept per context length rounded up to a power of 2
 COST_STORE_SECONDS = 30.0  # a bucket's learnt curve is written to the cost cache at most this often
-
-
-class _Timer:
-    """Accumulates per-step time by phase."""
-
-    def __init__(self) -> None:
-        self.draft = self.forward = self.total = 0.0
-        self.prepare = 0.0  # one-time kernel choices inside verify (model/kernels.py): neither forward nor overhead
-        self.nodes = self.steps = 0
-        self.predicted = 0.0
-        self.accepted = 0
-        self.head_rows = self.head_misses = 0  # logits rows computed; walks that reached a row not computed
-
-    def overhead_s(self) -> float:
-        """Mean time per step outside the verify forward, so far (0 before the first step)."""
-        return (self.total - self.forward - self.prepare) / self.steps if self.steps else 0.0
 
 
 class EngineBusy(RuntimeError):
@@ -237,6 +155,8 @@ class Engine:
         self.mixture = Mixture(lookups, draft, self.config.draft, self.calibrator)
         self.step_core = StepCore(self.mixture, max_nodes=self.config.max_nodes, calibrator=self.calibrator,
                                   draft_budget=self.draft_budget, chain_only=not self.target.tree_mode)
+        # the request-level rules one sequence here and a batch's rows (BatchDecoder) both apply
+        self.request_core = RequestCore(self.target, self.step_core, self.mixture, self.config, self.eos_token_ids)
         self._costs: dict[int, CostModel] = {}  # context bucket -> t(n) (budget="auto"), learnt online
         self.cost_origin: dict[int, str] = {}  # context bucket -> "measured" | "cached" | "bucket N" (seeded from)
         # a batch's curves, t(rows x width) per (context bucket, rows), kept across BatchDecoders,
@@ -309,7 +229,7 @@ class Engine:
         next step with ``finish_reason == "cancelled"`` and the request's state is released."""
         prompt_ids = self.check_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                         top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop)
-        cancelled = _cancel_check(cancel)
+        cancelled = cancel_check(cancel)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty)
         stops = StopStrings(stop)
@@ -333,8 +253,6 @@ class Engine:
         rows (K/V memory) for at most ``len(prompts)``. Models without tree masks or with sliding
         windows decode the prompts one at a time. Per-request control (stop strings, cancel flags, streaming):
         ``lookupdec.batch.BatchDecoder``."""
-        from lookupdec.batch import BatchDecoder, BatchRequest
-
         if isinstance(prompts, (str, bytes)):
             raise bad("prompts", prompts, "expected a list of prompts (strings or token-id lists), got one string: "
                       "pass [prompt], or use generate")
@@ -420,7 +338,7 @@ class Engine:
         self.turn.take(what)  # (waits for another thread's request; raises EngineBusy for this thread's)
         try:
             text = TextAssembler(self.tokenizer, stops)
-            stats, timer = GenerationStats(), _Timer()
+            stats, timer = GenerationStats(), StepTimer()
             start = time.perf_counter()
             steps = self._steps(prompt_ids, params, max_new_tokens, generator, stats, timer, seed, cancelled)
             finish = "length"
@@ -439,32 +357,33 @@ class Engine:
         tail = text.flush()
         if tail:
             yield tail
-        self._finish_stats(stats, timer, time.perf_counter() - start, len(text.output_ids))
+        finish_stats(stats, timer, time.perf_counter() - start, len(text.output_ids))
         return Generation(text=text.text, token_ids=text.output_ids, finish_reason=finish, stats=stats)
 
     def _steps(self, prompt_ids, params, max_new_tokens, generator, stats, timer, seed=None, cancelled=None):
         """The step loop. Yields (new token ids, finish reason so far) once per verify forward;
         ``([], "cancelled")`` instead of a step once ``cancelled()`` is true."""
         rid, context, target = f"req-{next(self._request_ids)}", list(prompt_ids), self.target
+        core = self.request_core
         self.step_core.start(rid, context, params, seed)
         self.mixture.draft_steps = 0
         bucket = None
         try:
-            # the whole prompt: the logits of its last token give the first new token (``_first``),
+            # the whole prompt: the logits of its last token give the first new token (``RequestCore.first``),
             # as transformers takes it, not a first step verifying that token as its root
             t = time.perf_counter()
             stats.prefix_reused = target.prefill(context, reuse=self.config.prefix_cache, last_logits=True)
             stats.prefill_ms = (time.perf_counter() - t) * 1e3
             cost = None
             if self.config.budget == "auto":  # cached, seeded from another bucket, or a few forwards here
-                bucket = self._cost_bucket(len(context) + max_new_tokens // 2)
+                bucket = core.cost_bucket(len(context) + max_new_tokens // 2)
                 cost = self.cost_model(bucket, in_place=True)
             produced, seen = 0, set(context)  # seen: distinct ids so far (repetition penalty)
-            if max_new_tokens > 0 and self._room(context) > 0:
+            if max_new_tokens > 0 and core.room(context) > 0:
                 if cancelled is not None and cancelled():  # checked before every forward's tokens
                     yield [], "cancelled"
                     return
-                new = self._first(rid, context, target.last_logits, params, generator, seen, 1)
+                new = core.first(rid, context, target.last_logits, params, generator, seen, 1)
                 context.extend(new)
                 seen.update(new)
                 produced = stats.prefill_tokens = len(new)
@@ -472,21 +391,21 @@ class Engine:
                 yield new, "eos" if eos else "length"
                 if eos:
                     return
-            while produced < max_new_tokens and self._room(context) > 0:
+            while produced < max_new_tokens and core.room(context) > 0:
                 if cancelled is not None and cancelled():
                     yield [], "cancelled"
                     return
                 t0 = time.perf_counter()
-                limit = min(max_new_tokens - produced, self._room(context))
+                limit = min(max_new_tokens - produced, core.room(context))
                 prev = context[-2] if len(context) > 1 else -1  # the token before the root (token recycling)
                 step = self.step_core.run(
                     rid, context, lambda tree: self._verdict(tree, params, generator, seen, limit, timer, cost, prev),
-                    max_depth=min(self.config.max_depth, self._room(context)), cost=cost,
+                    max_depth=min(self.config.max_depth, core.room(context)), cost=cost,
                     overhead_s=timer.overhead_s())
                 context.extend(step.new_tokens)
                 seen.update(step.new_tokens)
                 produced += len(step.new_tokens)
-                self._count(stats, timer, step, t0)
+                count_step(stats, timer, step, t0)
                 eos = step.new_tokens[-1] in self.eos_token_ids
                 yield step.new_tokens, "eos" if eos else "length"
                 if eos:
@@ -496,23 +415,24 @@ class Engine:
             self.step_core.stop(rid)
             if bucket is not None:
                 self._store_cost(bucket)
-            self._store_forms()
+            self.store_forms()
 
     def _verdict(self, tree: TokenTree, params, generator, seen: set, limit: int, timer,
                  cost: CostModel | None = None, prev: int = -1) -> Verdict:
         """The target's verdict on ``tree``: one verify forward (timed into ``cost``), exact
         acceptance, KV commit; the new tokens cut to ``limit`` and after the first EOS."""
         t = time.perf_counter()
-        rows = self._head_rows(tree, params)
+        core = self.request_core
+        rows = core.head_rows(tree, params)
         # with rows, the output projection picks each row's best tokens as it writes it: the
         # argmax the walk needs, and the top tokens recycling keeps
-        picks = max(self._recycle_successors(), 1) if rows is not None else 0
+        picks = max(core.recycle_successors(), 1) if rows is not None else 0
         logits = self.target.verify(tree, rows, picks)  # [1 + n, vocab], or PartialLogits for those rows
         if cost is not None:  # a timed forward ends on the device, not at its launch (TargetModel.sync)
             self.target.sync()
         seconds = time.perf_counter() - t - self.target.last_prepare_s
         timer.prepare += self.target.last_prepare_s
-        accepted, new, successors = self._accept(tree, logits, params, generator, seen, limit, prev)
+        accepted, new, successors = core.accept(tree, logits, params, generator, seen, limit, prev)
         if isinstance(logits, PartialLogits):  # rows computed on demand belong to the forward's cost
             seconds += logits.extra_s
             timer.head_rows += logits.computed
@@ -525,65 +445,6 @@ class Engine:
         self.target.commit(tree, accepted)
         return Verdict(accepted, new, successors)
 
-    def _first(self, rid: str, context: list[int], logits: torch.Tensor, params, generator, seen: set,
-               limit: int) -> list[int]:
-        """A request's first new token from its prefill's last ``logits`` [vocab]: exactly what a
-        step verifying a tree of the root alone (the prompt's last token) accepts, the same
-        draws from ``generator``, without that step's forward (at one CPU thread about 70 ms on
-        SmolLM2, a tenth of a 13-token answer); the proposers observe it, as after a step. One
-        sequence (``_steps``) and a batch's joining rows (``batch.py``) both take it here, so a
-        seeded request draws the same alone or in a batch."""
-        root = TokenTree([context[-1]], [-1])
-        prev = context[-2] if len(context) > 1 else -1
-        _, new, successors = self._accept(root, logits[None], params, generator, seen, limit, prev)
-        self.step_core.first(rid, new, successors)
-        return new
-
-    def _head_rows(self, tree: TokenTree, params) -> list[int] | None:
-        """The nodes whose logits the verify forward computes up front (``sampling.head_rows``),
-        or None for all: greedy acceptance on the compiled walk needs only the root's and the
-        accepted nodes' rows, and asks for any other it reaches (``PartialLogits``)."""
-        if not (self.target.partial_head and params.greedy and not params.uses_prefix):
-            return None
-        if len(tree) <= HEAD_MIN_ROWS:
-            # every row (as cheap as one), with picks asked: where the head's form is the skinny
-            # product it makes each row's best tokens as it writes the row (FastHead.project), and
-            # the walk reads those, not rows of the vocabulary's width that the forward pushed out
-            # of the caches (about 200 KB each on SmolLM2; a step visits one to four)
-            return list(range(len(tree))) if self.target.fast_head is not None else None
-        return head_rows(range(len(tree)), tree.expected)
-
-    def _recycle_successors(self) -> int:
-        """How many top tokens of each visited row token recycling keeps (0: none)."""
-        return self.config.recycle.successors if self.mixture.successor_sinks else 0
-
-    def _accept(self, tree: TokenTree, logits: torch.Tensor, params, generator, seen: set, limit: int,
-                prev: int) -> tuple[list[int], list[int], tuple | None]:
-        """Exact acceptance of ``tree`` against its ``logits`` (the KV commit is the caller's, one
-        sequence or a batch); returns the accepted nodes, the new tokens cut to ``limit`` and
-        after the first EOS, and token recycling's input (``Verdict.successors``: ``prev``, the
-        token before the root, the visited nodes' tokens and the target's top tokens at each;
-        None without recycling), which the step hands over with the observe (``Mixture.finish``)."""
-        recycle = self._recycle_successors()
-        result = accept(tree, logits, params, generator=generator,
-                        context_ids=self._seen_ids(seen) if params.uses_prefix else None, top_k=recycle)
-        nodes = [0, *result.accepted]  # the root, then each accepted node
-        visited = result.tokens if result.tokens is not None else tree.tokens_of(nodes)
-        successors = None
-        if recycle:
-            tops = result.tops if result.tops is not None else top_tokens(logits, nodes, recycle)
-            successors = (prev, visited, tops)
-        return result.accepted, self._clip(visited[1:] + [result.next_token], limit), successors
-
-    def _cost_bucket(self, context_tokens: int) -> int:
-        """The context-length bucket of a request (a power of 2, at least 64, at most half the
-        model's context)."""
-        limit = self.target.max_context or 1 << 20
-        bucket = MIN_CALIBRATION_CONTEXT
-        while bucket < context_tokens and bucket * 2 <= limit // 2:
-            bucket *= 2
-        return min(bucket, max(1, limit // 2))
-
     def cost_model(self, context_tokens: int = MIN_CALIBRATION_CONTEXT, *, in_place: bool = False) -> CostModel:
         """t(n) at about this context length, learnt online from every verify forward (the
         engine calls ``observe`` on it). A new context bucket starts from the cost cache (per
@@ -594,7 +455,7 @@ class Engine:
         prefilled context), on a dummy prefix of the bucket's length otherwise."""
         from lookupdec.budget import SEED_SIZES, cost_key, load_cached_cost
 
-        bucket = self._cost_bucket(context_tokens)
+        bucket = self.request_core.cost_bucket(context_tokens)
         if bucket not in self._costs:
             limit = self.target.max_context or 1 << 20
             key = cost_key(self.target.config.to_dict(), self.target.device, self.target.dtype, bucket,
@@ -632,7 +493,7 @@ class Engine:
                            self.target.kernels)
         store_cached_cost(key, self._costs[bucket])
 
-    def _store_forms(self) -> None:
+    def store_forms(self) -> None:
         """Write the kernel forms chosen since the last write to the cost cache, for the next
         process (``budget.store_cached_forms``): nothing while no choice changed."""
         if self._forms_key is None:
@@ -643,46 +504,3 @@ class Engine:
 
             store_cached_forms(self._forms_key, forms)
             self._forms_stored = forms
-
-    def _room(self, context) -> int:
-        """How many more positions fit in the model's context (a large number if unbounded)."""
-        limit = self.target.max_context
-        return (1 << 30) if limit is None else limit - len(context)
-
-    def _clip(self, new: list[int], room: int) -> list[int]:
-        """``new`` cut to ``room`` tokens and after its first EOS."""
-        new = new[:room]
-        for i, tok in enumerate(new):
-            if tok in self.eos_token_ids:
-                return new[: i + 1]
-        return new
-
-    def _seen_ids(self, seen: set) -> torch.Tensor:
-        return torch.tensor(sorted(seen), device=self.target.device)
-
-    @staticmethod
-    def _count(stats, timer, step: StepResult, t0: float) -> None:
-        stats.steps += 1
-        step.count_sources(stats.accepted_by_source, stats.nodes_by_source)
-        timer.draft += step.propose_s
-        timer.total += time.perf_counter() - t0
-        timer.nodes += step.tree.num_draft_nodes
-        timer.steps += 1
-        timer.predicted += step.predicted
-        timer.accepted += len(step.accepted)
-
-    @staticmethod
-    def _finish_stats(stats, timer, elapsed, n_tokens) -> None:
-        stats.new_tokens = n_tokens
-        if stats.steps:
-            stats.mean_accepted = max(0, n_tokens - stats.prefill_tokens) / stats.steps
-            stats.mean_tree_nodes = timer.nodes / stats.steps
-            stats.predicted_accepted = timer.predicted / stats.steps
-            stats.realised_accepted = timer.accepted / stats.steps
-            stats.draft_us = timer.draft / stats.steps * 1e6
-            stats.overhead_us = timer.overhead_s() * 1e6
-            stats.forward_ms = timer.forward / stats.steps * 1e3
-            stats.logit_rows = timer.head_rows / stats.steps
-            stats.logit_misses = timer.head_misses
-        stats.kernel_ms = timer.prepare * 1e3
-        stats.tokens_per_s = n_tokens / elapsed if elapsed > 0 else 0.0

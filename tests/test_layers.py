@@ -1,6 +1,8 @@
-"""The package's layers only point down (ARCHITECTURE.md): every import inside ``lookupdec/``,
-function-level ones included, goes to the same layer or a lower one; the ``model`` package is the
-one gate to ``transformers`` (the demo's training script aside); the package's face is lazy."""
+"""The package's layers only point down (docs/architecture.md): every import inside ``lookupdec/``,
+function-level ones included, goes to the same layer or a lower one, and no modules import each
+other round a cycle, within a layer either; no module uses another's private names (a leading
+underscore); the ``model`` package is the one gate to ``transformers`` (the demo's training
+script aside); the package's face is lazy."""
 from __future__ import annotations
 
 import ast
@@ -20,8 +22,8 @@ LAYERS = [
     ("index", ["lookupdec.index"]),
     ("model", ["lookupdec.model", "lookupdec.sampling"]),
     ("proposers", ["lookupdec.proposers"]),
-    ("engine", ["lookupdec.budget", "lookupdec.mixture", "lookupdec.step", "lookupdec.engine", "lookupdec.batch",
-                "lookupdec.simulate"]),
+    ("engine", ["lookupdec.budget", "lookupdec.mixture", "lookupdec.step", "lookupdec.request", "lookupdec.engine",
+                "lookupdec.batch", "lookupdec.simulate"]),
     ("faces", ["lookupdec", "lookupdec.cli", "lookupdec.server", "lookupdec.pipelines", "lookupdec.demo.data",
                "lookupdec.demo.train"]),
 ]
@@ -47,23 +49,46 @@ def package_modules() -> dict[str, str]:
         for f in files:
             if f.endswith(".py"):
                 path = os.path.join(root, f)
-                rel = os.path.relpath(path, os.path.dirname(PACKAGE))[: -len(".py")].split(os.sep)
-                out[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = path
+                out[module_of(path)] = path
     return out
 
 
+def parse(path: str) -> ast.Module:
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), path)
+
+
+def module_of(path: str) -> str:
+    """The module name of a file of the package."""
+    rel = os.path.relpath(path, os.path.dirname(PACKAGE))[: -len(".py")].split(os.sep)
+    return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+
+
+def imported_from(node: ast.ImportFrom, path: str) -> str:
+    """The absolute module a ``from ... import`` statement of ``path`` imports from (relative
+    ones resolved against the file's package)."""
+    if not node.level:
+        return node.module or ""
+    parts = module_of(path).split(".")
+    if not path.endswith("__init__.py"):
+        parts = parts[:-1]  # a module's package
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
 def imports(path: str, modules: dict) -> set[str]:
-    """Every module name imported anywhere in the file (``from lookupdec import model`` names
-    the submodule ``lookupdec.model``)."""
+    """Every module name imported anywhere in the file, function-level imports included
+    (``from lookupdec import model`` names the submodule ``lookupdec.model``)."""
     found = set()
-    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            subs = {f"{node.module}.{alias.name}" for alias in node.names} & set(modules)
-            found.update(subs or {node.module})
+        elif isinstance(node, ast.ImportFrom):
+            module = imported_from(node, path)
+            subs = {f"{module}.{alias.name}" for alias in node.names} & set(modules)
+            found.update(subs or {module})
             if subs and len(subs) < len(node.names):
-                found.add(node.module)
+                found.add(module)
     return found
 
 
@@ -78,6 +103,188 @@ def test_every_import_points_down_or_sideways():
                 if their_level > level:
                     upward.append(f"{module} ({name}) imports {imported} ({their_name})")
     assert not upward, "imports that point up a layer:\n" + "\n".join(upward)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (anywhere in the file; importing itself, as a
+    package its own compiled submodule, is no edge). A package's ``__init__`` that a submodule's
+    import runs first is no edge either: only the imports written count."""
+    modules = package_modules()
+    return {m: {i for i in imports(path, modules) if i in modules and i != m} for m, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan's
+    algorithm, iterative): each is a set of modules that import one another round a cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        work = [(root, iter(sorted(graph[root])))]
+        while work:
+            node, edges = work[-1]
+            for child in edges:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return sorted(found)
+
+
+# Cycles left for now, each with what breaks it: this set must shrink to empty (the test below
+# says when one is gone). server.shutdown imports app.Drain (an annotation only) and app imports
+# shutdown.DrainingServer: Drain belongs in shutdown.py (server/app.py was not this change's to edit).
+PENDING_CYCLES = [
+    ["lookupdec.server.app", "lookupdec.server.shutdown"],
+]
+
+
+def test_no_import_cycles():
+    found = [c for c in cycles(import_graph()) if c not in PENDING_CYCLES]
+    assert not found, "modules that import one another (break each cycle: move what both need " \
+                      "into a module both import):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_pending_cycles_still_pending():
+    found = cycles(import_graph())
+    gone = [c for c in PENDING_CYCLES if c not in found]
+    assert not gone, f"no longer a cycle: remove it from PENDING_CYCLES: {gone}"
+
+
+def test_cycle_finder():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e", "d"}, "f": {"g"}, "g": {"f"}}
+    assert cycles(graph) == [["a", "b", "c"], ["f", "g"]]
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def own_private_names(tree: ast.Module) -> set[str]:
+    """The private names a module defines: its functions, classes, methods, assigned names and
+    attributes (``self._x = ...``), import aliases."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.alias):
+            out.add(node.asname or node.name.split(".")[0])
+    return {name for name in out if private(name)}
+
+
+def private_uses() -> set[tuple[str, str, str]]:
+    """(module, private name, where) for each use in a module of a private name of another
+    module of the package: ``from lookupdec.x import _name`` (or ``import lookupdec.x._core``),
+    and ``obj._name`` where ``obj`` is not ``self``, ``cls`` or ``super()`` and another module of
+    the package defines ``_name`` (whether this one does too: ``engine._room`` in a module with a
+    ``_room`` of its own is still the engine's; a third-party private, ``tensor._version``, is
+    not the package's business here)."""
+    modules = package_modules()
+    trees = {m: parse(path) for m, path in modules.items()}
+    own = {m: own_private_names(tree) for m, tree in trees.items()}
+    compiled = {os.path.basename(f).split(".")[0] for root, _, files in os.walk(PACKAGE) for f in files
+                if f.endswith((".so", ".pyd"))}  # compiled submodules (the core)
+    found = set()
+    for module, tree in trees.items():
+        others = compiled.union(*(names for m, names in own.items() if m != module))
+        for node in ast.walk(tree):
+            where = f"{modules[module]}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom):
+                source = imported_from(node, modules[module])
+                if (source == "lookupdec" or source.startswith("lookupdec.")) and source != module:
+                    found.update((module, a.name, where) for a in node.names if private(a.name))
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    parts = a.name.split(".")
+                    if parts[0] == "lookupdec":
+                        found.update((module, p, where) for p in parts if private(p))
+            elif isinstance(node, ast.Attribute) and private(node.attr):
+                value = node.value
+                if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                    continue
+                if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+                    continue
+                if node.attr in others:
+                    found.add((module, node.attr, where))
+    return found
+
+
+# Private names used outside the module that defines them: private name -> the modules using it.
+# Each is here because the modules involved are not this change's to edit (or, for the compiled
+# core, by design); an entry no module uses any more must go (the test below says when).
+ALLOWED_PRIVATE = {
+    # The compiled core, lookupdec/automaton/_core*.so: a C extension module, named with an
+    # underscore as extension modules are (its Python face is the modules that wrap it); private
+    # to the package, not to one module. tree.py re-exports it for the tree's callers.
+    "_core": {"lookupdec.tree", "lookupdec.budget", "lookupdec.mixture", "lookupdec.sampling", "lookupdec.step",
+              "lookupdec.model.cache", "lookupdec.model.kernels", "lookupdec.proposers.ngram",
+              "lookupdec.proposers.recycle", "lookupdec.proposers.suffix"},
+    # Unchecked constructors of tree.py (TokenTree._from_core, Draft._trusted) and automaton's
+    # token conversion, for the proposers' and the mixture's hot paths (values the compiled core
+    # or the proposer built valid). To be public (``Draft.trusted``...) where tree.py and
+    # automaton/__init__.py are edited.
+    "_trusted": {"lookupdec.mixture", "lookupdec.proposers.ngram", "lookupdec.proposers.recycle",
+                 "lookupdec.proposers.suffix"},
+    "_from_core": {"lookupdec.mixture"},
+    "_int32_tokens": {"lookupdec.proposers.ngram"},
+    # TargetModel's internals (model/target.py) read by its batched twin (model/batch.py), and its
+    # layer count and sliding windows read by the engine (``Engine.batchable``) and the server
+    # (the batch's K/V size): to be public properties of TargetModel where target.py is edited.
+    "_windows": {"lookupdec.model.batch", "lookupdec.engine"},
+    "_num_layers": {"lookupdec.model.batch", "lookupdec.engine", "lookupdec.server.worker"},
+    "_weights_state": {"lookupdec.model.batch"},
+    "_head": {"lookupdec.model.batch"},
+    "_gqa": {"lookupdec.model.batch"},
+    "_project": {"lookupdec.model.batch"},
+    "_RowsHead": {"lookupdec.model.batch"},
+    # imported by model/__init__.py from its submodules and not used there: to drop from it
+    "_convert_gguf": {"lookupdec.model"},
+    "_max_context": {"lookupdec.model"},
+    "_sliding_windows": {"lookupdec.model"},
+}
+
+
+def test_no_private_names_across_modules():
+    bad = sorted(f"{where}: {module} uses {name}" for module, name, where in private_uses()
+                 if module not in ALLOWED_PRIVATE.get(name, ()))
+    assert not bad, "private names of another module (make them public, or move what both need " \
+                    "into a module both import):\n" + "\n".join(bad)
+
+
+def test_allowed_private_names_still_used():
+    used = {(module, name) for module, name, _ in private_uses()}
+    stale = sorted(f"{module} no longer uses {name}" for name, users in ALLOWED_PRIVATE.items()
+                   for module in users if (module, name) not in used)
+    assert not stale, "remove from ALLOWED_PRIVATE:\n" + "\n".join(stale)
 
 
 def test_only_the_model_package_imports_transformers():
