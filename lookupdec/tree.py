@@ -11,7 +11,7 @@ definition, otherwise; trees it builds carry their depth and prune order, so ``p
 ``ancestor_mask`` is compiled too. ``tests/test_tree_core.py`` checks every fast path against its
 reference on random drafts (token ids, parents, cells exactly; scores are bit-identical too).
 
-One format (ARCHITECTURE.md, "The tree format"): ``token_ids[i]`` and ``parents[i]`` for every node, and parents
+One format (docs/architecture.md, "The tree format"): ``token_ids[i]`` and ``parents[i]`` for every node, and parents
 come before children (``parents[i] < i``). In a ``Draft``, ``parents[i] == -1`` marks a child of
 the root (the last committed token). In a ``TokenTree`` node 0 is the root itself (not yet in
 the KV cache) with ``parents[0] == -1``: ``TokenTree.from_drafts`` merges drafts into one trie

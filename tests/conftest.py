@@ -1,6 +1,6 @@
 """Session-wide fixtures: tiny models (built once), their transformers reference outputs, and the
 real stories260K model. Models are float32 throughout: tests demanding token identity must not
-depend on fp16/bf16 near-ties (ARCHITECTURE.md, the exactness contract)."""
+depend on fp16/bf16 near-ties (docs/architecture.md, the exactness contract)."""
 from __future__ import annotations
 
 import functools
