@@ -189,7 +189,7 @@ def replay_method(outputs: dict, t, method: str, *, sigma: float, spikes: float,
                                                                 tree.tokens_of(visited), tops[at: at + len(visited)]))
             core.start(rid, context)
             try:
-                core.first(rid, response[:1])  # the prefill's token, as Engine._first
+                core.first(rid, response[:1])  # the prefill's token, as RequestCore.first
                 context.append(response[0])
                 while len(context) - len(prompt) < len(response):
                     rest = response[len(context) - len(prompt):]

@@ -308,13 +308,13 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
             result = (paths.accept(tree, verified, greedy, top_k=fused) if fused
                       else paths.accept(tree, verified, greedy))
             projected_ns = int(verified.extra_s * 1e9) if paths.partial else 0  # rows the walk asked for: the forward's
-            path = (result.tokens if result.tokens is not None  # as Engine._accept
+            path = (result.tokens if result.tokens is not None  # as RequestCore.accept
                     else tree.tokens_of([0, *result.accepted]))
             new_tokens = (path[1:] + [result.next_token])[: len(rest)]
             accepted = result.accepted[: len(new_tokens)]
             marks.append(_now())
             successors = None
-            if mixture.successor_sinks:  # as Engine._accept
+            if mixture.successor_sinks:  # as RequestCore.accept
                 visited = [0, *result.accepted]
                 tops = result.tops if result.tops is not None else paths.top_tokens(logits, visited,
                                                                                      RECYCLE_SUCCESSORS)

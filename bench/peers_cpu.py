@@ -80,9 +80,9 @@ def convert_f32() -> None:
     """SmolLM2's dequantised model folder (lookupdec's GGUF cache) to an F32 GGUF with llama.cpp's
     own converter."""
     from lookupdec import model_files
-    from lookupdec.model.load import _convert_gguf  # noqa: PLC2701 -- the cache's converter
+    from lookupdec.model.load import convert_gguf  # noqa: PLC2701 -- the cache's converter
 
-    folder = model_files.gguf_folder(model_files.smollm2_path(), _convert_gguf)
+    folder = model_files.gguf_folder(model_files.smollm2_path(), convert_gguf)
     tmp = F32_GGUF.with_suffix(".tmp")
     env = os.environ | {"PYTHONPATH": str(SOURCE / "gguf-py")}  # the converter's own gguf package
     subprocess.run([sys.executable, str(SOURCE / "convert_hf_to_gguf.py"), folder, "--outtype", "f32",

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_result  # noqa: E402
 
 from lookupdec import Engine, EngineConfig  # noqa: E402
-from lookupdec.model import _max_context, load  # noqa: E402
+from lookupdec.model import model_max_context, load  # noqa: E402
 from lookupdec.pipelines import (PromptFormat, ReadOptions, ResultsFile, RewriteOptions, plan,  # noqa: E402
                                  read_records, read_results, rewrite)
 from lookupdec.workloads import LOG_INSTRUCTION  # noqa: E402
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     encoder = Engine(model, tokenizer, EngineConfig(proposers=()))
     all_prompts = {r.id: prompts.engine_prompt(encoder, r) for records in systems.values() for r in records}
     all_prompts = {k: v if isinstance(v, list) else tokenizer(v).input_ids for k, v in all_prompts.items()}
-    lengths = check_fits(all_prompts, args.max_new_tokens, _max_context(model.config))
+    lengths = check_fits(all_prompts, args.max_new_tokens, model_max_context(model.config))
     hf_generate(model, tokenizer, [WARM_UP_PROMPT], WARM_UP_TOKENS)
 
     raw: dict[str, dict] = {}  # system -> totals, each method's seconds the fastest over repeats

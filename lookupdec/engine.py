@@ -283,7 +283,7 @@ class Engine:
     def batchable(self) -> bool:
         """Whether several sequences can share a forward (``lookupdec.batch``): tree masks, no
         sliding windows."""
-        return self.target.tree_mode and not self.target._windows and self.target._num_layers is not None
+        return self.target.batchable
 
     def check_request(self, prompt, *, max_new_tokens: int, temperature: float = 0.0, top_k=None, top_p=None,
                       repetition_penalty=None, seed=None, stop=None, field: str = "prompt") -> list[int]:

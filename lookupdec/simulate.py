@@ -106,7 +106,7 @@ def replay_one(rid: str, prompt: list[int], response: list[int], proposers: Sequ
     context = list(prompt)
     core.start(rid, context)
     try:
-        if response:  # the first token: the prefill's, in no step (``Engine._first``)
+        if response:  # the first token: the prefill's, in no step (``RequestCore.first``)
             core.first(rid, response[:1])
             context.append(response[0])
             result.prefill_tokens = 1

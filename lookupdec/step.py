@@ -22,7 +22,7 @@
              and learn are one compiled call (``Mixture.finish``)
 
 A request's first new token is no step's: it comes from the logits of the prompt's last token,
-computed by the prefill (``first``; ``Engine._first``), as ``transformers`` takes it.
+computed by the prefill (``first``; ``RequestCore.first``), as ``transformers`` takes it.
 
 ``max_nodes`` is the one name of the node budget: ``EngineConfig.max_nodes`` caps it; with a cost
 model, ``DraftBudget.nodes`` asks for fewer where fewer were kept lately. Only history enters the

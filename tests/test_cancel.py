@@ -45,7 +45,7 @@ def test_event_set_mid_stream_stops_before_next_step(engine):
         cancel.set()  # the client left after the first piece
     gen = stream.generation
     assert gen.finish_reason == "cancelled"
-    # the first piece is the prefill's token (``Engine._first``): no step after it
+    # the first piece is the prefill's token (``RequestCore.first``): no step after it
     assert gen.stats.steps == 0 and gen.stats.prefill_tokens == 1, "no step after the first piece"
     assert full.token_ids[: len(gen.token_ids)] == gen.token_ids and len(gen.token_ids) < MAX_NEW
     assert "".join(pieces) == gen.text and full.text.startswith(gen.text)

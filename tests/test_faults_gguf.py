@@ -1,5 +1,5 @@
 """The GGUF conversion cache (``lookupdec.model_files.gguf_folder``) against what can sit at an
-entry's name and a disk that runs out, with the real conversion (``lookupdec.model._convert_gguf``)
+entry's name and a disk that runs out, with the real conversion (``lookupdec.model.convert_gguf``)
 of a real GGUF file: stories260K written as GGUF here (float32, so that the conversion is exact),
 whose converted folder gives stories260K's own greedy tokens.
 
@@ -19,7 +19,7 @@ import pytest
 
 from conftest import STORIES
 from lookupdec.model import load
-from lookupdec.model.load import _convert_gguf
+from lookupdec.model.load import convert_gguf
 from lookupdec.model_files import STAMP, file_sha256, gguf_folder
 
 gguf = pytest.importorskip("gguf")
@@ -133,7 +133,7 @@ def test_whatever_is_not_a_valid_folder_is_converted_again(cache, stories_gguf, 
         open(os.path.join(folder, "config.json"), "w").write("{}")  # no stamp: never finished
         if damage == "symlink_to_a_damaged_folder":
             os.symlink(target, entry)
-    assert gguf_folder(str(stories_gguf), _convert_gguf) == entry
+    assert gguf_folder(str(stories_gguf), convert_gguf) == entry
     assert os.path.isdir(entry) and not os.path.islink(entry)
     stamp = json.load(open(os.path.join(entry, STAMP)))
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(stamp["files"])

@@ -156,24 +156,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-# Cycles left for now, each with what breaks it: this set must shrink to empty (the test below
-# says when one is gone). server.shutdown imports app.Drain (an annotation only) and app imports
-# shutdown.DrainingServer: Drain belongs in shutdown.py (server/app.py was not this change's to edit).
-PENDING_CYCLES = [
-    ["lookupdec.server.app", "lookupdec.server.shutdown"],
-]
-
-
 def test_no_import_cycles():
-    found = [c for c in cycles(import_graph()) if c not in PENDING_CYCLES]
+    found = cycles(import_graph())
     assert not found, "modules that import one another (break each cycle: move what both need " \
                       "into a module both import):\n" + "\n".join(" <-> ".join(c) for c in found)
-
-
-def test_pending_cycles_still_pending():
-    found = cycles(import_graph())
-    gone = [c for c in PENDING_CYCLES if c not in found]
-    assert not gone, f"no longer a cycle: remove it from PENDING_CYCLES: {gone}"
 
 
 def test_cycle_finder():
@@ -256,20 +242,13 @@ ALLOWED_PRIVATE = {
                  "lookupdec.proposers.suffix"},
     "_from_core": {"lookupdec.mixture"},
     "_int32_tokens": {"lookupdec.proposers.ngram"},
-    # TargetModel's internals (model/target.py) read by its batched twin (model/batch.py), and its
-    # layer count and sliding windows read by the engine (``Engine.batchable``) and the server
-    # (the batch's K/V size): to be public properties of TargetModel where target.py is edited.
-    "_windows": {"lookupdec.model.batch", "lookupdec.engine"},
-    "_num_layers": {"lookupdec.model.batch", "lookupdec.engine", "lookupdec.server.worker"},
+    # TargetModel's internals (model/target.py) read by its batched twin (model/batch.py): the
+    # two halves of one model wrapper, split by file for size.
     "_weights_state": {"lookupdec.model.batch"},
     "_head": {"lookupdec.model.batch"},
     "_gqa": {"lookupdec.model.batch"},
     "_project": {"lookupdec.model.batch"},
     "_RowsHead": {"lookupdec.model.batch"},
-    # imported by model/__init__.py from its submodules and not used there: to drop from it
-    "_convert_gguf": {"lookupdec.model"},
-    "_max_context": {"lookupdec.model"},
-    "_sliding_windows": {"lookupdec.model"},
 }
 
 

@@ -126,7 +126,7 @@ def test_verify_rows_gives_the_full_forward_rows(family):
     target.prefill(prompt)
     assert isinstance(target.verify(tree, list(range(len(tree)))), torch.Tensor)  # every row: a plain forward
     if target.fast_head is not None and "skinny" in target.fast_head.forms:
-        # every row with picks (a small greedy tree, Engine._head_rows): the same rows, each one's
+        # every row with picks (a small greedy tree, RequestCore.head_rows): the same rows, each one's
         # best ids with it where the head's form is the skinny product
         key = (_bucket(len(tree)), torch.get_num_threads())
         target.fast_head.choice[key] = "skinny"

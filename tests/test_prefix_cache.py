@@ -51,7 +51,7 @@ def test_reused_prefix_keeps_every_output(family):
         reused.append(gen.stats.prefix_reused)
     assert reused[0] == 0  # nothing before it
     # the most any earlier prompt shares (the last one's K/V in place, earlier ones' kept copies)
-    # (never the prompt's last token: its logits give the first new token, ``Engine._first``)
+    # (never the prompt's last token: its logits give the first new token, ``RequestCore.first``)
     assert reused[1:-1] == [min(max(common_prefix(a, b) for a in prompts[:i]), len(b) - 1)
                             for i, b in enumerate(prompts[1:-1], start=1)]
     assert all(r >= 24 for r in reused[1:-1]), reused  # the instruction (and any record start it shares)

@@ -80,7 +80,7 @@ def test_compiled_table_drafts_equal_the_reference(seed):
         visits = [(int(rng.integers(-1, vocab)), int(rng.integers(0, vocab)),
                    [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(0, 8)))])
                   for _ in range(int(rng.integers(0, 6)))]
-        if visits and rng.random() < 0.5:  # a walked path (Engine._accept's hand-off): each token's previous is the one before
+        if visits and rng.random() < 0.5:  # a walked path (RequestCore.accept's hand-off): each token's previous is the one before
             prev, tokens, tops = visits[0][0], [v[1] for v in visits], [v[2] for v in visits]
             ref.observe_path(prev, tokens, tops)
             fast.observe_path(prev, tokens, tops)

@@ -41,11 +41,11 @@ class BatchTarget:
 
     def __init__(self, target: TargetModel, max_rows: int, joint_prefill: bool | None = None,
                  prefix_cache: bool = False) -> None:
-        if not target.tree_mode or target._windows or target._num_layers is None:
+        if not target.batchable:
             raise ValueError("batched verification needs a model that takes tree masks, without sliding windows")
         self.target = target
         self.max_rows = max_rows
-        self.cache = new_batch_cache(target._num_layers, max_rows)
+        self.cache = new_batch_cache(target.num_layers, max_rows)
         self.store = self.cache.slot_store
         self.lengths: list[int] = []  # committed slots per row (the root not included)
         self._fill = torch.finfo(target.dtype).min
@@ -152,7 +152,7 @@ class BatchTarget:
         row and, with ``prefix_cache``, kept in ``TargetModel.prefixes``, so nothing reads them): on
         a CPU a new buffer's pages cost their first touch; a new cache where there is none yet."""
         one, self._spare = self._spare, None
-        return emptied_cache(one, self.target._num_layers)
+        return emptied_cache(one, self.target.num_layers)
 
     def _add_group(self, group: Sequence[tuple[Sequence[int], int]]) -> list[int]:
         """Rows for ``group``'s contexts (not empty; each with its ``room``), one right-padded
@@ -174,7 +174,7 @@ class BatchTarget:
         mask = torch.zeros((k, 1, width, width), dtype=target.dtype)
         mask.masked_fill_(torch.from_numpy(~allowed)[:, None], self._fill)
         positions = torch.arange(width, dtype=torch.int64).repeat(k, 1)
-        joint = new_batch_cache(target._num_layers, k)
+        joint = new_batch_cache(target.num_layers, k)
         joint.slot_store.rows = k
         device = target.device
         # the logits of each row's last token only: the distinct last slots, each row's picked below

@@ -40,7 +40,7 @@ def load(model_path: str | os.PathLike, *, device: str | None = None, dtype=None
     try:
         path = resolve(model_path)
         if os.path.isfile(path) and is_gguf(path):
-            path = gguf_folder(path, _convert_gguf)
+            path = gguf_folder(path, convert_gguf)
     except ModelFileError as exc:
         raise ModelLoadError(str(exc)) from None
     if os.path.isfile(path):
@@ -90,7 +90,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else exc.__class__.__name__
 
 
-def _convert_gguf(gguf_path: str, out_dir: str) -> None:
+def convert_gguf(gguf_path: str, out_dir: str) -> None:
     """Dequantise a GGUF file to float32 with transformers and save it as a model folder."""
     import transformers
 
@@ -178,7 +178,7 @@ def load_tokenizer(path: str | os.PathLike):
     try:
         path = resolve(path, weights=False)
         if os.path.isfile(path) and is_gguf(path):
-            path = gguf_folder(path, _convert_gguf)
+            path = gguf_folder(path, convert_gguf)
     except ModelFileError as exc:
         raise ModelLoadError(str(exc)) from None
     if os.path.isfile(path) and path.endswith(".model"):

@@ -97,7 +97,7 @@ class TargetModel:
             _install_grouped_attention()
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.max_context = _max_context(self.config)
+        self.max_context = model_max_context(self.config)
         self._windows = _sliding_windows(self.config)
         # a SlotCache (model/cache.py) where the layer count is known: KV commit in one operation
         self._num_layers = getattr(self.config.get_text_config(decoder=True), "num_hidden_layers", None)
@@ -139,7 +139,7 @@ class TargetModel:
         or a file skip its forward. The prompt's K/V are then kept in ``prefixes`` too.
         ``last_logits``: the last token is computed whatever is reused, and its logits [vocab]
         (float32) are left in ``self.last_logits``: the next token's distribution, the request's
-        first token (``Engine._first``). Returns the tokens reused (0: a fresh cache)."""
+        first token (``RequestCore.first``). Returns the tokens reused (0: a fresh cache)."""
         token_ids = list(token_ids)
         weights = self._weights_state() if reuse else None
         cache, common = None, 0
@@ -244,6 +244,17 @@ class TargetModel:
         head = self.fast_head or self._head
         logits = head(hidden[None])[0].float()
         return logits, prepared + self.take_excess()
+
+    @property
+    def num_layers(self) -> int | None:
+        """Decoder layers whose K/V the slot cache holds (None: a model it does not know)."""
+        return self._num_layers
+
+    @property
+    def batchable(self) -> bool:
+        """Whether several sequences can share a forward (``model.batch.BatchTarget``): tree
+        masks, no sliding windows, a known layer count."""
+        return self.tree_mode and not self._windows and self._num_layers is not None
 
     @property
     def _head(self) -> torch.nn.Module:
@@ -475,7 +486,7 @@ def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
     return mask[None, None]
 
 
-def _max_context(config) -> int | None:
+def model_max_context(config) -> int | None:
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:

@@ -17,8 +17,6 @@ import sys
 
 import uvicorn
 
-from lookupdec.server.app import Drain
-
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server. The first SIGTERM or SIGINT begins the drain: new requests get a 503,
@@ -28,7 +26,7 @@ class DrainingServer(uvicorn.Server):
     raised again once served, so the process exits with status 0; a Ctrl+C still ends as a
     KeyboardInterrupt (status 130), as with uvicorn."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+    def __init__(self, config: uvicorn.Config, drain) -> None:  # drain: app.Drain (app imports this module)
         super().__init__(config)
         self.drain = drain
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -170,10 +170,10 @@ def batch_reservation(engine, rows: int, max_nodes: int) -> int | None:
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
-    if not (target._num_layers and kv_heads and head_dim):
+    if not (target.num_layers and kv_heads and head_dim):
         return None
     capacity = max(INITIAL_SLOTS, int((max_nodes + 3) * GROWTH))
-    return target._num_layers * 2 * rows * kv_heads * capacity * head_dim * target.dtype.itemsize
+    return target.num_layers * 2 * rows * kv_heads * capacity * head_dim * target.dtype.itemsize
 
 
 def allocatable_bytes(device) -> int | None:
