@@ -6,6 +6,9 @@ For each torch thread setting, workload and batch size B, side by side in an ord
 
 * ``transformers``  -- ``model.generate(do_sample=False)`` over the records in chunks of B,
   left-padded (its batch runs until the longest row ends)
+* ``plain``         -- the same with ``EngineConfig(proposers=())``: the same ``BatchDecoder`` at the
+  same B with no drafts (one token per row per forward). lookupdec over it (``vs_plain``) is what
+  the lookups add under load: it must never fall below 1
 * ``lookupdec``     -- ``Engine.generate_batch(records, max_batch=B)``, the default configuration
   (joint budget, continuous batching), a fresh engine per run so that its suffix cache has not
   seen these records' outputs before; at B = 1 ``Engine.generate`` one record at a time (what
@@ -97,7 +100,7 @@ def bench(threads: int, model, tokenizer, workloads, args) -> list[dict]:
     for workload, prompts in workloads.items():
         reference = None
         for batch in args.batch_sizes:
-            methods = ["transformers", "lookupdec"]
+            methods = ["transformers", "plain", "lookupdec"]
             if batch in args.fixed_batch:
                 methods += [f"fixed{n}" for n in args.fixed]
             runs: dict[str, list] = {m: [] for m in methods}
@@ -108,7 +111,7 @@ def bench(threads: int, model, tokenizer, workloads, args) -> list[dict]:
                         runs[method].append(tf_batched(model, prompts, batch, args.max_new_tokens, pad_id, eos))
                     else:
                         config = (EngineConfig(budget="fixed", max_nodes=int(method[5:])) if method.startswith("fixed")
-                                  else None)
+                                  else EngineConfig(proposers=()) if method == "plain" else None)
                         runs[method].append(ld_batched(model, tokenizer, prompts, batch, args.max_new_tokens, config,
                                                        sequential=batch == 1))
             if batch == 1:
@@ -125,17 +128,19 @@ def bench(threads: int, model, tokenizer, workloads, args) -> list[dict]:
                              "tokens_per_s": round(tokens / seconds, 2), "identical": identical, **info,
                              **({"seconds_each": [round(s, 3) for _, s, _ in done]} if len(done) > 1 else {})})
             tf_rate = next(r["tokens_per_s"] for r in rows[-len(results):] if r["method"] == "transformers")
+            plain_rate = next(r["tokens_per_s"] for r in rows[-len(results):] if r["method"] == "plain")
             for r in rows[-len(results):]:
                 r["vs_transformers"] = round(r["tokens_per_s"] / tf_rate, 3)
+                r["vs_plain"] = round(r["tokens_per_s"] / plain_rate, 3)
             print(f"  {threads}t {workload:12s} B={batch:<3d} " + "  ".join(
-                f"{r['method']} {r['tokens_per_s']:.1f} t/s ({r['vs_transformers']:.2f}x"
+                f"{r['method']} {r['tokens_per_s']:.1f} t/s ({r['vs_plain']:.2f}x plain, {r['vs_transformers']:.2f}x tf"
                 + (f", {r['identical']}/{r['records']} identical" if r["identical"] is not None else "") + ")"
                 for r in rows[-len(results):]), flush=True)
     return rows
 
 
 TABLE = [("threads", "threads", "d"), ("workload", "workload", ""), ("batch", "batch", "d"), ("method", "method", ""),
-         ("tokens_per_s", "tokens/s", ".1f"), ("vs_transformers", "x transformers", ".2f"),
+         ("tokens_per_s", "tokens/s", ".1f"), ("vs_plain", "x plain", ".2f"), ("vs_transformers", "x transformers", ".2f"),
          ("mean_accepted", "tokens/step", ".2f"), ("mean_tree_nodes", "nodes/step", ".1f"),
          ("identical", "identical", "")]
 
@@ -152,7 +157,7 @@ def plot(rows: list[dict], path: Path) -> None:
     panels = list(dict.fromkeys((r["threads"], r["workload"]) for r in rows))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, (threads, workload) in zip(axes[0], panels):
-        for method, style in (("transformers", "o--"), ("lookupdec", "s-")):
+        for method, style in (("transformers", "o--"), ("plain", "^:"), ("lookupdec", "s-")):
             pts = [(r["batch"], r["tokens_per_s"]) for r in rows
                    if r["threads"] == threads and r["workload"] == workload and r["method"] == method]
             if pts:

@@ -12,11 +12,13 @@ side in one process, on the same model (float32):
 - ``pipeline``: ``lookupdec.pipelines.rewrite`` as ``lookupdec rewrite`` runs it: ONE engine
   (default config) for all 8 systems in order, results appended to a JSON Lines file (whole
   lines, fsync policy included); timed per system over the whole call.
+- ``plain``: the same pipeline on an engine with ``EngineConfig(proposers=())`` (the same
+  kernels and step, no drafts): the pipeline over it is what the lookups add.
 - ``transformers``: ``model.generate(ids, do_sample=False, max_new_tokens=N)`` per record,
   tokenization included; timed per system over the loop.
 
-Per system the two run back to back, the first alternating between systems so that machine
-noise hits both alike. Both are warmed up on a sentence from no log first, and the engine's
+Per system the three run back to back, in an order rotated between systems so that machine
+noise hits all alike. Both are warmed up on a sentence from no log first, and the engine's
 verify-cost curve for the records' context lengths is measured (or read from the cost cache)
 before any timing. Reports tokens/s of each, their ratio, the pipeline's accepted tokens per
 step, and identical outputs per system and overall; writes ``bench/results/rewrite.json``.
@@ -123,20 +125,27 @@ def main(argv=None) -> int:
     per_record = []
     for repeat in range(args.repeats):
         engine = Engine(model, tokenizer, EngineConfig())  # fresh per repeat: no engine sees a record twice
-        engine.generate(WARM_UP_PROMPT, max_new_tokens=WARM_UP_TOKENS)
-        for n in sorted(set(lengths)):
-            engine.cost_model(n + args.max_new_tokens // 2)  # as each record's generate will ask
+        plain = Engine(model, tokenizer, EngineConfig(proposers=()))
+        for e in (engine, plain):
+            e.generate(WARM_UP_PROMPT, max_new_tokens=WARM_UP_TOKENS)
+            for n in sorted(set(lengths)):
+                e.cost_model(n + args.max_new_tokens // 2)  # as each record's generate will ask
         with tempfile.TemporaryDirectory(prefix="rewrite-bench-") as tmp:
             output = os.path.join(tmp, "out.jsonl")
             for i, (system, records) in enumerate(systems.items()):
                 texts = [all_prompts[r.id] for r in records]
-                if (i + repeat) % 2 == 0:
-                    lines, pipe_s = pipeline_run(engine, records, prompts, output, options)
-                    hf_out, hf_s = hf_generate(model, tokenizer, texts, args.max_new_tokens)
-                else:
-                    hf_out, hf_s = hf_generate(model, tokenizer, texts, args.max_new_tokens)
-                    lines, pipe_s = pipeline_run(engine, records, prompts, output, options)
+                methods = ["pipeline", "plain", "transformers"]
+                k = (i + repeat) % len(methods)
+                for method in methods[k:] + methods[:k]:
+                    if method == "pipeline":
+                        lines, pipe_s = pipeline_run(engine, records, prompts, output, options)
+                    elif method == "plain":
+                        plain_lines, plain_s = pipeline_run(plain, records, prompts, output + ".plain", options)
+                    else:
+                        hf_out, hf_s = hf_generate(model, tokenizer, texts, args.max_new_tokens)
                 totals = system_totals(records, lines, hf_out, pipe_s, hf_s)
+                totals["plain_seconds"] = plain_s
+                totals["plain_new_tokens"] = sum(plain_lines[r.id]["stats"]["new_tokens"] for r in records)
                 raw[system] = keep_fastest(raw.get(system), totals)
                 if repeat == 0:
                     per_record += [{"system": system, "id": r.id, "new_tokens": len(out),
@@ -147,7 +156,8 @@ def main(argv=None) -> int:
                                    for r, out in zip(records, hf_out)]
                 row = derive({"system": system, **totals})
                 print(f"[{repeat + 1}/{args.repeats}] {system}: transformers {row['hf_tokens_per_s']:.0f} t/s, "
-                      f"rewrite {row['pipeline_tokens_per_s']:.0f} t/s ({row['speedup']:.2f}x, "
+                      f"plain {row['plain_tokens_per_s']:.0f} t/s, rewrite {row['pipeline_tokens_per_s']:.0f} t/s "
+                      f"({row['vs_plain']:.2f}x plain, {row['speedup']:.2f}x transformers, "
                       f"{row['mean_accepted']:.2f} tokens/step), identical {row['identical']}/{row['records']}",
                       flush=True)
     rows = [derive({"system": system, **totals}) for system, totals in raw.items()]
@@ -161,12 +171,14 @@ def main(argv=None) -> int:
 
 
 COLUMNS = [("system", "system", ""), ("records", "records", "d"), ("new_tokens", "tokens", "d"),
-           ("hf_tokens_per_s", "transformers t/s", ".0f"), ("pipeline_tokens_per_s", "rewrite t/s", ".0f"),
+           ("hf_tokens_per_s", "transformers t/s", ".0f"), ("plain_tokens_per_s", "plain t/s", ".0f"),
+           ("pipeline_tokens_per_s", "rewrite t/s", ".0f"), ("vs_plain", "rewrite/plain", ".2f"),
            ("speedup", "rewrite/transformers", ".2f"), ("mean_accepted", "tokens/step", ".2f"),
            ("identical", "identical", "d")]
 
 
-SUMMED = ("records", "new_tokens", "pipeline_new_tokens", "steps", "hf_seconds", "pipeline_seconds", "identical")
+SUMMED = ("records", "new_tokens", "pipeline_new_tokens", "steps", "hf_seconds", "pipeline_seconds", "identical",
+          "plain_seconds", "plain_new_tokens")
 
 
 def system_totals(records, lines, hf_out, pipe_s, hf_s) -> dict:
@@ -183,12 +195,15 @@ def keep_fastest(old: dict | None, new: dict) -> dict:
         return new
     return {**new, "hf_seconds": min(old["hf_seconds"], new["hf_seconds"]),
             "pipeline_seconds": min(old["pipeline_seconds"], new["pipeline_seconds"]),
+            "plain_seconds": min(old["plain_seconds"], new["plain_seconds"]),
             "identical": min(old["identical"], new["identical"])}
 
 
 def derive(row: dict) -> dict:
     hf_tps, pipe_tps = row["new_tokens"] / row["hf_seconds"], row["pipeline_new_tokens"] / row["pipeline_seconds"]
+    plain_tps = row["plain_new_tokens"] / row["plain_seconds"]
     return {**row, "hf_tokens_per_s": hf_tps, "pipeline_tokens_per_s": pipe_tps, "speedup": pipe_tps / hf_tps,
+            "plain_tokens_per_s": plain_tps, "vs_plain": pipe_tps / plain_tps,
             "mean_accepted": row["pipeline_new_tokens"] / row["steps"]}
 
 

@@ -1,8 +1,10 @@
 """Concurrent clients against ``lookupdec serve``: continuous batching (``--max-batch N``) against
 the server taking requests one at a time, on SmolLM2-135M-Instruct (float32, CPU, loopback).
 
-Two real server processes, ``--max-batch 1`` and ``--max-batch N``, get the same requests, in an
-order rotated per measurement; one runs at a time: each measurement starts a server, warms it up
+Three real server processes, ``--max-batch 1``, ``--max-batch N`` and ``--max-batch N --no-draft``
+(plain decoding batched on the same engine: lookupdec over it, ``vs_plain``, is what the lookups
+add under load and must never fall below 1), get the same requests, in an order rotated per
+measurement; one runs at a time: each measurement starts a server, warms it up
 on a prompt no measurement uses, measures and stops it before the other starts. (Until 79a461d
 both ran side by side all along, the idle one thought to cost nothing. It does not on this VM:
 the batching server's 8-client tokens/s was 81.9 and 80.5 with both alive, 100.0 and 106.0 alone,
@@ -53,16 +55,17 @@ from common import REPO_ROOT, RESULTS_DIR, add_device_option, format_table, run_
 from real_model import build_workloads  # noqa: E402
 
 START_TIMEOUT_S = 300
-LISTENING = re.compile(r"lookupdec: serving \S+ at (http://[\d.]+:\d+)")
+LISTENING = re.compile(r"lookupdec: serving \S+ at (http://\S+:\d+)")
 
 
-def start_server(model: str, threads: int, max_batch: int, device: str = "cpu") -> tuple[subprocess.Popen, str]:
+def start_server(model: str, threads: int, max_batch: int, device: str = "cpu",
+                 extra: tuple = ()) -> tuple[subprocess.Popen, str]:
     log_fd, log_path = tempfile.mkstemp(prefix="lookupdec-serve-", suffix=".log")
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)  # (kept: packages there)
     env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
     proc = subprocess.Popen([sys.executable, "-m", "lookupdec", "serve", "--model", model, "--port", "0",
                              "--model-name", "m", "--max-batch", str(max_batch), "--device", device,
-                             "--dtype", "float32"], cwd=REPO_ROOT, env=env,
+                             "--dtype", "float32", *extra], cwd=REPO_ROOT, env=env,
                             stdout=log_fd, stderr=log_fd, stdin=subprocess.DEVNULL)
     os.close(log_fd)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -156,7 +159,8 @@ def main(argv=None) -> int:
                          f"({args.prompts} per measurement x {len(measurements)} + 1)")
     warmup, pool = pool[0], pool[1:]
     del loader
-    batches = {"one-at-a-time": 1, f"max-batch-{args.max_batch}": args.max_batch}
+    batches = {"one-at-a-time": (1, ()), f"max-batch-{args.max_batch}": (args.max_batch, ()),
+               f"plain-max-batch-{args.max_batch}": (args.max_batch, ("--no-draft",))}
     names = list(batches)
     servers: dict = {}  # name -> (process, api) of the servers alive
 
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
         if name not in servers:
             if not args.together:
                 stop_all()
-            servers[name] = start_server(args.model, args.threads, batches[name], args.device)
+            servers[name] = start_server(args.model, args.threads, batches[name][0], args.device, batches[name][1])
             single(servers[name][1], [warmup], 8)
         return servers[name][1]
 
@@ -185,27 +189,28 @@ def main(argv=None) -> int:
         for k, (what, clients) in enumerate(measurements):
             prompts = pool[k * args.prompts : (k + 1) * args.prompts]  # new to both servers
             results = {}
-            for name in names[k % 2:] + names[: k % 2]:
+            for name in names[k % len(names):] + names[: k % len(names)]:
                 api = server(name)
                 results[name] = (single(api, prompts, args.max_tokens) if clients is None
                                  else concurrent(api, prompts, args.max_tokens, clients))
                 if not args.together:
                     stop_all()
-            a, b = (results[n]["texts"] for n in names)
-            diff = sum(x != y for x, y in zip(a, b))
+            a = results[names[0]]["texts"]
+            diff = sum(x != y for n in names[1:] for x, y in zip(a, results[n]["texts"]))
             mismatches += diff
-            base = results[names[0]]
+            base, plain = results[names[0]], results[names[2]]
             for name in names:
                 r = results[name]
                 rows.append({"measure": what, "server": name, "requests": len(prompts), "tokens": r["tokens"],
                              "seconds": round(r["seconds"], 2), "tokens_per_s": round(r["tokens"] / r["seconds"], 2),
                              "vs_one_at_a_time": round((r["tokens"] / r["seconds"]) / (base["tokens"] / base["seconds"]), 3),
+                             "vs_plain": round((r["tokens"] / r["seconds"]) / (plain["tokens"] / plain["seconds"]), 3),
                              "median_latency_s": round(statistics.median(r["latencies"]), 3),
                              "latencies_s": [round(s, 3) for s in r["latencies"]],
                              "texts_differing": diff})
             print("  " + "  ".join(f"{r['measure']} {r['server']}: {r['tokens_per_s']:.1f} tok/s "
                                    f"({r['vs_one_at_a_time']:.2f}x), median latency {r['median_latency_s']:.2f} s"
-                                   for r in rows[-2:]) + (f"  {diff} texts differ" if diff else ""), flush=True)
+                                   for r in rows[-len(names):]) + (f"  {diff} texts differ" if diff else ""), flush=True)
     finally:
         stop_all()
     alone = {r["server"]: r["tokens_per_s"] for r in rows if r["measure"] == "single"}
@@ -213,7 +218,7 @@ def main(argv=None) -> int:
         r["vs_single_client_alone"] = round(r["tokens_per_s"] / alone[r["server"]], 3)
     print()
     print(format_table(rows, [("measure", "measure", ""), ("server", "server", ""), ("tokens_per_s", "tokens/s", ".1f"),
-                              ("vs_one_at_a_time", "x one-at-a-time", ".2f"),
+                              ("vs_one_at_a_time", "x one-at-a-time", ".2f"), ("vs_plain", "x plain batched", ".2f"),
                               ("vs_single_client_alone", "x one client alone", ".2f"),
                               ("median_latency_s", "median latency s", ".2f"), ("texts_differing", "differ", "d")]))
     write_result(args.out, "server_batch", {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -420,12 +420,11 @@ class BatchDecoder:
         .trusted``), with the widths that one has still to time. The first starts from one row's
         prices of as many tokens at ``rows x`` each of ``PROBE_WIDTHS`` only, and times each of
         them, one step each on the batch's own trees (``_probe``), its first forward replacing
-        the prior. One row's curve prices a batch's widths badly: at one CPU thread (SmolLM2,
-        ``bench/batch_profile.py``) one row's 64 tokens cost 2.5x its 16 where 16 rows of width
-        4 cost 1.5x width 2, and a batch of 16 rows of width 1 costs 1.3-1.5x one row's 16
-        tokens. A copy of the whole curve also kept one row's prices of sizes no batch of these
-        rows verifies (17-31 tokens for 16 rows): the padded curve priced width 1 at the
-        cheapest of them (99 ms where 16 rows cost 171), and the batch verified roots alone."""
+        the prior. One row's curve prices a batch's widths badly (a row's cost grows with its
+        tokens far faster than a batch's with its width: ``bench/batch_profile.py``,
+        docs/design/batching.md), and a copy of the whole curve would keep one row's prices of
+        sizes no batch of these rows verifies, pricing the narrowest width at the cheapest of
+        them."""
         engine = self.engine
         key = self._key(rows)
         if key not in self._costs:
@@ -466,11 +465,9 @@ class BatchDecoder:
         """The cost curve of a sequence alone in the batch: the engine's own, at the bucket it
         would take alone (``Engine._steps``), which the step then observes; its tree is chosen
         as alone too (``StepCore.plan`` with the curve: the single-sequence chooser, its
-        exploration and draft budget), not by the joint budget on a one-row curve of its own.
-        On an H200 (SmolLM2, rewrite prompts one at a time, 96 tokens) the joint budget's lone
-        row took 0.79 s a request (median) where the engine alone took 0.68 and this 0.64, and
-        a client alone on ``serve --max-batch 16`` waited 0.96 s (median) against 0.76 s on the
-        one-at-a-time server; with this 0.65 against 0.65 s."""
+        exploration and draft budget), not by the joint budget on a one-row curve of its own:
+        a client alone on a batching server then waits as long as on the one-at-a-time server
+        (docs/design/batching.md)."""
         prompt = len(seq.context) - seq.produced  # (``cost_model`` takes the bucket of this many tokens)
         return self.engine.cost_model(prompt + seq.request.max_new_tokens // 2)
 

@@ -450,8 +450,8 @@ class Engine:
         engine calls ``observe`` on it). A new context bucket starts from the cost cache (per
         model architecture, device, dtype and bucket); else from the nearest bucket this engine
         already knows (either: the sizes observed lately, ``CostModel.trusted``, where at least
-        two are); else from one forward of each of ``SEED_SIZES`` (about half a second on
-        SmolLM2 at one CPU thread): on the cache as it is when ``in_place`` (a request's
+        two are); else from one forward of each of ``SEED_SIZES`` (once per engine and bucket,
+        not per request): on the cache as it is when ``in_place`` (a request's
         prefilled context), on a dummy prefix of the bucket's length otherwise."""
         from lookupdec.budget import SEED_SIZES, cost_key, load_cached_cost
 

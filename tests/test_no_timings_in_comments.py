@@ -20,20 +20,10 @@ import re
 import tokenize
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lookupdec"
 CSRC = PACKAGE / "automaton" / "csrc"
-
-# Paths (relative to the repository root; a folder covers everything under it) left out for now:
-# they were being restructured when this test was written and still quote timings (their numbers
-# then go to docs/design/measurements-from-comments.md). This set must shrink to empty: fix a
-# path's comments, then drop it here (test_pending_paths_still_pending fails once a path is clean).
-PENDING = {
-    "lookupdec/engine.py",
-    "lookupdec/batch.py",
-}
 
 _NUM = r"(?<![\w.])\d+(?:[.,]\d+)*"
 _PATTERNS = [
@@ -109,10 +99,6 @@ def _rel(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
 
-def _pending(rel: str) -> bool:
-    return any(rel == p or rel.startswith(p + "/") for p in PENDING)
-
-
 def _offenders(paths) -> list[str]:
     found = []
     for path in paths:
@@ -163,16 +149,8 @@ def test_cpp_comments_skip_strings():
 
 
 def test_no_timings_in_comments():
-    found = _offenders(p for p in _sources() if not _pending(_rel(p)))
+    found = _offenders(_sources())
     assert not found, (
         "comments and docstrings quote measurements (state the rule instead; put the numbers in "
         "docs/design/):\n" + "\n".join(found)
     )
-
-
-@pytest.mark.parametrize("pending", sorted(PENDING))
-def test_pending_paths_still_pending(pending):
-    """A PENDING path whose comments are clean leaves PENDING (the set only shrinks)."""
-    path = ROOT / pending
-    paths = [path] if path.is_file() else [p for p in _sources() if _pending(_rel(p)) and _rel(p).startswith(pending)]
-    assert _offenders(paths), f"{pending} quotes no measurement any more: remove it from PENDING"

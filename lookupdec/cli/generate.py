@@ -26,7 +26,6 @@ def add_parser(sub) -> None:
                    help="with --chat: a system message first (default: the template's own, if any)")
     add_sampling_options(p)
     add_engine_options(p)
-    p.add_argument("--no-draft", action="store_true", help="plain decoding (no proposers), for comparison")
     p.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with text, token_ids, finish_reason, stats")
@@ -55,12 +54,7 @@ def run(args) -> int:
         raise CliError("--system needs --chat")
     check_sampling_options(args)  # before loading the model
     check_engine_options(args)
-    fields = {}
-    if args.no_draft:
-        if args.index or args.draft_model:
-            raise CliError("--no-draft contradicts --index and --draft-model")
-        fields["proposers"] = ()
-    engine = load_engine(args, engine_config(args, **fields))
+    engine = load_engine(args, engine_config(args))
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
             {"role": "user", "content": prompt}]

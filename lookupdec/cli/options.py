@@ -71,6 +71,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, model_default: str | None 
     p.add_argument("--max-nodes", type=positive_int, default=None, help="most draft-tree nodes per step (64)")
     p.add_argument("--fixed-budget", action="store_true",
                    help="always verify up to --max-nodes nodes (default: chosen per step from measured cost)")
+    p.add_argument("--no-draft", action="store_true",
+                   help="plain decoding on the same engine: no drafts, one token per forward (for comparison)")
     p.add_argument("--no-fast-kernels", action="store_true",
                    help="on CPU, run the model's own output projection and attention as transformers does "
                    "(default: the fastest equivalent product form per row count; same logits up to rounding)")
@@ -105,16 +107,18 @@ def check_engine_options(args) -> None:
     from lookupdec.validate import check_device
 
     check_device(args.device)
+    if args.no_draft and (args.index or args.draft_model):
+        raise CliError("--no-draft contradicts --index and --draft-model")
 
 
 def engine_config(args, **fields):
     """The ``EngineConfig`` the engine options ask for (``fields``: a command's own, e.g.
-    generate's ``proposers=()`` for ``--no-draft``)."""
+    a test's scripted settings)."""
     from lookupdec.config import DraftConfig, EngineConfig
 
     fields = {"budget": "fixed" if args.fixed_budget else "auto", "draft": DraftConfig(mode=args.draft_mode),
               "fast_kernels": not args.no_fast_kernels, "partial_logits": not args.all_logits,
-              "prefix_cache": not args.no_prefix_cache, **fields}
+              "prefix_cache": not args.no_prefix_cache, **({"proposers": ()} if args.no_draft else {}), **fields}
     if args.max_nodes is not None:
         fields["max_nodes"] = args.max_nodes
     if args.prefix_cache_mb is not None:
