@@ -252,7 +252,35 @@ def report(args, meta, infos, runs) -> None:
               "max_new_tokens": args.max_new_tokens, "llama_cpp_python": LLAMA_CPP_PYTHON, "spec": SPEC,
               "workloads": args.workloads}
     write_result(args.out, "peers_cpu", config, {"per_workload": rows, "llama_bench": infos, "runs": runs}, meta=meta)
+    plot(rows, Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}", flush=True)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Per thread count and workload: every method's tokens/s per request (prefill included)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    methods = [k[: -len(" t/s")] for k in rows[0] if k.endswith(" t/s")]
+    panels = list(dict.fromkeys(r["threads"] for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    width = 0.8 / len(methods)
+    for ax, threads in zip(axes[0], panels):
+        mine = [r for r in rows if r["threads"] == threads]
+        for j, m in enumerate(methods):
+            ax.bar([i + (j - (len(methods) - 1) / 2) * width for i in range(len(mine))],
+                   [r[f"{m} t/s"] for r in mine], width, label=m)
+        ax.set_xticks(range(len(mine)), [r["workload"] for r in mine])
+        ax.set_ylabel("tokens/s per request (prefill included)")
+        ax.set_title(f"SmolLM2-135M float32, {threads} thread(s): lookupdec and llama-server")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
