@@ -17,10 +17,7 @@ is ``t(prompt)`` (its prefill) plus, per step, ``t(1 + nodes)`` and ``--overhead
   step's forward observed, its time the true one times noise as ``chain_curve.py`` measured it
   on this machine: log-normal (``--sigma``), most of its variance (``--shared``) a level every
   size shares that moves slowly (``--persistence``: its correlation from one forward to the
-  next), the rest each forward's own, and a fraction ``--spikes`` of forwards doubled; the
-  choosers read ``prices``
-* ``raw``     -- ``learnt`` with the prices at the raw estimates (``SHRINK_COUNT = 0``: the code
-  before stale high estimates were drawn down)
+  next), the rest each forward's own, and a fraction ``--spikes`` of forwards doubled
 * ``fixed4``, ``fixed16`` -- ``budget="fixed"`` (no cost model)
 
 over ``--seeds`` seeds of the noise. Reported per curve, method and workload: the modelled
@@ -61,7 +58,7 @@ DEFAULT_OUTPUTS = Path(os.path.expanduser("~")) / ".cache" / "lookupdec" / "benc
 DEFAULT_CURVES = [RESULTS_DIR / "chain_curve_2t.json", RESULTS_DIR / "chain_curve_1t.json"]
 SPIKE_FACTOR = 2.0
 # the learnt methods: the engine's cost model as it is, and with settings of budget.py changed
-LEARNT = {"learnt": {}, "raw": {"SHRINK_COUNT": 0.0}}
+LEARNT = {"learnt": {}}
 MAX_NEW = 128
 
 
@@ -338,10 +335,7 @@ def main(argv=None) -> int:
                ("fixed4", "fixed4", ".2f"), ("fixed16", "fixed16", ".2f"),
                ("learnt_mean", "learnt mean", ".2f"), ("learnt_worst", "worst seed", ".2f"),
                ("learnt/best_fixed_worst", "/best fixed", ".2f"), ("learnt_worst_prompt", "worst prompt", ".2f"),
-               ("learnt_below_0.97", "< 0.97", "d"),
-               ("raw_mean", "raw mean", ".2f"), ("raw_worst", "worst seed", ".2f"),
-               ("raw/best_fixed_worst", "/best fixed", ".2f"), ("raw_worst_prompt", "worst prompt", ".2f"),
-               ("raw_below_0.97", "< 0.97", "d")]
+               ("learnt_below_0.97", "< 0.97", "d")]
     print("modelled speedup over greedy (SmolLM2's outputs, model-free); learnt methods over "
           f"{args.seeds} seeds (sigma {args.sigma}, {args.shared:.0%} of it shared, persistence {args.persistence}, "
           f"{args.spikes:.0%} spikes):")

@@ -10,9 +10,8 @@ the verify forward, in µs per step:
              their merge in one compiled call (merge then reads 0)
     merge    ``TokenTree.from_drafts`` with the calibrator, as ``StepCore.plan`` (the
              reference: ``AcceptanceCalibrator.calibration()``'s whole table first)
-    choose   ``choose_tree_nodes`` with the ``SizeRecord`` (its scales) (``CostModel``: a measured 150M-parameter curve,
-             one per set of paths, observed every step), the step's smallest candidates kept for their
-             hindsight (``step.Shadow.of``) + ``prune`` (timed; the verified tree stays the fixed
+    choose   ``choose_tree_nodes`` (``CostModel``: a measured 150M-parameter curve,
+             one per set of paths, observed every step) + ``prune`` (timed; the verified tree stays the fixed
              budget's, as with ``budget="fixed"``)
     inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]; the
              fast paths write them into the ``InputBuffers`` kept across steps, as ``TargetModel``
@@ -41,8 +40,7 @@ the verify forward, in µs per step:
              ``Mixture.finish``, as ``StepCore.finish`` calls it: the recycling table's
              hand-off, the observe and the calibrator's learn in one compiled call (learn then
              reads 0; a step whose drafts add a calibrator row learns apart, inside it)
-    learn    ``AcceptanceCalibrator.learn`` (fast paths: in ``observe``), then the size records'
-             hindsight of the candidates kept (``step.SizeHindsight.observe``, as ``StepCore.finish``)
+    learn    ``AcceptanceCalibrator.learn`` (fast paths: in ``observe``)
 
 Also, inside the verify forward and so in none of the totals: the K/V writes a forward of 1 + 64
 tokens makes into the engine's cache, 30 layers (``SlotStore.write``), against indexing the
@@ -82,8 +80,7 @@ from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_re
 
 import torch  # noqa: E402
 
-from lookupdec.budget import (AcceptanceCalibrator, CostModel, SizeRecord, choose_tree_nodes,  # noqa: E402
-                              choose_tree_nodes_reference)
+from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes_reference, choose_tree_nodes  # noqa: E402
 from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.engine import top_tokens, top_tokens_reference  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
@@ -96,7 +93,6 @@ from lookupdec.proposers.recycle import RecycleProposer  # noqa: E402
 from lookupdec.proposers.suffix import SuffixProposer  # noqa: E402
 from lookupdec.sampling import PartialLogits, SamplingParams, accept, accept_reference, head_rows  # noqa: E402
 from lookupdec.simulate import accepted_path, tokenize_record  # noqa: E402
-from lookupdec.step import SizeHindsight  # noqa: E402
 from lookupdec import budget  # noqa: E402
 from lookupdec.tree import TokenTree, observe_draft, observe_draft_reference  # noqa: E402
 from lookupdec.workloads import WORKLOADS  # noqa: E402
@@ -141,7 +137,8 @@ def reference_paths() -> Paths:
     return Paths("reference", "reference", TokenTree.from_drafts_reference, TokenTree.prune_reference,
                  tree_inputs_reference, accept_reference, slot_cache=False,
                  observe_draft=observe_draft_reference, top_tokens=top_tokens_reference,
-                 choose=choose_tree_nodes_reference)
+                 choose=lambda tree, cost, overhead_s, max_nodes, scale=1.0: choose_num_nodes_reference(
+                     tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale))
 
 
 def fast_paths() -> Paths:
@@ -158,8 +155,6 @@ class Mode:
     paths: Paths
     mixture: Mixture
     calibrator: AcceptanceCalibrator
-    sizes: SizeRecord = field(default_factory=SizeRecord)  # StepCore.sizes: what each tree size accepted
-    hindsight: SizeHindsight = field(default_factory=SizeHindsight)  # StepCore.hindsight: the sizes not verified
     cost: CostModel = field(default_factory=lambda: CostModel(COST_SIZES, COST_SECONDS))  # the engine's curve, observed
     times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # phase -> [ns per step], wall clock
     cpu_times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # ... this thread's CPU time
@@ -179,8 +174,7 @@ class Mode:
             proposers = [RecycleProposer(p.config, backend="reference") if isinstance(p, RecycleProposer) else p
                          for p in proposers]
         backend = "reference" if paths.drafting == "reference" else "auto"
-        return cls(paths, Mixture(proposers), AcceptanceCalibrator(backend=backend),
-                   hindsight=SizeHindsight(backend=backend))
+        return cls(paths, Mixture(proposers), AcceptanceCalibrator(backend=backend))
 
 
 class KVBuffer:
@@ -283,8 +277,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
                 tree = paths.merge(context[-1], drafts, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
                                    calibration=calibrator)  # as StepCore.plan
                 marks.append(_now())
-            chosen = paths.choose(tree, cost, 0.0, MAX_NODES, 1.0, record=mode.sizes)
-            shadow = mode.hindsight.capture(tree, 1.0)  # as StepCore.plan: the smallest candidates, for their hindsight
+            chosen = paths.choose(tree, cost, 0.0, MAX_NODES, 1.0)
             paths.prune(tree, chosen)
             marks.append(_now())
             paths.inputs(tree, n_cached, device="cpu", dtype=DTYPE, windows={}, tree_mode=True)
@@ -332,12 +325,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
                 mixture.observe(rid, new_tokens)
                 marks.append(_now())
                 calibrator.learn(drafts, new_tokens)
-            mode.hindsight.observe(mode.sizes, rid, shadow, new_tokens)  # as StepCore.finish
             marks.append(_now())
-            if shadow is None:  # as StepCore.finish (untimed: a few µs)
-                mode.sizes.observe(len(tree), promised=tree.expected_total(), accepted=len(accepted))
-            elif tree.num_draft_nodes >= len(shadow):
-                mode.sizes.add(len(tree), promised=tree.expected_total(), accepted=len(accepted))
             walk.restore()
             if new_tokens != rest[: len(new_tokens)]:
                 raise AssertionError(f"{rid}: greedy acceptance left the recorded response")
@@ -354,7 +342,6 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
                 mode.chosen.append(chosen)
     finally:
         mixture.stop(rid)
-        mode.hindsight.drop(rid)
 
 
 def kv_writes(context: int, rounds: int) -> dict:

@@ -7,13 +7,10 @@
              comes from its prefill's last logits (``RequestCore.first``, as alone)
     plan     every sequence's drafts and merged tree (``StepCore.plan``, no pruning yet)
     choose   one joint budget: the width ``W`` (nodes per row, root included) maximising the
-             batch's expected tokens per second, sum over rows of ``1 + scale(W) x`` the gains of
-             its ``W - 1`` best nodes (each row's times its request's own correction,
-             ``StepCore.request_factor``), over ``t(rows x W)``, the learnt cost of the batched
-             forward (rows are padded to the widest tree, so within a width every row takes all
-             the nodes it has up to ``W - 1``: padding is computed anyway). ``scale(W)`` is what
-             steps at that width accepted over what they were promised (``SizeRecord``; the
-             step's overall correction where a width has no record yet); a row whose tree is
+             batch's expected tokens per second, sum over rows of ``1 + scale x`` the gains of
+             its ``W - 1`` best nodes (``StepCore.scale``), over ``t(rows x W)``, the learnt cost of the batched forward
+             (rows are padded to the widest tree, so within a width every row takes all the
+             nodes it has up to ``W - 1``: padding is computed anyway); a row whose tree is
              wider than ``W - 1`` is drafted again for ``W - 1`` nodes. A sequence alone in
              the batch (a client alone on a server, a batch's last row) is planned and
              chosen for as alone instead: the engine's own cost curve and chooser
@@ -38,7 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from lookupdec.budget import CostModel, DraftBudget, SizeRecord
+from lookupdec.budget import CostModel, DraftBudget
 from lookupdec.request import Generation, GenerationStats, StepTimer, cancel_check, count_step, finish_stats
 from lookupdec.sampling import GreedyChoices, PartialLogits, SamplingParams
 from lookupdec.step import Verdict
@@ -143,9 +140,7 @@ class BatchDecoder:
         self.steps = 0  # verify steps so far
         self.widths: list[int] = []  # with ``record_widths``: the chosen width of every step
         self._record_widths = record_widths
-        self.width_record = SizeRecord()
         self.redrafted = 0  # rows drafted again for the width chosen (for tests and benchmarks)
-        self._promised: tuple[int, float] | None = None  # this step's chosen width and its gains
         # nodes each row's proposers are asked for: the power of 2 at or above twice the nodes kept
         # lately (at least BATCH_DRAFT_MIN, not the single-sequence floor of 16)
         self.draft_budget = DraftBudget(min_nodes=BATCH_DRAFT_MIN, headroom=BATCH_DRAFT_HEADROOM)
@@ -284,9 +279,6 @@ class BatchDecoder:
         elif auto:
             self._cost(rows).observe(rows * width, forward)
             self._probes.get(self._key(rows), set()).discard(width)
-            if self._promised is not None:
-                chosen, promised = self._promised
-                self.width_record.observe(chosen, promised=promised, accepted=sum(len(a) for a in accepted))
         self.target.commit(accepted)
         for seq, tree, (acc, new, successors) in zip(list(self.active), trees, verdicts):
             seq.plan.tree = tree
@@ -487,18 +479,12 @@ class BatchDecoder:
         model's tree is pruned instead, one draft-model run per step is enough)."""
         engine, core = self.engine, self.engine.step_core
         trees = [seq.plan.tree for seq in seqs]
-        self._promised = None
         if engine.config.budget != "auto":
             return trees
-        # each row's gains corrected by its request's own record (``StepCore.request_factor``): the
-        # joint budget then spends its width where the drafts have been accepted
-        gains = [[seq.plan.factor * g for g in tree.expected_in_prune_order()]
-                 for seq, tree in zip(seqs, trees)]
+        gains = [tree.expected_in_prune_order() for tree in trees]
         longest = min(max((len(g) for g in gains), default=0), engine.config.max_nodes)
-        width = choose_width(gains, self._cost(len(trees)), self.overhead_s, engine.config.max_nodes,
-                             self.width_record.scales(longest, core.scale))
+        width = choose_width(gains, self._cost(len(trees)), self.overhead_s, engine.config.max_nodes, core.scale)
         width = self._probe(len(trees), width, longest + 1)
-        self._promised = (width, float(sum(sum(g[: width - 1]) for g in gains)))
         out = []
         for seq, tree in zip(seqs, trees):
             if tree.num_draft_nodes > width - 1 and width > 1 and core.mixture.draft is None:
@@ -518,11 +504,10 @@ class BatchDecoder:
 
 
 def choose_width(gains: Sequence[Sequence[float]], cost: CostModel, overhead_s: float, max_nodes: int,
-                 scale: float | Sequence[float] = 1.0) -> int:
+                 scale: float = 1.0) -> int:
     """The width ``W`` (1..max_nodes + 1) maximising (rows + scale x the sum over rows of the
-    first ``W - 1`` gains) / (t(rows x W) + overhead): the batched forward computes ``rows x
-    W`` tokens whatever each row's tree, so each row takes its best ``W - 1`` nodes. ``scale``:
-    one for every width, or ``scale[W - 1]`` per width (``SizeRecord.scales``).
+    first ``W - 1`` gains) / (t(rows x W) + overhead): the batched forward computes ``rows x W``
+    tokens whatever each row's tree, so each row takes its best ``W - 1`` nodes.
 
     >>> cost = CostModel([1, 2, 4, 8], [1.0, 1.0, 1.1, 2.0])
     >>> choose_width([[0.9, 0.5, 0.1], [0.8]], cost, 0.0, 3)   # 4 tokens cost 1.1: two per row
@@ -537,9 +522,7 @@ def choose_width(gains: Sequence[Sequence[float]], cost: CostModel, overhead_s: 
             sums = np.cumsum(values)
             promised[1 : len(values) + 1] += sums
             promised[len(values) + 1 :] += sums[-1]
-    scales = np.broadcast_to(np.asarray(scale, dtype=np.float64), (longest + 1,)) if np.ndim(scale) == 0 \
-        else np.asarray(scale, dtype=np.float64)[: longest + 1]
-    expected = rows + scales * promised
-    dense = cost.dense(rows * (longest + 1), optimistic=True)
+    expected = rows + scale * promised
+    dense = cost.dense(rows * (longest + 1))
     seconds = np.array([dense[rows * (w + 1)] for w in range(longest + 1)]) + overhead_s
     return int(np.argmax(expected / seconds)) + 1

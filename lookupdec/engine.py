@@ -167,7 +167,7 @@ class Engine:
         # the kernel forms another process chose on this machine (model/kernels.py): no trials for them
         self._forms_key = self._forms_stored = None
         if self.target.fast_head is not None or self.target.body is not None:
-            from lookupdec.budget import forms_key, load_cached_forms
+            from lookupdec.cost_cache import forms_key, load_cached_forms
 
             self._forms_key = forms_key(self.target.config.to_dict(), self.target.device, self.target.dtype,
                                         self.target.kernels)
@@ -453,7 +453,8 @@ class Engine:
         two are); else from one forward of each of ``SEED_SIZES`` (once per engine and bucket,
         not per request): on the cache as it is when ``in_place`` (a request's
         prefilled context), on a dummy prefix of the bucket's length otherwise."""
-        from lookupdec.budget import SEED_SIZES, cost_key, load_cached_cost
+        from lookupdec.budget import SEED_SIZES
+        from lookupdec.cost_cache import cost_key, load_cached_cost
 
         bucket = self.request_core.cost_bucket(context_tokens)
         if bucket not in self._costs:
@@ -483,7 +484,7 @@ class Engine:
 
     def _store_cost(self, bucket: int) -> None:
         """Write a bucket's learnt curve to the cost cache (at most every ``COST_STORE_SECONDS``)."""
-        from lookupdec.budget import cost_key, store_cached_cost
+        from lookupdec.cost_cache import cost_key, store_cached_cost
 
         now = time.monotonic()
         if now - self._cost_stored.get(bucket, -1e9) < COST_STORE_SECONDS:
@@ -495,12 +496,12 @@ class Engine:
 
     def store_forms(self) -> None:
         """Write the kernel forms chosen since the last write to the cost cache, for the next
-        process (``budget.store_cached_forms``): nothing while no choice changed."""
+        process (``cost_cache.store_cached_forms``): nothing while no choice changed."""
         if self._forms_key is None:
             return
         forms = self.target.kernel_forms()
         if forms != self._forms_stored:
-            from lookupdec.budget import store_cached_forms
+            from lookupdec.cost_cache import store_cached_forms
 
             store_cached_forms(self._forms_key, forms)
             self._forms_stored = forms

@@ -12,14 +12,13 @@ from conftest import cached_references, cached_tiny
 from helpers import FakeTokenizer, SpyProposer
 from lookupdec import Engine, EngineConfig
 from lookupdec.proposers import build_proposers
-from lookupdec.budget import (COUNT_DECAY, EXPLORE_EVERY, EXPLORE_MIN_COUNT, COST_LEARNING_RATE, COST_OPTIMISM, COST_SPIKE, DRAFT_BUDGET_MIN, CostModel, DraftBudget,
-                              PRICES_EVERY, SHRINK_BELOW, SHRINK_COUNT, SIZE_DECAY, SIZE_PRIOR_STEPS, SizeRecord,
-                              choose_num_nodes, shrunk)
+from lookupdec.budget import (COUNT_DECAY, EXPLORE_EVERY, EXPLORE_MIN_COUNT, COST_LEARNING_RATE, COST_SPIKE,
+                              DRAFT_BUDGET_MIN, CostModel, DraftBudget, choose_num_nodes)
 
 
 def _rate(values, n, cost, overhead):
-    """The chooser's rate: on the cost curve's optimistic reading (seldom observed sizes look cheaper)."""
-    return (1 + sum(values[:n])) / (cost.dense(1 + n, optimistic=True, padded=False)[1 + n] + overhead)
+    """The chooser's rate: each size at its own estimate."""
+    return (1 + sum(values[:n])) / (cost.dense(1 + n, padded=False)[1 + n] + overhead)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -36,7 +35,7 @@ def test_choose_num_nodes_is_the_best_prefix(seed):
 @pytest.mark.parametrize("seed", range(200))
 def test_compiled_chooser_equals_the_reference(seed):
     """``choose_num_nodes`` (compiled) against ``choose_num_nodes_reference`` (numpy): the same
-    n on random curves, scales, overheads and budgets, tied values and rates included."""
+    n on random curves, overheads and budgets, tied values and rates included."""
     from lookupdec.budget import choose_num_nodes_reference
 
     rng = random.Random(seed)
@@ -46,22 +45,20 @@ def test_compiled_chooser_equals_the_reference(seed):
     sizes = [1, 2, 4, 8, 16, 32, 64]
     seconds = [1.0] * 7 if rng.random() < 0.2 else sorted(rng.uniform(1, 6) for _ in range(7))
     cost = CostModel(sizes, seconds, [rng.randint(1, 40) for _ in sizes])
-    overhead, scale = rng.choice((0.0, rng.uniform(0, 1))), rng.uniform(0.2, 1.5)
+    overhead = rng.choice((0.0, rng.uniform(0, 1)))
     max_nodes = rng.choice((0, 1, 5, 64, 100))
-    if rng.random() < 0.5:  # a correction per node count (SizeRecord.scales)
-        scale = [rng.uniform(0.2, 1.5) for _ in range(min(len(values), max_nodes) + 1)]
-    assert (choose_num_nodes(values, cost, overhead, max_nodes, scale)
-            == choose_num_nodes_reference(values, cost, overhead, max_nodes, scale))
+    assert (choose_num_nodes(values, cost, overhead, max_nodes)
+            == choose_num_nodes_reference(values, cost, overhead, max_nodes))
 
 
 @pytest.mark.parametrize("seed", range(300))
 def test_choose_tree_nodes_equals_the_reference_on_the_trees_gains(seed):
     """``choose_tree_nodes`` (one compiled call on the core's tree: its gains in prune order, the
-    optimistic curve made only as far as it is read) against ``choose_num_nodes_reference`` on
+    curve made only as far as it is read) against ``choose_num_nodes_reference`` on
     ``tree.expected_in_prune_order()``: the same n on random merged and pruned trees, random
     estimates (one size or many, all below or above the tree's size, equal neighbours, counts
-    under 1), budgets, overheads and corrections, a scalar or one per node count."""
-    from lookupdec.budget import choose_num_nodes_reference, choose_tree_nodes, choose_tree_nodes_reference
+    under 1), budgets and overheads."""
+    from lookupdec.budget import choose_num_nodes_reference, choose_tree_nodes
     from lookupdec.tree import TokenTree, _core
     from test_tree import random_drafts
 
@@ -84,84 +81,9 @@ def test_choose_tree_nodes_equals_the_reference_on_the_trees_gains(seed):
     overhead, max_nodes = rng.choice((0.0, rng.uniform(0, 0.05))), rng.choice((0, 1, 5, 64, 64, 100))
     gains = tree.expected_in_prune_order()
     assert len(gains) == tree.num_draft_nodes
-    scale = rng.uniform(0.2, 1.5)
-    if rng.random() < 0.5:  # a correction per node count (SizeRecord.scales)
-        scale = [rng.uniform(0.2, 1.5) for _ in range(min(len(gains), max_nodes) + 1)]
-    want = choose_num_nodes_reference(gains, cost, overhead, max_nodes, scale)
-    assert choose_tree_nodes_reference(tree, cost, overhead, max_nodes, scale) == want
-    assert choose_tree_nodes(tree, cost, overhead, max_nodes, scale) == want
-    assert choose_num_nodes(gains, cost, overhead, max_nodes, scale) == want
-    # with a SizeRecord: its scales made in the core from its table (StepCore.select's call)
-    # and a request's own correction (StepCore.request_factor) multiplying every size's
-    record, overall = random_size_record(rng), rng.uniform(0.2, 1.5)
-    factor = rng.choice((1.0, rng.uniform(0.02, 3.0)))
-    want = choose_num_nodes_reference(gains, cost, overhead, max_nodes,
-                                      record.scales(min(len(gains), max_nodes), overall, factor))
-    assert choose_tree_nodes_reference(tree, cost, overhead, max_nodes, overall, record=record, factor=factor) == want
-    assert choose_tree_nodes(tree, cost, overhead, max_nodes, overall, record=record, factor=factor) == want
-    want = choose_num_nodes_reference(gains, cost, overhead, max_nodes, factor * overall)
-    assert choose_tree_nodes(tree, cost, overhead, max_nodes, overall, factor=factor) == want
-    assert choose_tree_nodes_reference(tree, cost, overhead, max_nodes, overall, factor=factor) == want
-    per_count = [rng.uniform(0.2, 1.5) for _ in range(min(len(gains), max_nodes) + 1)]  # one per node count
-    want = choose_num_nodes_reference(gains, cost, overhead, max_nodes, [factor * s for s in per_count])
-    assert choose_tree_nodes(tree, cost, overhead, max_nodes, per_count, factor=factor) == want
-    assert choose_tree_nodes_reference(tree, cost, overhead, max_nodes, per_count, factor=factor) == want
-
-
-def random_size_record(rng: random.Random) -> SizeRecord:
-    record = SizeRecord()
-    for _ in range(rng.choice((0, 1, 5, 40, 300))):
-        size = rng.choice((rng.randint(0, 80), rng.randint(1, 6)))
-        record.observe(size, promised=rng.choice((0.0, rng.uniform(0, 9))), accepted=rng.choice((0, rng.uniform(0, 6))))
-    return record
-
-
-class DictSizeRecord:
-    """SizeRecord as it was defined before its table (a dict of lists per size): the table's
-    scales must be the same, bit for bit."""
-
-    def __init__(self) -> None:
-        self._record, self._steps = {}, 0
-
-    def observe(self, size, *, promised, accepted):
-        self._steps += 1
-        r = self._record.setdefault(size, [0.0, 0.0, 0.0, self._steps])
-        keep = SIZE_DECAY ** (self._steps - r[3])
-        r[0], r[1], r[2], r[3] = keep * r[0] + promised, keep * r[1] + accepted, keep * r[2] + 1.0, self._steps
-
-    def scales(self, longest, scale):
-        out = [scale] * (longest + 1)
-        for size, (promised, accepted, steps, last) in self._record.items():
-            if 1 <= size <= longest + 1 and promised > 0:
-                prior = SIZE_PRIOR_STEPS * promised / steps
-                age = SIZE_DECAY ** (self._steps - last)
-                out[size - 1] = (age * accepted + prior * scale) / (age * promised + prior)
-        return out
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_size_record_scales_compiled_and_as_defined(seed):
-    """``SizeRecord.scales`` from its table equals the dict definition it replaced, and the core's
-    ``size_scales`` (what ``choose_tree_nodes(record=)`` reads) equals both, bit for bit."""
-    from lookupdec.tree import _core
-
-    rng = random.Random(seed)
-    record, defined = SizeRecord(), DictSizeRecord()
-    for _ in range(rng.choice((0, 3, 50, 400))):
-        size = rng.choice((rng.randint(-1, 90), rng.randint(1, 6), rng.randint(1, 6)))
-        promised, accepted = rng.choice((0.0, rng.uniform(0, 9))), rng.choice((0, rng.uniform(0, 6)))
-        record.observe(size, promised=promised, accepted=accepted)
-        defined.observe(size, promised=promised, accepted=accepted)
-    for longest in (0, 1, 5, 64, 100):
-        scale = rng.uniform(0.2, 1.5)
-        want = defined.scales(longest, scale)
-        assert record.scales(longest, scale) == want
-        if _core is not None:
-            assert _core.size_scales(record.table, record.steps, scale, SIZE_PRIOR_STEPS, SIZE_DECAY, longest, 1.0) == want
-            # a request's factor: each size's correction times it, the same operations in Python and the core
-            factor = rng.uniform(0.02, 3.0)
-            assert (_core.size_scales(record.table, record.steps, scale, SIZE_PRIOR_STEPS, SIZE_DECAY, longest, factor)
-                    == record.scales(longest, scale, factor) == [factor * w for w in want])
+    want = choose_num_nodes_reference(gains, cost, overhead, max_nodes)
+    assert choose_tree_nodes(tree, cost, overhead, max_nodes) == want
+    assert choose_num_nodes(gains, cost, overhead, max_nodes) == want
 
 
 def test_choose_tree_nodes_reads_a_python_tree_and_checks_its_arguments():
@@ -176,10 +98,8 @@ def test_choose_tree_nodes_reads_a_python_tree_and_checks_its_arguments():
         pytest.skip("compiled core not built")
     tree = TokenTree.from_drafts(1, drafts, max_nodes=8, max_depth=8)
     assert choose_tree_nodes(tree, cost, 0.0, 3) == 2 and choose_tree_nodes(tree, cost, 0.0, 0) == 0
-    with pytest.raises(ValueError, match="a scale per node count"):
-        choose_tree_nodes(tree, cost, 0.0, 3, [1.0, 1.0])
     with pytest.raises(ValueError, match="sizes must increase"):
-        tree._core.choose_num_nodes([2, 1], [1.0, 1.0], [1, 1], COST_OPTIMISM, 0.0, 3, [1.0] * 4, 1.0)
+        tree._core.choose_num_nodes([2, 1], [1.0, 1.0], [1, 1], 0.0, 0.0, 3, [1.0] * 4, 1.0)
 
 
 @pytest.mark.parametrize("seed", range(300))
@@ -187,7 +107,7 @@ def test_compiled_cost_curve_equals_the_reference(seed):
     """``CostModel.dense`` (one compiled call) against ``dense_reference`` (numpy): the same
     float64 bits on random estimates (one size or many, gaps, curves that fall and rise, equal
     neighbours, decayed counts under 1), every ``upto`` below, at and past the last size, all
-    four readings."""
+    both readings."""
     import numpy as np
 
     from lookupdec.tree import _core
@@ -205,12 +125,12 @@ def test_compiled_cost_curve_equals_the_reference(seed):
     for _ in range(rng.choice((0, rng.randint(1, 40)))):  # decayed counts: raw sums and a scale the core multiplies
         cost.observe(rng.choice(sizes), rng.uniform(0.001, 0.2))
     for upto in {0, 1, rng.randint(1, sizes[-1]), sizes[-1], sizes[-1] + rng.randint(1, 80)}:
-        for optimistic, padded in itertools.product((False, True), repeat=2):
+        for padded in (False, True):
             cost._curves.clear()
-            fast = cost.dense(upto, optimistic=optimistic, padded=padded)
-            ref = cost.dense_reference(upto, optimistic=optimistic, padded=padded)
+            fast = cost.dense(upto, padded=padded)
+            ref = cost.dense_reference(upto, padded=padded)
             assert fast.dtype == ref.dtype == np.float64 and fast.shape == ref.shape
-            assert fast.tobytes() == ref.tobytes(), (upto, optimistic, padded)
+            assert fast.tobytes() == ref.tobytes(), (upto, padded)
 
 
 def test_decayed_counts_are_the_per_forward_decay():
@@ -242,25 +162,8 @@ def test_compiled_cost_curve_reads_a_degenerate_curve_as_the_reference():
     assert below_one.dense(0).tobytes() == below_one.dense_reference(0).tobytes() == b""
 
 
-def test_size_record_steers_the_chooser_off_a_size_that_over_promises():
-    """Steps that kept 5 nodes accepted what 4 would: with its record the chooser keeps 4."""
-    from lookupdec.budget import SizeRecord
-
-    cost = CostModel([1, 2, 4, 5, 6, 8], [1.0, 1.0, 1.0, 1.0, 1.05, 1.3], [50] * 6)
-    gains = [0.9, 0.8, 0.7, 0.6, 0.5]
-    assert choose_num_nodes(gains, cost, 0.0, 5) == 5
-    record = SizeRecord()
-    for _ in range(30):
-        record.observe(6, promised=3.5, accepted=2.4)  # 5 nodes: 2.4 accepted, as 4 would
-        record.observe(5, promised=3.0, accepted=2.4)
-    assert choose_num_nodes(gains, cost, 0.0, 5, record.scales(5, 1.0)) == 4
-    for _ in range(60):  # other text, smaller trees only: the record of 5 nodes fades, 5 are tried again
-        record.observe(3, promised=1.0, accepted=1.0)
-    assert choose_num_nodes(gains, cost, 0.0, 5, record.scales(5, 1.0)) == 5
-
-
 def test_choose_num_nodes_respects_max_nodes_and_flat_cost():
-    assert choose_num_nodes([0.9] * 10, CostModel.flat(), 0.0, 4) == 4  # free nodes: as many as allowed
+    assert choose_num_nodes([0.9] * 10, CostModel([1], [1.0]), 0.0, 4) == 4  # free nodes: as many as allowed
     assert choose_num_nodes([0.01] * 10, CostModel([1, 2], [1.0, 2.0]), 0.0, 10) == 0  # never worth it
 
 
@@ -305,22 +208,6 @@ def test_cost_learns_from_observed_forwards_and_clips_spikes():
     assert cost.dense(20)[3] == pytest.approx(cost(4))  # 3 tokens cost what 4 do
 
 
-def test_optimism_retries_a_size_measured_once_too_high():
-    """A size over-measured by one noisy forward looks cheaper by COST_OPTIMISM / sqrt(count) to
-    the chooser, so it is tried and re-measured; a size seen often is taken at its estimate."""
-    cost = CostModel([1, 4, 5, 8], [51.9, 50.3, 55.4, 63.2], counts=[10, 194, 1, 50])  # chat, SmolLM2 (ms)
-    values = [0.3, 0.15, 0.1, 0.1, 0.05]
-    assert cost.seconds[2] == pytest.approx(55.4)  # the estimate itself is unchanged
-    price = cost.prices()[2]  # drawn down towards the line 4 -> 8 (53.5), counting once against it
-    assert price == pytest.approx((55.4 + SHRINK_COUNT * (50.3 + (63.2 - 50.3) / 4)) / (1 + SHRINK_COUNT))
-    assert CostModel([1, 4, 5, 8], [51.9, 50.3, 50.0, 63.2], counts=[10, 194, 1, 50]).prices()[2] == 50.0  # never up
-    assert cost.dense(8, optimistic=True)[5] == pytest.approx(price * (1 - COST_OPTIMISM))
-    assert choose_num_nodes(values, cost, 0.0, 5) == 4  # 5 tokens tried again
-    for _ in range(30):
-        cost.observe(5, 55.4)  # ... and if they really cost that, given up
-    assert choose_num_nodes(values, cost, 0.0, 5) == 3
-
-
 def test_chooser_takes_more_nodes_where_a_larger_tree_is_cheaper():
     # SmolLM2 on one CPU thread: 2 tokens cost 1.6 x one, 4 tokens 1.4 x
     cost = CostModel([1, 2, 4, 8], [1.0, 1.6, 1.4, 1.8])
@@ -357,74 +244,6 @@ def test_chooser_picks_the_root_alone_when_drafts_never_match():
         context.append(7)
     assert nodes[0] > 0  # the drafts' own scores are believed at first
     assert nodes[-20:] == [0] * 20  # then the root alone, step after step
-
-
-def _interleaved_requests(steps: int):
-    """Two requests on one ``StepCore`` whose drafts look the same to the calibrator (one source,
-    one match length): request "copies" accepts every chain, request "never" none. Returns each
-    request's draft nodes per step, the core and its cost."""
-    from lookupdec.mixture import Mixture
-    from lookupdec.step import StepCore, Verdict
-    from lookupdec.budget import AcceptanceCalibrator
-    from lookupdec.proposers.base import Draft
-
-    class Same:
-        name = "same"
-
-        def start(self, *a): pass
-        def observe(self, *a): pass
-        def stop(self, *a): pass
-
-        def propose(self, rid, context, max_nodes):
-            n = min(8, max_nodes)
-            return [Draft.chain([5] * n, [0.9 ** (d + 1) for d in range(n)], self.name, match_length=4)]
-
-    calibrator = AcceptanceCalibrator()
-    core = StepCore(Mixture([Same()], calibrator=calibrator), max_nodes=64, calibrator=calibrator)
-    cost = CostModel([1, 2, 4, 8, 16, 64], [1.0, 1.1, 1.2, 1.3, 1.55, 3.5])  # SmolLM2, one thread, smoothed
-    nodes = {"copies": [], "never": []}
-    contexts = {rid: [1, 2, 3] for rid in nodes}
-    for rid in nodes:
-        core.start(rid, contexts[rid])
-    for _ in range(steps):
-        for rid in nodes:
-            if rid == "copies":
-                verdict = lambda tree: Verdict(list(range(1, len(tree))), [5] * len(tree))  # noqa: E731
-            else:
-                verdict = lambda tree: Verdict([], [7])  # noqa: E731
-            result = core.run(rid, contexts[rid], verdict, max_depth=48, cost=cost)
-            nodes[rid].append(result.tree.num_draft_nodes)
-            contexts[rid] += result.new_tokens
-    return nodes, core
-
-
-def test_a_request_whose_drafts_fail_stops_drafting_while_another_keeps_its_trees():
-    """The shared correction and the cells learn from every request: where one request copies and
-    another never does, both alike, the second verifies a tree every step (SmolLM2, a translation
-    whose answer never copies its prompt: 0.09 accepted a step where 0.9 were predicted). Its own
-    record (``StepCore.request_factor``) brings it to the root alone within a few steps, with a
-    retry now and then as the record fades, and leaves the first request its trees."""
-    from lookupdec import step
-
-    nodes, core = _interleaved_requests(40)
-    assert nodes["never"][0] > 0 and nodes["copies"][0] > 0  # the drafts' scores are believed at first
-    assert nodes["never"].index(0) <= 6  # within a few steps: the root alone
-    assert sum(n > 0 for n in nodes["never"][10:]) <= 15  # then a tree in at most every second step
-    assert min(nodes["copies"][10:]) >= 7  # the copying request keeps its chain (7: the cost's exploration)
-    assert core.request_factor("never") < 0.2 < 1.0 < core.request_factor("copies")
-    assert core.request_factor("other") == 1.0  # a request not started: no correction of its own
-    core.stop("never")
-    assert core.request_factor("never") == 1.0  # nothing kept after the request
-
-    # without the requests' own records (a prior too large to move), the failing request verifies
-    # a tree every step: what the record is there for
-    original = step.REQUEST_PRIOR
-    step.REQUEST_PRIOR = 1e12
-    try:
-        nodes, _ = _interleaved_requests(40)
-    finally:
-        step.REQUEST_PRIOR = original
-    assert min(nodes["never"]) > 0
 
 
 def _replay_calibration(workload: str, limit: int, calibrated: bool):
@@ -507,7 +326,7 @@ def test_a_stale_plateau_in_a_cached_curve_is_left_behind(tmp_path, monkeypatch)
     stale sizes are dropped (``CostModel.trusted``), its first choice explores, and exploration
     tries twice the nodes chosen plus one: the chooser takes the best size at its second step and
     keeps it."""
-    from lookupdec.budget import load_cached_cost, store_cached_cost
+    from lookupdec.cost_cache import load_cached_cost, store_cached_cost
 
     monkeypatch.setenv("LOOKUPDEC_COST_CACHE", str(tmp_path / "c.json"))
     sizes = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 25, 29, 43, 64, 65]
@@ -577,76 +396,10 @@ def test_a_root_alone_priced_stale_high_is_explored_and_the_sizes_below_the_choi
     picks = run()
     late = picks[6 * EXPLORE_EVERY:]  # (the stale sizes between found within the first few explorations)
     assert sum(abs(p - 3) <= 2 for p in late[0::2]) >= 0.9 * len(late[0::2])  # weak drafts: about 3 nodes
-    assert sum(abs(p - 5) <= 2 for p in late[1::2]) >= 0.9 * len(late[1::2])  # QA: about 5
+    assert sum(abs(p - 5) <= 3 for p in late[1::2]) >= 0.9 * len(late[1::2])  # QA: about 5 (4 rates within 1%)
     monkeypatch.setattr(budget, "EXPLORE_ROOT", False)  # the code before: the root alone never explored
     before = run()
     assert min(before[6 * EXPLORE_EVERY:]) >= 10  # locked on large trees, weak drafts too
-
-
-def test_a_size_priced_high_by_one_slow_forward_is_taken_again_once_stale():
-    """One slow forward of 5 tokens (a spike, another process) while the chooser took 9: it
-    stops taking 5, and exploration (around 9) never reaches it again. Weak drafts (two likely
-    nodes) then get the root alone, where 4 nodes pay. As the spike's count decays its price
-    drifts back to the line through its neighbours (``CostModel.prices``), the chooser takes 4
-    nodes again, measures them and keeps them; with the prices at the raw estimates (the code
-    before) it never does."""
-    def truth(n):
-        return (40 + 2.5 * n) / 1e3
-
-    strong = [0.9] * 8 + [0.01] * 8  # log lines: eight nodes the target takes
-    weak = [0.3, 0.3, 0.1, 0.1] + [0.01] * 12  # a QA answer
-
-    def run(shrink: float) -> list[int]:
-        from lookupdec import budget
-
-        original = budget.SHRINK_COUNT
-        budget.SHRINK_COUNT = shrink
-        try:
-            cost = CostModel([1, 2, 5, 9, 17], [truth(n) for n in (1, 2, 5, 9, 17)], counts=[20] * 5)
-            cost.observe(5, 2 * truth(5))  # a spike (clipped at COST_SPIKE x): 5 tokens now look dear
-            for _ in range(400):  # strong requests: 8 nodes
-                cost.observe(9, truth(9))
-                cost.observe(1, truth(1))
-            picks = []
-            for _ in range(60):  # a weak request
-                n = choose_num_nodes(weak, cost, 0.0, len(weak))
-                picks.append(n)
-                cost.observe(n + 1, truth(n + 1))
-            return picks
-        finally:
-            budget.SHRINK_COUNT = original
-
-    assert choose_num_nodes(weak, CostModel(range(1, 18), [truth(n) for n in range(1, 18)], [50] * 17), 0.0, 16) == 4
-    before = run(0.0)
-    assert max(before) < 4  # raw estimates: 4 nodes never tried again
-    after = run(SHRINK_COUNT)
-    assert after[0] == 4 and after.count(4) >= 50  # the spike's price gave way; measured, mostly kept
-    assert choose_num_nodes(strong, CostModel(range(1, 18), [truth(n) for n in range(1, 18)], [50] * 17), 0.0, 16) == 8
-
-
-def test_prices_kept_between_whole_computations_are_the_definition_for_the_observed_size():
-    """``observe`` updates the observed size's price alone between two whole computations
-    (``PRICES_EVERY``); each whole computation is ``shrunk`` of the estimates and counts."""
-    rng = np.random.default_rng(0)
-    cost = CostModel([1, 4, 8, 16, 32], [0.040, 0.060, 0.055, 0.075, 0.1], counts=[30, 0.2, 3, 12, 0.6])
-    for step in range(5 * PRICES_EVERY + 3):
-        n = int(rng.choice([1, 4, 8, 16, 32]))
-        cost.observe(n, (40 + 2 * n + rng.normal(0, 3)) / 1e3)
-        prices = list(cost.prices())
-        whole, lines = shrunk(cost.sizes, cost.seconds, cost.counts, SHRINK_COUNT)
-        i = cost.sizes.index(n)
-        line = cost._lines[i]
-        own = cost.seconds[i]
-        c = cost.counts[i]
-        assert prices[i] == pytest.approx(own if line is None or line >= own or c >= SHRINK_BELOW
-                                         else (c * own + SHRINK_COUNT * line) / (c + SHRINK_COUNT))
-        if cost._since_prices == 0:  # just computed whole
-            assert prices == pytest.approx(whole)
-        else:  # the others: within what 16 forwards of count decay move them
-            assert prices == pytest.approx(whole, rel=0.05)
-    cost.observe(3, 0.05)  # a new size: computed whole at the next read
-    assert cost.prices() == pytest.approx(shrunk(cost.sizes, cost.seconds, cost.counts, SHRINK_COUNT)[0])
-    assert cost.dense(40, padded=False)[1:6] == pytest.approx(cost.dense_reference(40, padded=False)[1:6])
 
 
 def test_exploration_takes_the_size_seen_least_and_stays_within_the_tree():
@@ -680,7 +433,8 @@ def test_counts_decay_so_an_old_estimate_gives_way():
 
 
 def test_a_cached_curve_counts_as_a_few_forwards(tmp_path, monkeypatch):
-    from lookupdec.budget import CACHED_COUNT_CAP, load_cached_cost, store_cached_cost
+    from lookupdec.budget import CACHED_COUNT_CAP
+    from lookupdec.cost_cache import load_cached_cost, store_cached_cost
 
     monkeypatch.setenv("LOOKUPDEC_COST_CACHE", str(tmp_path / "c.json"))
     store_cached_cost("k", CostModel([1, 4], [1.0, 2.0], counts=[500, 2]))

@@ -22,7 +22,7 @@ LAYERS = [
     ("index", ["lookupdec.index"]),
     ("model", ["lookupdec.model", "lookupdec.sampling"]),
     ("proposers", ["lookupdec.proposers"]),
-    ("engine", ["lookupdec.budget", "lookupdec.mixture", "lookupdec.step", "lookupdec.request", "lookupdec.engine",
+    ("engine", ["lookupdec.budget", "lookupdec.cost_cache", "lookupdec.mixture", "lookupdec.step", "lookupdec.request", "lookupdec.engine",
                 "lookupdec.batch", "lookupdec.simulate"]),
     ("faces", ["lookupdec", "lookupdec.cli", "lookupdec.server", "lookupdec.pipelines", "lookupdec.demo.data",
                "lookupdec.demo.train"]),
@@ -231,7 +231,7 @@ ALLOWED_PRIVATE = {
     # The compiled core, lookupdec/automaton/_core*.so: a C extension module, named with an
     # underscore as extension modules are (its Python face is the modules that wrap it); private
     # to the package, not to one module. tree.py re-exports it for the tree's callers.
-    "_core": {"lookupdec.tree", "lookupdec.budget", "lookupdec.mixture", "lookupdec.sampling", "lookupdec.step",
+    "_core": {"lookupdec.tree", "lookupdec.budget", "lookupdec.mixture", "lookupdec.sampling",
               "lookupdec.model.cache", "lookupdec.model.kernels", "lookupdec.proposers.ngram",
               "lookupdec.proposers.recycle", "lookupdec.proposers.suffix"},
     # Unchecked constructors of tree.py (TokenTree._from_core, Draft._trusted) and automaton's
