@@ -268,3 +268,16 @@ def test_rewrite_chat_prompts_are_the_chat_template(tmp_path):
     fmt = PromptFormat.from_instruction("Rewrite as JSON.").with_chat()
     record = Record(id="a:1", text="2025-03-02 INFO ok\n", where="a:1")
     assert fmt.engine_prompt(engine, record) == engine.chat_prompt("Rewrite as JSON.\n\n2025-03-02 INFO ok")
+
+
+def test_static_forward_greedy_identical_to_transformers():
+    """The static verify forward (``model/static.py``, eager) decodes transformers' tokens on the
+    real model: the chat prompts and the code prompts."""
+    from lookupdec.model.static import StaticForward, greedy_static
+
+    engine, model = engine_and_model()
+    refs = [r for r in references() if len(r[0]) < 1024][:4]
+    static = StaticForward(model, 2048)
+    for ids, what, want in refs:
+        got = greedy_static(static, static, ids, MAX_NEW, eos=engine.tokenizer.eos_token_id)
+        assert got == want, f"{what}: first difference at {first_difference(got, want)}"
