@@ -1,26 +1,20 @@
 """The CLI through ``main([...])``: output, JSON, and one-line errors for every bad input."""
 import json
-import os
 
 import pytest
 
+from helpers import needs_stories, run_cli
 from lookupdec.cli import main
+from repo_paths import STORIES
 
-STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "stories260K")
-pytestmark = pytest.mark.skipif(not os.path.isdir(STORIES), reason="../shared/models/stories260K is absent")
-
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+pytestmark = needs_stories
 
 
 def test_generate_json_matches_transformers_greedy(capsys):
     from lookupdec.model import load
 
     prompt = "Once upon a time, Lily saw a cat. The cat was big. Once upon a time, Lily"
-    code, out, _ = run(capsys, "generate", "--model", STORIES, "--prompt", prompt, "--max-new-tokens", "24", "--json")
+    code, out, _ = run_cli(capsys, "generate", "--model", STORIES, "--prompt", prompt, "--max-new-tokens", "24", "--json")
     assert code == 0
     result = json.loads(out)
     assert set(result) == {"text", "token_ids", "finish_reason", "stats"}
@@ -35,14 +29,14 @@ def test_generate_json_matches_transformers_greedy(capsys):
 def test_generate_streams_text_and_stats(capsys, tmp_path):
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("Once upon a time")
-    code, out, err = run(capsys, "generate", "--model", STORIES, "--prompt-file", str(prompt_file),
+    code, out, err = run_cli(capsys, "generate", "--model", STORIES, "--prompt-file", str(prompt_file),
                          "--max-new-tokens", "16", "--stats", "--stop", "zzzz")
     assert code == 0 and out.strip()
     assert "tokens/step" in err
 
 
 def test_stop_string_cuts_output(capsys):
-    code, out, _ = run(capsys, "generate", "--model", STORIES, "--prompt", "Once upon a time",
+    code, out, _ = run_cli(capsys, "generate", "--model", STORIES, "--prompt", "Once upon a time",
                        "--max-new-tokens", "64", "--stop", ".", "--json")
     result = json.loads(out)
     assert code == 0 and result["finish_reason"] == "stop" and "." not in result["text"]
@@ -67,14 +61,14 @@ def _not_causal(tmp_path):
 def test_bad_input_one_line_error(capsys, args, message):
     if "--model" not in args:
         args = ["--model", STORIES] + args
-    code, out, err = run(capsys, "generate", *args)
+    code, out, err = run_cli(capsys, "generate", *args)
     assert code == 2
     assert message in err and "Traceback" not in err
     assert err.strip().count("\n") == 0 or err.strip().splitlines()[-1].startswith("lookupdec: error:")
 
 
 def test_not_a_causal_lm(capsys, tmp_path):
-    code, _, err = run(capsys, "generate", "--model", _not_causal(tmp_path), "--prompt", "x")
+    code, _, err = run_cli(capsys, "generate", "--model", _not_causal(tmp_path), "--prompt", "x")
     assert code == 2 and "not a causal language model" in err
 
 
@@ -139,7 +133,7 @@ def test_engine_flags_reach_the_engine(capsys, tmp_path, monkeypatch, command):
         raise ValueError("stopped before loading")
 
     monkeypatch.setattr(Engine, "from_pretrained", from_pretrained)
-    code, _, err = run(capsys, command, *_engine_command_args(command, tmp_path), "--model", "some-model",
+    code, _, err = run_cli(capsys, command, *_engine_command_args(command, tmp_path), "--model", "some-model",
                        "--max-nodes", "16", "--fixed-budget", "--draft-mode", "never", "--draft-model", "d",
                        "--index", "idx", "--device", "cpu", "--dtype", "float32")
     assert code == 2 and "stopped before loading" in err

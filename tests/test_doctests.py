@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from repo_paths import REPO
+
+ROOT = Path(REPO)
 BENCH = ROOT / "bench"
 
 

@@ -12,7 +12,8 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import STORIES, cached_references, cached_tiny
+from conftest import cached_references, cached_tiny
+from distributions import plain_probs, synthetic_logits, total_variation, tv_between, tv_bound
 from helpers import FakeTokenizer, hf_greedy, make_prompts
 from lookupdec import Engine, EngineConfig
 from lookupdec.config import DraftConfig
@@ -20,7 +21,7 @@ from lookupdec.model import ModelLoadError
 from lookupdec.proposers.draft_model import DraftModelProposer
 from lookupdec.sampling import SamplingParams, accept, node_distribution, rejection_distribution, residual
 from lookupdec.tree import Draft, TokenTree
-from test_sampling import plain_probs, synthetic_logits, total_variation, tv_between, tv_bound
+from repo_paths import STORIES
 from tiny_models import FAMILIES, tiny_model
 
 FINETUNED = os.path.join(os.path.dirname(STORIES), "stories260K-finetuned")

@@ -11,11 +11,9 @@ import sys
 import pytest
 
 from helpers import hf_greedy
+from repo_paths import DATA, REPO, STORIES
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.path.normpath(os.path.join(REPO, "..", "shared"))
-STORIES = os.path.join(SHARED, "models", "stories260K")
-LOGHUB = os.path.join(SHARED, "data", "loghub")
+LOGHUB = os.path.join(DATA, "loghub")
 TIMEOUT_S = 180
 CORPUS_LINES = 200  # of HDFS_2k.log: a small index builds in a fraction of a second
 

@@ -23,8 +23,7 @@ from helpers import FakeTokenizer
 from lookupdec import Engine, EngineConfig
 from lookupdec.engine import EngineBusy
 from lookupdec.validate import ParamError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from repo_paths import REPO
 PROMPTS = ([5, 6, 7, 8, 5, 6], [9, 3, 9, 3, 11])
 
 
@@ -146,19 +145,19 @@ def test_a_too_long_token_id_prompt_says_prompt_not_chat_template(engine):
 CACHE_RUN = r"""
 import logging, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # reading a device to its end would pass this
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/support")
 logging.basicConfig(level=logging.WARNING)
-from conftest import cached_tiny
 from helpers import FakeTokenizer
 from lookupdec import Engine, EngineConfig
-e = Engine(cached_tiny("llama"), FakeTokenizer(), EngineConfig())
+from tiny_models import tiny_model
+e = Engine(tiny_model("llama", tie_word_embeddings=False), FakeTokenizer(), EngineConfig())
 print(e.generate([5, 6, 7, 8], max_new_tokens=8).token_ids)
 """
 
 
 def _run_with_cache(path) -> subprocess.CompletedProcess:
-    env = os.environ | {"LOOKUPDEC_COST_CACHE": str(path), "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, "-c", CACHE_RUN], cwd=ROOT, env=env, capture_output=True, text=True,
+    env = os.environ | {"LOOKUPDEC_COST_CACHE": str(path), "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-c", CACHE_RUN], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -222,7 +221,7 @@ def test_a_full_disk_leaves_the_cache_as_it_was_and_no_temporary_file(tmp_path):
         "from lookupdec import cache_file\n"
         f"cache_file.write({str(cache)!r}, {{'version': 1, 'curves': {{'k': 'x' * 1000}}}})\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=os.environ | {"PYTHONPATH": ROOT},
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=os.environ | {"PYTHONPATH": REPO},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "could not write the cost cache" in done.stderr and done.stderr.count("\n") == 1

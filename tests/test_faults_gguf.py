@@ -91,13 +91,6 @@ def stories_gguf(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("LOOKUPDEC_CACHE", str(root))
-    return root
-
-
 def entry_of(cache, path) -> str:
     return str(cache / "gguf" / file_sha256(str(path))[:32])
 
@@ -107,7 +100,7 @@ def leftovers(cache) -> list[str]:
     return sorted(n for n in os.listdir(cache / "gguf") if not n.endswith(".lock"))
 
 
-def test_the_test_gguf_is_stories260k(cache, stories_gguf, stories):
+def test_the_test_gguf_is_stories260k(model_cache, stories_gguf, stories):
     """The fixture is a real model: its converted folder gives stories260K's greedy tokens."""
     model, tokenizer = load(str(stories_gguf), device="cpu")
     ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
@@ -117,10 +110,10 @@ def test_the_test_gguf_is_stories260k(cache, stories_gguf, stories):
 
 
 @pytest.mark.parametrize("damage", ["file", "dangling_symlink", "half_written_folder", "symlink_to_a_damaged_folder"])
-def test_whatever_is_not_a_valid_folder_is_converted_again(cache, stories_gguf, tmp_path, damage):
+def test_whatever_is_not_a_valid_folder_is_converted_again(model_cache, stories_gguf, tmp_path, damage):
     """Before: a file or a dangling symlink made every load convert, then fail ("Not a
     directory"); a symlink to a folder failed ("Cannot call rmtree on a symbolic link")."""
-    entry = entry_of(cache, stories_gguf)
+    entry = entry_of(model_cache, stories_gguf)
     os.makedirs(os.path.dirname(entry))
     target = tmp_path / "elsewhere"
     if damage == "file":
@@ -137,15 +130,15 @@ def test_whatever_is_not_a_valid_folder_is_converted_again(cache, stories_gguf, 
     assert os.path.isdir(entry) and not os.path.islink(entry)
     stamp = json.load(open(os.path.join(entry, STAMP)))
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(stamp["files"])
-    assert leftovers(cache) == [os.path.basename(entry)]  # nothing moved aside is left
+    assert leftovers(model_cache) == [os.path.basename(entry)]  # nothing moved aside is left
     if damage == "symlink_to_a_damaged_folder":  # the link replaced, its target as it was
         assert os.listdir(target) == ["config.json"]
 
 
-def test_a_full_disk_is_one_line_and_leaves_nothing(cache, stories_gguf):
+def test_a_full_disk_is_one_line_and_leaves_nothing(model_cache, stories_gguf):
     """A file-size limit (SIGXFSZ ignored: writes fail with EFBIG, as on a full disk) stops the
     conversion while safetensors writes the weights. Before: a SafetensorError traceback, exit 1."""
-    entry = entry_of(cache, stories_gguf)
+    entry = entry_of(model_cache, stories_gguf)
     os.makedirs(os.path.dirname(entry))
     open(entry, "w").write("a damaged entry")  # removed for the conversion's room, not restored
     script = ("import resource, signal, sys\n"
@@ -159,5 +152,5 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(cache, stories_gguf):
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("lookupdec: error: ") and "Traceback" not in result.stderr, result.stderr
-    assert f"GGUF cache {cache / 'gguf'} ran out of space" in last and "LOOKUPDEC_CACHE" in last, last
-    assert leftovers(cache) == []
+    assert f"GGUF cache {model_cache / 'gguf'} ran out of space" in last and "LOOKUPDEC_CACHE" in last, last
+    assert leftovers(model_cache) == []

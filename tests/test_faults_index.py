@@ -20,31 +20,24 @@ import threading
 
 import pytest
 
-from lookupdec.cli import main
+from helpers import needs_llama_tokenizer, run_cli
 from lookupdec.index import Index, IndexStoreError, build_index
 from lookupdec.index.store import MANIFEST_HASH, file_sha256, manifest_sha256, read_manifest
 from lookupdec.model import load_tokenizer
+from repo_paths import LLAMA_SP, STORIES
 
-SHARED = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
-LLAMA_SP = os.path.join(SHARED, "data", "tokenizers", "llama2", "tokenizer.model")
-STORIES = os.path.join(SHARED, "models", "stories260K")
-pytestmark = pytest.mark.skipif(not os.path.exists(LLAMA_SP), reason="../shared tokenizer absent")
+pytestmark = needs_llama_tokenizer
 
 TEXT = "\n".join(f"def handler_{i}(request):\n    return dispatch(request, retries={i})\n" for i in range(12))
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(LLAMA_SP)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory, tokenizer):
+def built(tmp_path_factory, llama_tokenizer):
     root = tmp_path_factory.mktemp("faults")
     (root / "corpus").mkdir()
     (root / "corpus" / "code.py").write_text(TEXT)
     out = str(root / "idx")
-    build_index([str(root / "corpus")], tokenizer=tokenizer, out=out, chunk_tokens=16, progress=False)
+    build_index([str(root / "corpus")], tokenizer=llama_tokenizer, out=out, chunk_tokens=16, progress=False)
     return str(root / "corpus"), out
 
 
@@ -52,12 +45,6 @@ def copy_index(built, tmp_path) -> str:
     dst = str(tmp_path / "copy")
     shutil.copytree(built[1], dst)
     return dst
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_one_line_error(code: int, err: str, *needles: str) -> None:
@@ -99,23 +86,23 @@ def manifest_listing_other_files(folder, built) -> dict:
     (index_with_extra_file, "it holds 'notes.txt'"),
     (manifest_listing_other_files, "does not list index files"),
 ])
-def test_force_refuses_a_folder_that_is_not_only_an_index(built, tokenizer, tmp_path, capsys, make, why):
+def test_force_refuses_a_folder_that_is_not_only_an_index(built, llama_tokenizer, tmp_path, capsys, make, why):
     folder = tmp_path / "site"
     before = make(folder, built)
     with pytest.raises(IndexStoreError, match="not a lookupdec index"):
-        build([built[0]], folder, tokenizer, force=True)
+        build([built[0]], folder, llama_tokenizer, force=True)
     code, _, err = run_cli(capsys, "index", "build", built[0], "--tokenizer", LLAMA_SP, "--out", folder, "--force")
     assert_one_line_error(code, err, str(folder), why)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # nothing lost
     assert sorted(os.listdir(tmp_path)) == ["site"]  # refused up front: no temporary folder either
 
 
-def test_force_still_replaces_an_index_and_an_empty_folder(built, tokenizer, tmp_path):
+def test_force_still_replaces_an_index_and_an_empty_folder(built, llama_tokenizer, tmp_path):
     old = copy_index(built, tmp_path)
-    assert build([built[0]], old, tokenizer, force=True, dim=64)["embedder"]["dim"] == 64
+    assert build([built[0]], old, llama_tokenizer, force=True, dim=64)["embedder"]["dim"] == 64
     assert Index.open(old).embedder.dim == 64
     (tmp_path / "empty").mkdir()
-    build([built[0]], tmp_path / "empty", tokenizer, force=True)
+    build([built[0]], tmp_path / "empty", llama_tokenizer, force=True)
     assert Index.open(str(tmp_path / "empty")).num_chunks > 0
 
 
@@ -257,14 +244,14 @@ def test_files_that_disagree_with_a_consistent_manifest_are_errors(built, tmp_pa
 
 
 # -- 10: unreadable corpus input is skipped and counted ------------------------------------------
-def test_a_corrupt_gz_is_skipped_and_counted(tmp_path, tokenizer):
+def test_a_corrupt_gz_is_skipped_and_counted(tmp_path, llama_tokenizer):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "code.py").write_text(TEXT)
     data = bytearray(gzip.compress(b"kernel: eth0 link up\n" * 50))
     data[10] ^= 0xFF  # the first deflate byte: zlib.error "invalid code lengths set", not an OSError
     (corpus / "bad.log.gz").write_bytes(bytes(data))
-    m = build([corpus], tmp_path / "idx", tokenizer)
+    m = build([corpus], tmp_path / "idx", llama_tokenizer)
     assert m["counts"]["skipped"] == {"bad gzip": 1} and m["counts"]["documents"] == 1
 
 
@@ -289,21 +276,21 @@ def test_records_with_a_lone_surrogate_are_skipped_and_counted(tmp_path, tokeniz
     assert names == ["records.jsonl:1", "records.jsonl:5"]
 
 
-def test_jsonl_lines_break_at_newline_only(tmp_path, tokenizer):
+def test_jsonl_lines_break_at_newline_only(tmp_path, llama_tokenizer):
     """A raw U+2028, U+2029, U+0085 or form feed inside a JSON string is text (str.splitlines()
     broke lines there and dropped both halves as bad JSON)."""
     texts = ["first\u2028record", "second\x85record", "third\u2029record\x0cend", "fourth\r\nrecord"]
     path = tmp_path / "r.jsonl"
     path.write_bytes(("\r\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in texts) + "\n").encode())
-    m = build([path], tmp_path / "idx", tokenizer)
+    m = build([path], tmp_path / "idx", llama_tokenizer)
     assert m["counts"]["skipped"] == {} and m["counts"]["documents"] == 4
     index = Index.open(str(tmp_path / "idx"))
     assert [os.path.basename(n) for n in index.documents] == [f"r.jsonl:{i}" for i in range(1, 5)]
-    first = [int(t) for t in index.tokens[: len(tokenizer.encode(texts[0], add_special_tokens=False))]]
-    assert first == tokenizer.encode(texts[0], add_special_tokens=False)
+    first = [int(t) for t in index.tokens[: len(llama_tokenizer.encode(texts[0], add_special_tokens=False))]]
+    assert first == llama_tokenizer.encode(texts[0], add_special_tokens=False)
 
 
-def test_a_fifo_in_the_corpus_is_skipped_not_waited_on(tmp_path, tokenizer):
+def test_a_fifo_in_the_corpus_is_skipped_not_waited_on(tmp_path, llama_tokenizer):
     from lookupdec.index.corpus import CorpusReader
 
     corpus = tmp_path / "corpus"
@@ -325,11 +312,11 @@ def test_a_fifo_in_the_corpus_is_skipped_not_waited_on(tmp_path, tokenizer):
 
 
 # -- 10: --out under a file, an absurd --dim: refused up front -------------------------------------
-def test_out_under_a_file_is_a_one_line_error(built, tokenizer, tmp_path, capsys):
+def test_out_under_a_file_is_a_one_line_error(built, llama_tokenizer, tmp_path, capsys):
     blocker = tmp_path / "notes.txt"
     blocker.write_text("keep me")
     with pytest.raises(IndexStoreError, match=f"{blocker} is not a folder"):
-        build([built[0]], blocker / "sub" / "idx", tokenizer)
+        build([built[0]], blocker / "sub" / "idx", llama_tokenizer)
     code, _, err = run_cli(capsys, "index", "build", built[0], "--tokenizer", LLAMA_SP, "--out", blocker / "sub")
     assert_one_line_error(code, err, f"{blocker} is not a folder")
     assert blocker.read_text() == "keep me" and sorted(os.listdir(tmp_path)) == ["notes.txt"]
@@ -361,12 +348,12 @@ def test_absurd_dim_is_refused_before_anything_loads(built, tmp_path, capsys, mo
     assert not (tmp_path / "idx").exists()
 
 
-def test_a_dim_whose_vectors_do_not_fit_in_memory_is_refused(built, tokenizer, tmp_path, monkeypatch):
+def test_a_dim_whose_vectors_do_not_fit_in_memory_is_refused(built, llama_tokenizer, tmp_path, monkeypatch):
     import lookupdec.index.build as build_mod
 
     monkeypatch.setattr(build_mod, "available_memory", lambda: 1 << 20)  # 1 MiB
     with pytest.raises(ValueError, match=r"--dim 4096: the vectors of \d+ chunks .* need about .* GiB, more than"):
-        build([built[0]], tmp_path / "idx", tokenizer, dim=4096)
+        build([built[0]], tmp_path / "idx", llama_tokenizer, dim=4096)
     assert os.listdir(tmp_path) == []
     monkeypatch.setattr(build_mod, "available_memory", lambda: None)  # unknown: not refused
-    assert build([built[0]], tmp_path / "idx", tokenizer, dim=4096)["embedder"]["dim"] == 4096
+    assert build([built[0]], tmp_path / "idx", llama_tokenizer, dim=4096)["embedder"]["dim"] == 4096

@@ -7,17 +7,15 @@ read twice) is one line, exit 2. Model: the real stories260K, a few tokens per r
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
+from helpers import needs_stories
 from lookupdec.cli import main
 from lookupdec.pipelines import InputError, read_records
 from lookupdec.validate import NOT_UNICODE
+from repo_paths import STORIES
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STORIES = os.path.normpath(os.path.join(REPO, "..", "shared", "models", "stories260K"))
-needs_stories = pytest.mark.skipif(not os.path.isdir(STORIES), reason="../shared/models/stories260K is absent")
 INSTRUCTION = "Tell a short story."
 
 

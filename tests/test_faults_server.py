@@ -12,7 +12,6 @@ the process's (its start, its signals, what it prints):
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -23,10 +22,12 @@ import httpx
 import pytest
 import torch
 
-from conftest import STORIES, load_stories
+from conftest import load_stories
+from helpers import needs_stories
+from repo_paths import STORIES
 from server_process import refused_start, running_server
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(STORIES), reason="../shared/models/stories260K is absent")
+pytestmark = needs_stories
 
 NEVER_EOS = "<|never|>"  # the tiny model's EOS: an id past its vocabulary, never generated
 LONG_MAX_TOKENS = 12000  # a generation of this length runs far past the grace period here

@@ -17,15 +17,14 @@ import faiss  # the dev extra installs faiss-cpu: these tests must run, not skip
 import numpy as np
 import pytest
 
+from helpers import needs_llama_tokenizer, run_cli
 from lookupdec.index import FORMAT_VERSION, Index, IndexStoreError, build_index
 from lookupdec.index.build import build_faiss
 from lookupdec.index.embed import HashEmbedder
 from lookupdec.model import load_tokenizer, vocab_fingerprint
+from repo_paths import LLAMA_SP, STORIES
 
-SHARED = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
-LLAMA_SP = os.path.join(SHARED, "data", "tokenizers", "llama2", "tokenizer.model")
-STORIES = os.path.join(SHARED, "models", "stories260K")
-pytestmark = pytest.mark.skipif(not os.path.exists(LLAMA_SP), reason="../shared tokenizer absent")
+pytestmark = needs_llama_tokenizer
 
 CODE = textwrap.dedent('''
     def fibonacci(n):
@@ -68,11 +67,6 @@ def make_corpus(root) -> str:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(LLAMA_SP)
-
-
-@pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("index")
     corpus = make_corpus(root)
@@ -88,9 +82,9 @@ def fresh_copy(built, tmp_path) -> str:
 
 
 # -- build and open -------------------------------------------------------------------------------
-def test_round_trip_counts_and_tokens(built, tokenizer):
+def test_round_trip_counts_and_tokens(built, llama_tokenizer):
     corpus, out, manifest = built
-    index = Index.open(out, tokenizer_fingerprint=vocab_fingerprint(tokenizer))
+    index = Index.open(out, tokenizer_fingerprint=vocab_fingerprint(llama_tokenizer))
     c = manifest["counts"]
     assert manifest["format_version"] == FORMAT_VERSION
     assert c["skipped"] == {"binary": 1, "not UTF-8": 1, "bad JSON line": 1, "no string field 'text'": 1}
@@ -103,7 +97,7 @@ def test_round_trip_counts_and_tokens(built, tokenizer):
     core = doc_names.index(os.path.join("pkg", "core.py"))
     core_chunks = [i for i in range(index.num_chunks) if index.chunks[i, 2] == core]
     tokens = np.concatenate([index.chunk_tokens(i) for i in core_chunks]).tolist()
-    assert tokens == tokenizer.encode(CODE, add_special_tokens=False)
+    assert tokens == llama_tokenizer.encode(CODE, add_special_tokens=False)
     assert all(index.next_chunk(a) == b for a, b in zip(core_chunks, core_chunks[1:]))
     assert index.next_chunk(core_chunks[-1]) is None
     assert all(len(index.chunk_tokens(i)) <= 32 for i in range(index.num_chunks))
@@ -247,14 +241,6 @@ def test_edited_file_without_hashing_still_fails_on_structure(built, tmp_path):
         {"faiss.index": {"bytes": os.path.getsize(fpath), "sha256": file_sha256(fpath)}}))
     with pytest.raises(IndexStoreError, match=r"holds 3 vectors"):
         Index.open(path, check_hashes=False)
-
-
-def run_cli(capsys, *argv):
-    from lookupdec.cli import main
-
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_edited_manifest_fails_verify_and_open(built, tmp_path, capsys):

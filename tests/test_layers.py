@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lookupdec")
+from repo_paths import REPO
+
+PACKAGE = os.path.join(REPO, "lookupdec")
 
 # Bottom first. A module belongs to the entry with the longest matching prefix.
 LAYERS = [

@@ -20,8 +20,9 @@ import re
 import tokenize
 from pathlib import Path
 
+from repo_paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(REPO)
 PACKAGE = ROOT / "lookupdec"
 CSRC = PACKAGE / "automaton" / "csrc"
 

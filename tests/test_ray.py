@@ -18,13 +18,12 @@ import time
 
 import pytest
 
+from helpers import needs_stories
 from lookupdec.cli import main
 from lookupdec.pipelines import PromptFormat, ReadOptions, Record, ResultsFile, RewriteOptions, plan, read_records, rewrite
 from lookupdec.pipelines.cluster import Shards
+from repo_paths import REPO, STORIES
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STORIES = os.path.normpath(os.path.join(REPO, "..", "shared", "models", "stories260K"))
-needs_stories = pytest.mark.skipif(not os.path.isdir(STORIES), reason="../shared/models/stories260K is absent")
 INSTRUCTION = "Tell a short story."
 FILES, PER_FILE = 4, 50  # 200 records
 MAX_NEW_TOKENS = 12

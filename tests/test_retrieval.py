@@ -8,16 +8,14 @@ import os
 
 import pytest
 
-from lookupdec.cli import main
+from helpers import needs_llama_tokenizer, needs_stories, run_cli
 from lookupdec.config import EngineConfig, RetrievalConfig
 from lookupdec.index import Index, IndexStoreError, build_index
 from lookupdec.model import load_tokenizer
 from lookupdec.proposers.retrieval import RetrievalProposer, drafts_after
+from repo_paths import LLAMA_SP, STORIES
 
-SHARED = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
-LLAMA_SP = os.path.join(SHARED, "data", "tokenizers", "llama2", "tokenizer.model")
-STORIES = os.path.join(SHARED, "models", "stories260K")
-pytestmark = pytest.mark.skipif(not (os.path.exists(LLAMA_SP) and os.path.isdir(STORIES)), reason="../shared absent")
+pytestmark = [needs_llama_tokenizer, needs_stories]
 
 MODULE = "\n".join(
     f"def handler_{name}(request, retries={i}):\n"
@@ -159,35 +157,29 @@ def test_engine_refuses_an_index_of_another_tokenizer(stories, code_index):
 
 
 # -- CLI ------------------------------------------------------------------------------------------
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_index_build_info_query_verify(capsys, caplog, tmp_path):
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "handlers.py").write_text(MODULE)
     (tmp_path / "c" / "image.png").write_bytes(b"\x89PNG\x00\x00")
     out = str(tmp_path / "idx")
-    code, stdout, err = run(capsys, "index", "build", str(tmp_path / "c"), "--tokenizer", LLAMA_SP, "--out", out,
+    code, stdout, err = run_cli(capsys, "index", "build", str(tmp_path / "c"), "--tokenizer", LLAMA_SP, "--out", out,
                             "--chunk-tokens", "64")
     assert code == 0, err
     assert "chunks from 1 documents" in stdout and "skipped 1" in stdout
     assert "skipped 1 binary" in caplog.text + err and "image.png" in caplog.text + err
-    code, stdout, _ = run(capsys, "index", "info", out)
+    code, stdout, _ = run_cli(capsys, "index", "info", out)
     assert code == 0 and "format_version 1" in stdout and "faiss.index" in stdout and "flat" in stdout
-    code, stdout, _ = run(capsys, "index", "info", out, "--json")
+    code, stdout, _ = run_cli(capsys, "index", "info", out, "--json")
     assert json.loads(stdout)["counts"]["documents"] == 1
-    code, stdout, _ = run(capsys, "index", "query", out, "--text", "def handler_delta(request, retries=3):", "--k", "2")
+    code, stdout, _ = run_cli(capsys, "index", "query", out, "--text", "def handler_delta(request, retries=3):", "--k", "2")
     assert code == 0 and "#1  score" in stdout and "handlers.py" in stdout
     assert "best path" in stdout and "payload = request.json()" in stdout
-    code, stdout, _ = run(capsys, "index", "verify", out)
+    code, stdout, _ = run_cli(capsys, "index", "verify", out)
     assert code == 0 and "OK (5 files" in stdout
     with open(os.path.join(out, "chunks.npy"), "r+b") as f:
         f.seek(-1, os.SEEK_END)
         f.write(b"\x7f")
-    code, _, err = run(capsys, "index", "verify", out)
+    code, _, err = run_cli(capsys, "index", "verify", out)
     assert code == 2 and "chunks.npy: SHA-256 differs" in err and "Traceback" not in err
 
 
@@ -203,13 +195,13 @@ def test_cli_index_build_info_query_verify(capsys, caplog, tmp_path):
 ])
 def test_cli_index_errors_are_one_line(capsys, tmp_path, argv, message):
     (tmp_path / "doc.txt").write_text("some text to index")
-    code, _, err = run(capsys, *[a.replace("{tmp}", str(tmp_path)) for a in argv])
+    code, _, err = run_cli(capsys, *[a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert code == 2 and message in err and err.startswith("lookupdec: error:") and "Traceback" not in err
     assert not (tmp_path / "x").exists()
 
 
 def test_cli_generate_with_wrong_tokenizer_index(capsys, code_index):
-    code, _, err = run(capsys, "generate", "--model", STORIES, "--prompt", "hi", "--index", code_index[0].path)
+    code, _, err = run_cli(capsys, "generate", "--model", STORIES, "--prompt", "hi", "--index", code_index[0].path)
     assert code == 2 and "index built for tokenizer" in err
 
 
@@ -217,9 +209,9 @@ def test_cli_simulate_with_index(capsys, tmp_path, code_index):
     records = tmp_path / "r.jsonl"
     ids = MODULE.split("def handler_delta")
     records.write_text(json.dumps({"id": "a", "prompt": "# handlers\ndef handler_delta", "response": ids[1][:200]}) + "\n")
-    code, out, _ = run(capsys, "simulate", "--input", str(records), "--json")
+    code, out, _ = run_cli(capsys, "simulate", "--input", str(records), "--json")
     without = json.loads(out)["mat"]
-    code, out, _ = run(capsys, "simulate", "--input", str(records), "--index", code_index[0].path, "--json")
+    code, out, _ = run_cli(capsys, "simulate", "--input", str(records), "--index", code_index[0].path, "--json")
     result = json.loads(out)
     assert code == 0 and result["proposers"] == ["ngram", "suffix", "retrieval"]
     assert result["mat"] > 2 * without and result["retrieval_queries"] >= 1

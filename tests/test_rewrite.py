@@ -15,14 +15,12 @@ import time
 
 import pytest
 
-from helpers import failing_call, hf_greedy
+from helpers import failing_call, hf_greedy, needs_stories
 from lookupdec.cli import main
 from lookupdec.pipelines import PromptFormat, ReadOptions, Record, ResultsFile, ResultsFileError, read_records
 from lookupdec.pipelines.results import TMP_SUFFIX
+from repo_paths import REPO, STORIES
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STORIES = os.path.normpath(os.path.join(REPO, "..", "shared", "models", "stories260K"))
-needs_stories = pytest.mark.skipif(not os.path.isdir(STORIES), reason="../shared/models/stories260K is absent")
 INSTRUCTION = "Tell a short story."
 KILL_RECORDS = 200  # enough for the killed run to be caught mid-way (later records take ~15 ms each)
 KILL_AFTER_LINES = 5

@@ -23,11 +23,11 @@ import openai
 import pytest
 import torch
 
-from conftest import STORIES
-from helpers import hf_greedy
-from server_process import REPO, running_server
+from helpers import hf_greedy, needs_stories
+from repo_paths import REPO, STORIES
+from server_process import running_server
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(STORIES), reason="../shared/models/stories260K is absent")
+pytestmark = needs_stories
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")

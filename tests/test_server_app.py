@@ -25,13 +25,13 @@ pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from conftest import STORIES, load_stories  # noqa: E402
-from helpers import failing_call  # noqa: E402
+from conftest import load_stories  # noqa: E402
+from helpers import failing_call, needs_stories  # noqa: E402
 from lookupdec import Engine, EngineConfig  # noqa: E402
 from lookupdec.server import create_app  # noqa: E402
 from lookupdec.server import worker as worker_module  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(STORIES), reason="../shared/models/stories260K is absent")
+pytestmark = needs_stories
 
 MODEL = "stories260K"
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

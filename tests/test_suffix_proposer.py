@@ -2,21 +2,9 @@
 import numpy as np
 import pytest
 
+from helpers import draft_paths
 from lookupdec.config import SuffixConfig
 from lookupdec.proposers.suffix import SEPARATOR, SuffixProposer, without_separator
-
-
-def _paths(drafts):
-    """Every root-to-node token path of the drafts, as tuples."""
-    out = set()
-    for d in drafts:
-        for i in range(len(d.token_ids)):
-            path, node = [], i
-            while node >= 0:
-                path.append(d.token_ids[node])
-                node = d.parents[node]
-            out.add(tuple(reversed(path)))
-    return out
 
 
 def test_request_automaton_drafts_what_followed_the_context():
@@ -24,7 +12,7 @@ def test_request_automaton_drafts_what_followed_the_context():
     prompt = [5, 6, 7, 8, 9, 1, 2, 5, 6]
     p.start("r", prompt)
     drafts = p.propose("r", prompt, max_nodes=8)
-    assert (7, 8, 9, 1) in _paths(drafts)  # [5, 6] was followed by 7 8 9 1 ...
+    assert (7, 8, 9, 1) in draft_paths(drafts)  # [5, 6] was followed by 7 8 9 1 ...
     for d in drafts:
         assert all(0 < s <= 1 for s in d.scores)
         assert all(d.scores[i] <= d.scores[p_] for i, p_ in enumerate(d.parents) if p_ >= 0)
@@ -39,7 +27,7 @@ def test_observe_extends_and_global_cache_learns_across_requests():
     p.start("b", [9, 9, 40, 41])
     drafts = p.propose("b", [9, 9, 40, 41], max_nodes=8)
     assert any(d.source == "suffix-global" for d in drafts)
-    assert (42, 43, 44) in _paths([d for d in drafts if d.source == "suffix-global"])
+    assert (42, 43, 44) in draft_paths([d for d in drafts if d.source == "suffix-global"])
     assert all(SEPARATOR not in d.token_ids for d in drafts)
 
 

@@ -11,9 +11,7 @@ import threading
 
 import pytest
 
-from conftest import STORIES
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from repo_paths import REPO, STORIES
 
 # In a fresh process with two OpenMP threads: an operator on the main thread starts its team (one
 # worker thread more); released, the worker is gone; an operator on another thread then starts
@@ -36,7 +34,7 @@ print(before, with_team, released, after)
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_release_lets_the_calling_threads_openmp_workers_go():
-    env = os.environ | {"OMP_NUM_THREADS": "2", "PYTHONPATH": ROOT}
+    env = os.environ | {"OMP_NUM_THREADS": "2", "PYTHONPATH": REPO}
     out = subprocess.run([sys.executable, "-c", COUNT_THREADS], env=env, capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     before, with_team, released, after = int(out[0]), int(out[1]), out[2], int(out[3])

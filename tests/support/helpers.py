@@ -1,6 +1,6 @@
-"""Shared test helpers: a fake tokenizer for tiny random models, plain-transformers reference
-decoding, models whose attention ignores or rejects custom masks, a proposer spy, and scripted
-proposers whose right answer is obvious.
+"""Shared test helpers: skip markers, a fake tokenizer for tiny random models, plain-transformers
+reference decoding, models whose attention ignores or rejects custom masks, a proposer spy,
+scripted proposers whose right answer is obvious, and the CLI run in-process.
 
 The scripted proposers know the true greedy continuation (``truth`` = prompt + reference output,
 computed beforehand by ``transformers`` ``generate``) and follow the ``Proposer`` protocol of
@@ -10,18 +10,26 @@ calls them out of order or forgets to ``observe`` what it emitted.
 from __future__ import annotations
 
 import math
+import os
 import random
 from types import SimpleNamespace
 from typing import Sequence
 
+import pytest
 import torch
 
+from lookupdec.automaton import compiled_available
 from lookupdec.proposers.base import RequestRegistry
 from lookupdec.tree import Draft
+from repo_paths import LLAMA_SP, STORIES
 from tiny_models import VOCAB
 
 EOS = 2  # eos_token_id of every tiny config
 PROMPT_TOKENS = range(3, VOCAB)  # random prompt tokens: no pad (0), bos (1) or eos (2)
+
+needs_core = pytest.mark.skipif(not compiled_available(), reason="compiled core not built (pip install -e .)")
+needs_stories = pytest.mark.skipif(not os.path.isdir(STORIES), reason="../shared/models/stories260K is absent")
+needs_llama_tokenizer = pytest.mark.skipif(not os.path.exists(LLAMA_SP), reason="../shared tokenizer absent")
 
 
 class FakeTokenizer:
@@ -270,6 +278,20 @@ class RandomTreeProposer(_Scripted):
         return drafts
 
 
+def draft_paths(drafts: Sequence[Draft], max_depth: int | None = None) -> set[tuple[int, ...]]:
+    """Every root-to-node token path of ``drafts`` (of at most ``max_depth`` tokens), as tuples."""
+    paths = set()
+    for draft in drafts:
+        for i in range(len(draft.token_ids)):
+            path, node = [], i
+            while node >= 0:
+                path.append(draft.token_ids[node])
+                node = draft.parents[node]
+            if max_depth is None or len(path) <= max_depth:
+                paths.add(tuple(reversed(path)))
+    return paths
+
+
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -310,3 +332,13 @@ def greedy_alone_and_batched(engine, model, prompts, counter: list, tokens: int 
         done.extend(decoder.generation(s).token_ids for s in decoder.step())
     assert sorted(done) == sorted(hf_greedy(model, p, tokens) for p in prompts)
     assert counter[0] > alone
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """``lookupdec ARGV...`` in-process (``cli.main``, each argument as a string): (exit status,
+    stdout, stderr)."""
+    from lookupdec.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err

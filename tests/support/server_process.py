@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from repo_paths import REPO
 START_TIMEOUT_S = 180  # loading torch + transformers + the model on a loaded 2-core machine
 POLL_S = 0.1
 LISTENING = re.compile(r"lookupdec: serving \S+ at (http://\S+)\s")  # (an IPv6 host in brackets; the whole line)
