@@ -1,15 +1,19 @@
 """Prompt n-gram lookup: the docstring's worked example with hand-written arrays (comments on the
 ties, as in vLLM's test_ngram.py), periodic continuation, budget splitting, scores, a brute-force
-reference over random contexts, and loud lifecycle misuse."""
+reference over random contexts, loud lifecycle misuse, and the compiled proposer against its
+pure-Python reference (drafts, and budget shares for any decays)."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
+from helpers import needs_core
 from lookupdec.config import NgramConfig
 from lookupdec.proposers.ngram import (BRANCH_DECAY, CONTINUE_PROB, NgramProposer, lengths_within_budget,
                                        periodic_continuation)
+from lookupdec.tokens import SEPARATOR
+from random_inputs import comparable_drafts, random_stream
 
 BIG = 1000  # a node budget that cuts nothing
 
@@ -163,3 +167,56 @@ def test_a_token_id_outside_int32_is_a_value_error_and_keeps_nothing(backend, ba
         proposer.observe("s", [3, bad])
     # the rejected observe kept nothing: the request still sees its 5 prompt tokens
     assert [list(d.token_ids[:3]) for d in proposer.propose("s", [1, 2, 3, 1, 2], 8)][0] == [3, 1, 2]
+
+
+# -- the compiled proposer against its reference ---------------------------------------------------
+@needs_core
+@pytest.mark.parametrize("seed", range(60))
+def test_compiled_ngram_drafts_equal_the_reference(seed):
+    rng = random.Random(seed)
+    min_ngram = rng.randint(1, 3)
+    config = NgramConfig(min_ngram=min_ngram, max_ngram=rng.randint(min_ngram, 6),
+                         max_draft_tokens=rng.choice((1, 3, 10, 48, 60)), max_branches=rng.randint(1, 5))
+    fast, ref = NgramProposer(config), NgramProposer(config, backend="reference")
+    assert fast.backend == "compiled"
+    vocab = rng.choice((2, 4, 20))
+    context = random_stream(rng, rng.randint(1, 200), vocab)
+    context = [t if t != SEPARATOR else 0 for t in context]
+    for p in (fast, ref):
+        p.start("r", context)
+    for _ in range(rng.randint(1, 20)):
+        max_nodes = rng.choice((0, 1, 2, 5, 17, 64, 100))
+        assert comparable_drafts(fast.propose("r", context, max_nodes)) == comparable_drafts(ref.propose("r", context, max_nodes))
+        new = [t if t != SEPARATOR else 1 for t in random_stream(rng, rng.randint(1, 8), vocab)]
+        for p in (fast, ref):
+            p.observe("r", new)
+        context += new
+    with pytest.raises(ValueError, match="observe"):
+        fast.propose("r", context[:-1], 8)
+
+
+@needs_core
+@pytest.mark.parametrize("branch_decay,continue_prob", [(0.6, 0.95), (0.6, 1.0), (1.0, 1.0), (0.6, 1.05),
+                                                        (-0.6, 0.95), (0.6, 0.0), (0.6, 0.5), (0.6, -0.9)])
+def test_compiled_ngram_budget_shares_equal_the_reference_for_any_decays(monkeypatch, branch_decay, continue_prob):
+    """Where the branches' tokens outnumber the budget, the compiled proposer takes each branch's
+    best tokens one by one while its scores never rise (else it sorts them all, as the
+    reference does): the same lengths for ties (equal decays), rising scores (a continue
+    probability past 1) and negative ones."""
+    from lookupdec.proposers import ngram
+
+    monkeypatch.setattr(ngram, "BRANCH_DECAY", branch_decay)
+    monkeypatch.setattr(ngram, "CONTINUE_PROB", continue_prob)
+    rng = random.Random(int(1000 * (branch_decay + 3 * continue_prob)))
+    config = NgramConfig(min_ngram=1, max_ngram=3, max_draft_tokens=rng.choice((10, 48)), max_branches=5)
+    fast, ref = NgramProposer(config), NgramProposer(config, backend="reference")
+    context = [rng.randrange(3) for _ in range(120)]
+    for p in (fast, ref):
+        p.start("r", context)
+    binding, branched = 0, 0
+    for max_nodes in (1, 2, 5, 9, 17, 33, 64, 100):
+        got, want = fast.propose("r", context, max_nodes), ref.propose("r", context, max_nodes)
+        assert comparable_drafts(got) == comparable_drafts(want), max_nodes
+        binding += sum(len(d.token_ids) for d in want) == max_nodes
+        branched += len(want) > 1
+    assert binding >= 4 and branched >= 2  # budgets the branches had to share

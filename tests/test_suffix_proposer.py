@@ -1,10 +1,16 @@
-"""The suffix-automaton proposer: drafts, lifecycle, the global cache's capacity and persistence."""
+"""The suffix-automaton proposer: drafts, lifecycle, the global cache's capacity and persistence;
+its compiled drafts (``automaton_drafts``) against ``automaton_drafts_reference``: the same drafts
+(tokens, parents, bit-identical scores, match lengths), best chains and certain-step bookkeeping,
+over random streams with separators, request and global automata."""
+import random
+
 import numpy as np
 import pytest
 
-from helpers import draft_paths
+from helpers import draft_paths, needs_core
 from lookupdec.config import SuffixConfig
 from lookupdec.proposers.suffix import SEPARATOR, SuffixProposer, without_separator
+from random_inputs import comparable_drafts, random_stream
 
 
 def test_request_automaton_drafts_what_followed_the_context():
@@ -104,3 +110,50 @@ def test_config_validation_names_the_field():
         SuffixConfig(min_match=0)
     with pytest.raises(ValueError, match="global_capacity"):
         SuffixConfig(global_capacity=-1)
+
+
+# -- the compiled drafts against the reference ------------------------------------------------------
+@needs_core
+@pytest.mark.parametrize("seed", range(40))
+def test_compiled_suffix_drafts_equal_the_reference(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice((3, 8, 30))
+    config = SuffixConfig(global_min_match=rng.choice((0, 1, 2)), min_match=rng.choice((1, 2)))
+    fast, ref = SuffixProposer(config), SuffixProposer(config, drafting="reference")
+    for request in range(3):
+        prompt = [t for t in random_stream(rng, rng.randint(1, 80), vocab) if t != SEPARATOR] or [1]
+        context = list(prompt)
+        for p in (fast, ref):
+            p.start(f"r{request}", prompt)
+        for _ in range(rng.randint(1, 25)):
+            max_nodes = rng.choice((0, 1, 2, 5, 16, 64))
+            got = fast.propose(f"r{request}", context, max_nodes)
+            want = ref.propose(f"r{request}", context, max_nodes)
+            assert comparable_drafts(got) == comparable_drafts(want)
+            assert fast._requests.get(f"r{request}").pending == ref._requests.get(f"r{request}").pending
+            new = random_stream(rng, rng.randint(1, 6), vocab)
+            new = [t for t in new if t != SEPARATOR] or [0]
+            for p in (fast, ref):
+                p.observe(f"r{request}", new)
+            context += new
+            for source in fast.certain_step:
+                assert fast.certain_step[source].value == ref.certain_step[source].value
+        for p in (fast, ref):
+            p.stop(f"r{request}")
+
+
+def test_packed_arrays_and_pending_chain_are_the_drafts_own():
+    p = SuffixProposer()
+    prompt = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 3, 5, 6]
+    p.start("r", prompt)
+    drafts = p.propose("r", prompt, 8)
+    assert drafts
+    chain, certain = p._requests.get("r").pending["suffix"]  # the longest match's, checked after the step
+    assert chain == drafts[0].best_chain()[0] and len(certain) == len(chain)
+    for draft in drafts:
+        tokens, parents, scores = draft.packed()
+        assert np.frombuffer(tokens, np.int32).tolist() == list(draft.token_ids)
+        assert np.frombuffer(parents, np.int32).tolist() == list(draft.parents)
+        assert np.frombuffer(scores, np.float64).tolist() == list(draft.scores)
+        fresh = type(draft)(draft.token_ids, draft.parents, draft.scores, draft.source, draft.match_length)
+        assert draft.best_chain() == fresh.best_chain()
