@@ -1,7 +1,7 @@
 """Model names and files (``lookupdec.model_files``, ``lookupdec.model.load``): the ``smollm2``
 alias, the GGUF conversion cache (keyed by hash, atomic, checked, converted again when damaged,
 leftovers of killed conversions removed), and one-line errors for every bad model path. The
-cache logic runs with a fake converter here (no weights); ``test_real_model.py`` runs the real
+cache logic runs with a fake converter here (no weights); ``system/test_real_model.py`` runs the real
 conversion."""
 from __future__ import annotations
 

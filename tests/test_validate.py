@@ -1,5 +1,5 @@
 """One set of checks for every entry point (lookupdec/validate.py): the Python API, the CLI
-(one line, exit 2) and the server (400 naming the field, test_server_app.py) refuse the same
+(one line, exit 2) and the server (400 naming the field, server/test_server_app.py) refuse the same
 values: non-finite or out-of-range sampling values, seeds outside 0 .. 2**64 - 1, devices this
 machine lacks."""
 import math

@@ -1,7 +1,7 @@
 """The K/V layout (``model/cache.py``): the engine's ``SlotCache`` (one buffer, in-place appends,
 one gather for every layer) against ``transformers``' ``DynamicCache`` through random forwards and
 KV commits. The model-level checks of a commit are in ``test_target.py``, the prefix store's in
-``test_cache_prefix.py``, the batch store's in ``test_batch.py``."""
+``test_cache_prefix.py``, the batch store's in the top-level ``test_batch.py``."""
 from __future__ import annotations
 
 import random
