@@ -89,7 +89,7 @@ class Mixture:
              calibrator: AcceptanceCalibrator) -> tuple[TokenTree, "PlannedDrafts"] | None:
         """``propose`` and ``TokenTree.from_drafts`` with ``calibrator`` in one compiled call
         (``_core.Lookups.plan``): the same drafts, in the same order, and the same tree (the
-        proposers' own compiled functions, the merge's own; ``tests/test_fused_plan.py``), with
+        proposers' own compiled functions, the merge's own; ``tests/test_mixture_plan.py``), with
         no Python between them. None where it does not apply (``fused`` off, a lookup not
         compiled, the calibrator's reference backend, negative budgets): the caller then
         proposes and merges apart. The drafts come as ``PlannedDrafts``: ``Draft`` objects made

@@ -8,8 +8,8 @@ Fast paths and references. ``TokenTree.from_drafts`` merges in the compiled core
 (``csrc/tree.cpp``) when it is built and falls back to ``from_drafts_reference``, the pure-Python
 definition, otherwise; trees it builds carry their depth and prune order, so ``prune``,
 ``expected_in_prune_order`` and ``children`` cost no per-node Python work beyond list copies, and
-``ancestor_mask`` is compiled too. ``tests/test_tree_core.py`` checks every fast path against its
-reference on random drafts (token ids, parents, cells exactly; scores are bit-identical too).
+``ancestor_mask`` is compiled too. ``tests/test_tree_compiled.py`` checks every fast path against
+its reference on random drafts (token ids, parents, cells exactly; scores are bit-identical too).
 
 One format (docs/architecture.md, "The tree format"): ``token_ids[i]`` and ``parents[i]`` for every node, and parents
 come before children (``parents[i] < i``). In a ``Draft``, ``parents[i] == -1`` marks a child of

@@ -1,7 +1,7 @@
 """Model names and files (``lookupdec.model_files``, ``lookupdec.model.load``): the ``smollm2``
 alias, the GGUF conversion cache (keyed by hash, atomic, checked, converted again when damaged,
 leftovers of killed conversions removed), and one-line errors for every bad model path. The
-cache logic runs with a fake converter here (no weights); ``test_real_model.py`` runs the real
+cache logic runs with a fake converter here (no weights); ``system/test_real_model.py`` runs the real
 conversion."""
 from __future__ import annotations
 
@@ -16,13 +16,6 @@ import pytest
 from lookupdec import model_files
 from lookupdec.model import ModelLoadError, load
 from lookupdec.model_files import STAMP, ModelFileError, gguf_folder
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("LOOKUPDEC_CACHE", str(root))
-    return root
 
 
 @pytest.fixture
@@ -44,18 +37,18 @@ class FakeConvert:
             f.write("{}")
 
 
-def test_converts_once_then_reuses(cache, gguf):
+def test_converts_once_then_reuses(model_cache, gguf):
     convert = FakeConvert()
     folder = gguf_folder(str(gguf), convert)
     assert convert.calls == 1 and os.path.isfile(os.path.join(folder, STAMP))
-    assert folder.startswith(str(cache))
+    assert folder.startswith(str(model_cache))
     stamp = json.loads(open(os.path.join(folder, STAMP)).read())
     assert set(stamp["files"]) == {"model.safetensors", "config.json"}
     assert gguf_folder(str(gguf), convert) == folder and convert.calls == 1
     assert [n for n in os.listdir(os.path.dirname(folder)) if "converting" in n] == []
 
 
-def test_another_file_another_folder(cache, gguf, tmp_path):
+def test_another_file_another_folder(model_cache, gguf, tmp_path):
     other = tmp_path / "other.gguf"
     other.write_bytes(b"GGUF" + os.urandom(4096))
     convert = FakeConvert()
@@ -64,7 +57,7 @@ def test_another_file_another_folder(cache, gguf, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete_file", "stamp_garbage", "stamp_missing"])
-def test_damaged_cache_is_converted_again(cache, gguf, damage):
+def test_damaged_cache_is_converted_again(model_cache, gguf, damage):
     convert = FakeConvert()
     folder = gguf_folder(str(gguf), convert)
     weights = os.path.join(folder, "model.safetensors")
@@ -85,7 +78,7 @@ def test_damaged_cache_is_converted_again(cache, gguf, damage):
     assert open(weights, "rb").read() == b"weights of " + gguf.read_bytes()
 
 
-def test_a_changed_source_file_is_converted_again(cache, gguf):
+def test_a_changed_source_file_is_converted_again(model_cache, gguf):
     convert = FakeConvert()
     first = gguf_folder(str(gguf), convert)
     gguf.write_bytes(b"GGUF" + os.urandom(4096))
@@ -93,21 +86,21 @@ def test_a_changed_source_file_is_converted_again(cache, gguf):
     assert first != second and convert.calls == 2
 
 
-def test_a_failed_conversion_leaves_nothing(cache, gguf):
+def test_a_failed_conversion_leaves_nothing(model_cache, gguf):
     def broken(src, out):
         open(os.path.join(out, "model.safetensors"), "wb").write(b"half")
         raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError):
         gguf_folder(str(gguf), broken)
-    root = cache / "gguf"
+    root = model_cache / "gguf"
     assert [n for n in os.listdir(root) if not n.endswith(".lock")] == []
 
 
-def test_leftovers_of_a_killed_conversion_are_removed(cache, gguf):
+def test_leftovers_of_a_killed_conversion_are_removed(model_cache, gguf):
     """A conversion killed mid-write (SIGKILL: no cleanup) leaves a temporary folder named after
     its pid; the next conversion removes it when that process is gone."""
-    root = cache / "gguf"
+    root = model_cache / "gguf"
     root.mkdir(parents=True)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     leftover = root / f".abc.converting-{dead.stdout.strip()}-xyz"
@@ -127,7 +120,7 @@ def test_unwritable_cache_is_a_clear_error(tmp_path, monkeypatch, gguf):
         gguf_folder(str(gguf), FakeConvert())
 
 
-def test_missing_gguf_packages_named(cache, gguf, monkeypatch):
+def test_missing_gguf_packages_named(model_cache, gguf, monkeypatch):
     real = model_files.importlib.util.find_spec
     monkeypatch.setattr(model_files.importlib.util, "find_spec",
                         lambda name, *a: None if name in ("gguf", "accelerate") else real(name, *a))
@@ -198,13 +191,13 @@ def test_truncated_weights_are_a_one_line_error(builtin_copy):
     assert "\n" not in str(info.value)
 
 
-def test_garbage_gguf_is_a_one_line_error(cache, tmp_path):
+def test_garbage_gguf_is_a_one_line_error(model_cache, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all" * 100)
     with pytest.raises(ModelLoadError, match="bad.gguf") as info:
         load(str(bad))
     assert "\n" not in str(info.value)
-    assert [n for n in os.listdir(cache / "gguf") if not n.endswith(".lock")] == []
+    assert [n for n in os.listdir(model_cache / "gguf") if not n.endswith(".lock")] == []
 
 
 def test_cli_errors_are_one_line(tmp_path, builtin_copy):

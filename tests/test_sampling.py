@@ -9,30 +9,37 @@
 
 The reference for logits processing is ``transformers``' own processors (repetition penalty,
 temperature, top-k, top-p, in that order), not ``lookupdec.sampling.process_row``.
+
+Then the greedy walk's fast forms against ``accept_reference`` (every row's argmax): ``accept``
+over whole logits (ties, NaN, infinities, strided views), over partial logits (``PartialLogits``:
+the rows ``head_rows`` picks computed up front, the rest as the walk reaches them) and over the
+picks a skinny head makes as it writes the rows.
 """
 from __future__ import annotations
 
 import itertools
 import math
+import random
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from conftest import cached_references, cached_tiny
-from helpers import EOS, FakeTokenizer, OracleProposer, RandomTreeProposer
+from distributions import V, hf_processors, plain_probs, synthetic_logits, total_variation, tv_between, tv_bound
+from helpers import EOS, FakeTokenizer, OracleProposer, RandomTreeProposer, needs_core
 from lookupdec import Engine, EngineConfig
 from lookupdec.proposers import build_proposers
 from lookupdec.proposers.base import Draft
-from lookupdec.sampling import SamplingParams, accept, process_row, target_probs
+from lookupdec.request import top_tokens_reference
+from lookupdec.sampling import (PartialLogits, SamplingParams, accept, accept_reference, head_rows, process_row,
+                                target_probs)
 from lookupdec.tree import TokenTree
+from random_inputs import random_scored_tree, random_trie
 
-V = 6  # closed-form vocabulary
 CONTEXT = [1, 4, 4, 2]  # committed tokens; the root is the last one
 CLOSED_FORM_TOL = 1e-6
-FAILURE_PROB = 1e-6  # of each Monte Carlo bound
 
 PARAMS = {
     "plain": SamplingParams(temperature=1.0),
@@ -52,33 +59,7 @@ TREES = {
 }
 
 
-# -- the reference ---------------------------------------------------------------------------
-def synthetic_logits(prefix: tuple[int, ...]) -> torch.Tensor:
-    """A fixed 'target model' on V tokens: deterministic random logits per prefix.  [V]"""
-    seed = 0
-    for tok in prefix:
-        seed = (seed * 1_000_003 + tok + 1) % (2**31 - 1)
-    return 2.5 * torch.randn(V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float()
-
-
-def hf_processors(params: SamplingParams) -> LogitsProcessorList:
-    procs = LogitsProcessorList()
-    if params.repetition_penalty is not None:
-        procs.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
-    procs.append(TemperatureLogitsWarper(params.temperature))
-    if params.top_k is not None:
-        procs.append(TopKLogitsWarper(params.top_k))
-    if params.top_p is not None:
-        procs.append(TopPLogitsWarper(params.top_p))
-    return procs
-
-
-def plain_probs(logits: torch.Tensor, prefix: list[int], params: SamplingParams) -> torch.Tensor:
-    """What plain sampling draws from after ``prefix``, by transformers' processors.  [V]"""
-    scores = hf_processors(params)(torch.tensor([prefix]), logits[None].clone())
-    return scores[0].softmax(-1).double()
-
-
+# -- the reference (the synthetic target and plain sampling: support/distributions.py) ----------
 def plain_sequence_prob(prefix: list[int], seq: tuple[int, ...], params: SamplingParams) -> float:
     prob = 1.0
     for i, tok in enumerate(seq):
@@ -194,28 +175,7 @@ def test_closed_form_has_power():
 
 
 # -- 2. Monte Carlo --------------------------------------------------------------------------
-def tv_bound(probs, n: int, failure_prob: float = FAILURE_PROB) -> float:
-    """Upper bound on the total variation between the empirical distribution of ``n`` draws and
-    the true one ``probs``, holding with probability >= 1 - failure_prob:
-
-    E[TV] = 1/2 sum_i E|X_i/n - p_i| <= 1/2 sum_i sqrt(p_i (1 - p_i) / n)   (Jensen), and TV is a
-    function of n independent draws that changes by at most 1/n when one draw changes, so by
-    McDiarmid P(TV >= E[TV] + t) <= exp(-2 n t^2): t = sqrt(ln(1 / failure_prob) / (2 n)).
-    """
-    mean = 0.5 * sum(math.sqrt(p * (1 - p) / n) for p in probs)
-    return mean + math.sqrt(math.log(1 / failure_prob) / (2 * n))
-
-
-def total_variation(counts: Counter, exact: dict, n: int) -> float:
-    keys = set(counts) | set(exact)
-    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
-
-
 MC_DRAWS = 20_000
-
-
-def tv_between(a: dict, b: dict) -> float:
-    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
 
 @pytest.mark.parametrize("name", ["plain", "all_strong_penalty"])
@@ -420,3 +380,110 @@ def test_monte_carlo_first_two_tokens_in_batches():
     bound = tv_bound(exact.values(), E2E_SEEDS, E2E_FAILURE_PROB)
     assert tv <= bound, f"TV {tv:.4f} > bound {bound:.4f} (N={E2E_SEEDS}, K={len(exact)})"
     assert two_in_one_step > E2E_SEEDS // 5, "the tree was hardly used: the test would not exercise it"
+
+
+# -- 4. the greedy walk's fast forms --------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(100))
+def test_greedy_accept_equals_the_reference(seed):
+    rng = random.Random(seed)
+    # 1031, 3072, 3100: the compiled argmax's blocks of 1024, whole and with a tail
+    vocab = rng.choice((2, 4, 50, 1031, 3072, 3100))
+    tree = random_trie(rng, rng.randint(0, 30), vocab)
+    if rng.random() < 0.5:  # integer logits: many tied maxima (the first one wins in both)
+        logits = torch.randint(0, 3, (len(tree), vocab)).float()
+    else:
+        logits = torch.randn(len(tree), vocab, dtype=rng.choice((torch.float32, torch.float64)))
+    if rng.random() < 0.2:
+        logits[rng.randrange(len(tree)), rng.randrange(vocab)] = float("nan")
+    for _ in range(rng.randint(0, 3)):  # a maximum tied at two places, maybe blocks apart; inf, -inf rows
+        row, (a, b) = rng.randrange(len(tree)), sorted(rng.sample(range(vocab), 2))
+        logits[row, a] = logits[row, b] = rng.choice((10.0, float("inf")))
+    if rng.random() < 0.1:
+        logits[rng.randrange(len(tree))] = float("-inf")
+    # walk along the tree: each visited row's argmax is a child's token most of the time
+    node = 0
+    while tree.children[node] and rng.random() < 0.8:
+        token, child = rng.choice(sorted(tree.children[node].items()))
+        logits[node, token] = logits[node].nan_to_num(0.0).max() + 1.0
+        node = child
+    params = SamplingParams()
+    got, want = accept(tree, logits, params), accept_reference(tree, logits, params)
+    assert (got.accepted, got.next_token, got.bonus) == (want.accepted, want.next_token, want.bonus)
+    view = torch.randn(len(tree), 2 * vocab)[:, ::2]  # a strided view takes the same path
+    got, want = accept(tree, view, params), accept_reference(tree, view, params)
+    assert (got.accepted, got.next_token) == (want.accepted, want.next_token)
+
+
+@needs_core
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("top_k", [0, 4])
+@pytest.mark.parametrize("picked", [False, True])
+def test_walk_over_partial_rows_equals_the_walk_over_every_row(seed, top_k, picked):
+    """``picked``: the rows' best ids come with them (``PartialLogits.tops``, as the skinny
+    product makes them) and rows computed on demand get theirs."""
+    rng = np.random.default_rng(seed)
+    n, d, vocab = 40, 16, 64
+    tree = random_scored_tree(rng, n)
+    hidden = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
+    weight = torch.from_numpy(rng.standard_normal((vocab, d)).astype(np.float32))
+    weight[:3] *= 4.0  # tokens 0-2 usually win: the walk goes deep, past the rows computed up front
+    dense = hidden @ weight.T
+    project = lambda h: (h @ weight.T, 0.0)  # noqa: E731
+    rows = [0] if seed % 2 else head_rows(range(n), tree.expected, min_rows=2)
+    tops = np.asarray(top_tokens_reference(dense, rows, max(top_k, 1)), dtype=np.int32) if picked else None
+    partial = PartialLogits(tree, rows, dense[rows], hidden, project, tops=tops)
+    got = accept(tree, partial, SamplingParams(), top_k=top_k)
+    want = accept_reference(tree, dense, SamplingParams())
+    assert (got.accepted, got.next_token, got.bonus) == (want.accepted, want.next_token, want.bonus)
+    if top_k:
+        assert got.tops == top_tokens_reference(dense, [0, *got.accepted], top_k)
+    # the path's tokens, across walks resumed after a miss too
+    assert got.tokens == [tree.token_ids[u] for u in [0, *got.accepted]]
+    computed = partial.row_of >= 0
+    assert computed[[0, *got.accepted]].all()  # every visited row was computed, each once
+    assert partial.computed == int(computed.sum())
+    if rows == [0] and got.accepted:
+        assert partial.misses >= 1 and partial.computed < n
+    if picked:  # the rows computed on demand got their picks too
+        assert partial.tops.shape == (partial.computed, max(top_k, 1))
+        assert partial.tops.tolist() == top_tokens_reference(partial.logits, range(partial.computed), max(top_k, 1))
+    # every other path sees every row, in node order
+    assert torch.equal(partial.dense(), dense)
+
+
+@needs_core
+def test_the_walk_reads_the_picks_not_the_rows():
+    """With ``tops`` the walk follows the picks made as the rows were written: given rows of
+    zeros (whose argmax is token 0) and picks naming token 1 at the root, it takes the root's
+    child with token 1, and hands recycling the picks."""
+    tree = TokenTree(token_ids=[9, 0, 1], parents=[-1, 0, 0], expected=[1.0, 0.5, 0.5])
+    zeros = torch.zeros(3, 5)
+    tops = np.array([[1, 2], [3, 4], [4, 0]], dtype=np.int32)
+    got = accept(tree, PartialLogits(tree, [0, 1, 2], zeros, torch.zeros(3, 2), None, tops=tops), SamplingParams(),
+                 top_k=2)
+    assert (got.accepted, got.next_token, got.tops) == ([2], 4, [[1, 2], [4, 0]])
+    assert tree.greedy_walk(None, 2, None, 0, tops)[:4] == ([2], 4, True, [[1, 2], [4, 0]])  # no rows needed
+    with pytest.raises(ValueError, match="logits or choices"):
+        tree.greedy_walk(None, 2)
+
+
+@needs_core
+def test_sampling_on_partial_logits_takes_every_row():
+    rng = np.random.default_rng(0)
+    tree = random_scored_tree(rng, 12)
+    hidden = torch.from_numpy(rng.standard_normal((12, 8)).astype(np.float32))
+    weight = torch.from_numpy(rng.standard_normal((20, 8)).astype(np.float32))
+    dense = hidden @ weight.T
+    params = SamplingParams(temperature=0.8)
+    got = accept(tree, PartialLogits(tree, [0], dense[[0]], hidden, lambda h: (h @ weight.T, 0.0)), params,
+                 generator=torch.Generator().manual_seed(3))
+    want = accept(tree, dense, params, generator=torch.Generator().manual_seed(3))
+    assert (got.accepted, got.next_token) == (want.accepted, want.next_token)
+
+
+def test_head_rows_keep_the_likely_nodes_and_a_floor():
+    expected = [1.0, 0.9, 0.05, 0.3, 0.01, 0.2]
+    assert head_rows(range(6), expected, min_rows=2) == [0, 1, 3, 5]
+    assert head_rows(range(6), expected, min_rows=5) == [0, 1, 2, 3, 5]
+    assert head_rows(range(3), expected, min_rows=8) == [0, 1, 2]
+    assert head_rows([3, 4], expected, base=0.3, min_rows=1, threshold=0.1) == [3]  # 0.01 < 0.1 x 0.3

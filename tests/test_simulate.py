@@ -1,15 +1,16 @@
 """The replay simulator: accepted paths, MAT on a copy task, the CLI, and bad input."""
 import json
-from pathlib import Path
 
 import pytest
 
+from helpers import needs_llama_tokenizer
 from lookupdec.cli import main
 from lookupdec.config import EngineConfig
 from lookupdec.proposers import build_proposers
 from lookupdec.proposers.base import Draft
 from lookupdec.simulate import accepted_path, replay
 from lookupdec.tree import TokenTree
+from repo_paths import LLAMA_SP
 
 
 def test_accepted_path_follows_the_response():
@@ -53,19 +54,16 @@ def test_cli_simulate_bad_line(tmp_path, capsys):
     assert "bad.jsonl:2" in capsys.readouterr().err
 
 
-LLAMA2_TOKENIZER = Path(__file__).resolve().parents[2] / "shared/data/tokenizers/llama2/tokenizer.model"
-
-
-@pytest.mark.skipif(not LLAMA2_TOKENIZER.exists(), reason="../shared tokenizer absent")
+@needs_llama_tokenizer
 def test_cli_simulate_missing_field(tmp_path, capsys):
     path = tmp_path / "missing.jsonl"
     path.write_text('{"id": "a", "prompt": "hello"}\n')
-    assert main(["simulate", "--input", str(path), "--tokenizer", str(LLAMA2_TOKENIZER)]) == 2
+    assert main(["simulate", "--input", str(path), "--tokenizer", LLAMA_SP]) == 2
     assert "missing.jsonl:1: field 'response'" in capsys.readouterr().err
 
 
 # -- bad inputs name FILE:LINE (issue 13) ----------------------------------------------------------
-@pytest.mark.skipif(not LLAMA2_TOKENIZER.exists(), reason="../shared tokenizer absent")
+@needs_llama_tokenizer
 @pytest.mark.parametrize("content, message", [
     (b'{"prompt_ids": [1], "response_ids": [2]}\n[1, 2]\n', "in.jsonl:2: expected a JSON object"),
     (b'"just a string"\n', "in.jsonl:1: expected a JSON object, found a JSON string"),
@@ -78,7 +76,7 @@ def test_cli_simulate_missing_field(tmp_path, capsys):
 def test_cli_simulate_bad_records_name_file_and_line(tmp_path, capsys, content, message):
     path = tmp_path / "in.jsonl"
     path.write_bytes(content)
-    assert main(["simulate", "--input", str(path), "--tokenizer", str(LLAMA2_TOKENIZER)]) == 2
+    assert main(["simulate", "--input", str(path), "--tokenizer", LLAMA_SP]) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("lookupdec: error: ") and err.count("\n") == 1, err
 
@@ -88,18 +86,18 @@ def test_cli_simulate_missing_input(tmp_path, capsys):
     assert "--input" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not LLAMA2_TOKENIZER.exists(), reason="../shared tokenizer absent")
+@needs_llama_tokenizer
 def test_cli_simulate_empty_response_is_reported_not_dropped(tmp_path, capsys, caplog):
     path = tmp_path / "in.jsonl"
     path.write_text(json.dumps({"prompt": "Hello there", "response": ""}) + "\n"
                     + json.dumps({"prompt": "Hello there", "response": "General Kenobi"}) + "\n")
-    assert main(["simulate", "--input", str(path), "--tokenizer", str(LLAMA2_TOKENIZER), "--json"]) == 0
+    assert main(["simulate", "--input", str(path), "--tokenizer", LLAMA_SP, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["records"] == 1 and out["skipped_empty_responses"] == [f"{path}:1"]
     assert f"{path}:1: empty response" in caplog.text
 
 
-@pytest.mark.skipif(not LLAMA2_TOKENIZER.exists(), reason="../shared tokenizer absent")
+@needs_llama_tokenizer
 def test_cli_simulate_retrieval_named_with_an_index(tmp_path, capsys):
     """`--proposers ngram,suffix,retrieval --index DIR` failed ("'retrieval' needs retrieval.index")."""
     from lookupdec.index import build_index
@@ -110,16 +108,16 @@ def test_cli_simulate_retrieval_named_with_an_index(tmp_path, capsys):
     (corpus / "a.txt").write_text(story)
     from lookupdec.model import load_tokenizer
 
-    build_index([str(corpus)], tokenizer=load_tokenizer(str(LLAMA2_TOKENIZER)), out=str(tmp_path / "idx"), chunk_tokens=16,
+    build_index([str(corpus)], tokenizer=load_tokenizer(LLAMA_SP), out=str(tmp_path / "idx"), chunk_tokens=16,
                 progress=False)
     path = tmp_path / "in.jsonl"
     path.write_text(json.dumps({"prompt": "Story: The quick brown", "response": story[15:120]}) + "\n")
     for proposers in ("ngram,suffix,retrieval", "retrieval", "ngram,suffix"):
-        assert main(["simulate", "--input", str(path), "--tokenizer", str(LLAMA2_TOKENIZER), "--proposers", proposers,
+        assert main(["simulate", "--input", str(path), "--tokenizer", LLAMA_SP, "--proposers", proposers,
                      "--index", str(tmp_path / "idx"), "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert "retrieval" in out["proposers"] and out["accepted_share_by_source"].get("retrieval", 0) > 0, out
     assert out["proposers"] == ["ngram", "suffix", "retrieval"]
-    assert main(["simulate", "--input", str(path), "--tokenizer", str(LLAMA2_TOKENIZER), "--proposers",
+    assert main(["simulate", "--input", str(path), "--tokenizer", LLAMA_SP, "--proposers",
                  "ngram,retrieval"]) == 2
     assert "--proposers retrieval needs --index" in capsys.readouterr().err

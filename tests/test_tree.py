@@ -8,8 +8,10 @@ import random
 import numpy as np
 import pytest
 
+from helpers import draft_paths
 from lookupdec.proposers.base import Draft
 from lookupdec.tree import TokenTree
+from random_inputs import random_drafts  # (test_budget.py imports it from here)
 
 BIG = 10**6  # a budget that prunes nothing
 
@@ -80,30 +82,6 @@ def test_invalid_trees_are_rejected():
         Draft((1, 2), (-1, 0), (0.5,), "t")
 
 
-def random_drafts(rng: random.Random, vocab: int = 4) -> list[Draft]:
-    """Random drafts over a small vocabulary (so that drafts share prefixes and merge)."""
-    drafts = []
-    for d in range(rng.randint(1, 4)):
-        size = rng.randint(1, 10)
-        parents = [rng.randint(-1, i - 1) for i in range(size)]
-        tokens = [rng.randrange(vocab) for _ in range(size)]
-        scores = [rng.uniform(0.0, 1.0) for _ in range(size)]
-        drafts.append(Draft(tuple(tokens), tuple(parents), tuple(scores), f"src{d % 2}"))
-    return drafts
-
-
-def draft_paths(draft: Draft, max_depth: int) -> set[tuple[int, ...]]:
-    paths = set()
-    for i in range(len(draft.token_ids)):
-        path, node = [], i
-        while node >= 0:
-            path.append(draft.token_ids[node])
-            node = draft.parents[node]
-        if len(path) <= max_depth:
-            paths.add(tuple(reversed(path)))
-    return paths
-
-
 @pytest.mark.parametrize("seed", range(100))
 def test_random_drafts_against_brute_force(seed):
     rng = random.Random(seed)
@@ -112,7 +90,7 @@ def test_random_drafts_against_brute_force(seed):
     full = TokenTree.from_drafts(0, drafts, max_nodes=BIG, max_depth=max_depth)
 
     # trie merge: exactly the draft paths (depth-capped), each once, children distinct
-    want = set().union(*(draft_paths(d, max_depth) for d in drafts))
+    want = draft_paths(drafts, max_depth)
     assert all_paths(full) == want
     assert len(full) == 1 + len(want)
     for node in range(len(full)):

@@ -1,19 +1,18 @@
 """One set of checks for every entry point (lookupdec/validate.py): the Python API, the CLI
-(one line, exit 2) and the server (400 naming the field, test_server_app.py) refuse the same
+(one line, exit 2) and the server (400 naming the field, server/test_server_app.py) refuse the same
 values: non-finite or out-of-range sampling values, seeds outside 0 .. 2**64 - 1, devices this
 machine lacks."""
 import math
-import os
 
 import pytest
 import torch
 
+from helpers import needs_stories, run_cli
 from lookupdec.cli import main
 from lookupdec.sampling import SamplingParams
 from lookupdec.validate import MAX_STOP_CHARS, SEED_MAX, ParamError, check_device, check_sampling, check_seed, check_stop
+from repo_paths import STORIES
 
-STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "stories260K")
-needs_stories = pytest.mark.skipif(not os.path.isdir(STORIES), reason="../shared/models/stories260K is absent")
 HUGE_SEED = 1180591620717411303424  # 2**70, the issue's probe
 
 
@@ -121,12 +120,6 @@ def test_engine_from_pretrained_refuses_a_missing_device():
         Engine.from_pretrained(STORIES, device="cuda:99")
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @needs_stories
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "inf"], "temperature=inf"),
@@ -141,7 +134,7 @@ def run(capsys, *argv):
     (["--device", "gpu"], "device='gpu'"),
 ])
 def test_generate_bad_values_one_line_exit_2(capsys, args, message):
-    code, out, err = run(capsys, "generate", "--model", STORIES, "--prompt", "x", "--max-new-tokens", "2", *args)
+    code, out, err = run_cli(capsys, "generate", "--model", STORIES, "--prompt", "x", "--max-new-tokens", "2", *args)
     assert code == 2 and not out
     assert err.startswith("lookupdec: error: ") and message in err and err.count("\n") == 1, err
 
@@ -149,7 +142,7 @@ def test_generate_bad_values_one_line_exit_2(capsys, args, message):
 @needs_stories
 def test_serve_with_a_missing_device_one_line_exit_2(capsys):
     pytest.importorskip("fastapi")
-    code, _, err = run(capsys, "serve", "--model", STORIES, "--device", "cuda:99")
+    code, _, err = run_cli(capsys, "serve", "--model", STORIES, "--device", "cuda:99")
     assert code == 2 and err.startswith("lookupdec: error: device=") and err.count("\n") == 1, err
 
 
@@ -163,7 +156,7 @@ def test_rewrite_bad_values_one_line_exit_2(capsys, tmp_path, args, message):
     source = tmp_path / "in.txt"
     source.write_text("one\ntwo\n")
     out_path = tmp_path / "out.jsonl"
-    code, _, err = run(capsys, "rewrite", "--model", STORIES, "--input", str(source), "--output", str(out_path),
+    code, _, err = run_cli(capsys, "rewrite", "--model", STORIES, "--input", str(source), "--output", str(out_path),
                        "--instruction", "Rewrite", "--max-new-tokens", "2", *args)
     assert code == 2 and message in err and err.count("\n") == 1, err
     assert not out_path.exists() or out_path.read_text() == ""

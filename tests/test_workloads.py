@@ -9,8 +9,8 @@ import os
 import pytest
 
 from lookupdec.workloads import LOG_LINES_PER_RECORD, WORKLOADS, code_edit, humaneval, loghub, mtbench, read_jsonl
+from repo_paths import DATA
 
-DATA = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
 needs_data = pytest.mark.skipif(not os.path.isdir(DATA), reason="../shared/data absent")
 
 

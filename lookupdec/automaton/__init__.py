@@ -11,7 +11,7 @@ ending at ``e`` is ``tokens[e - len(s):e]`` and its *next token* is ``tokens[e]`
 vocabulary up to 2**31 - 1; ids above 65,535 are ordinary); the stream holds up to 2**29 - 1
 tokens (int32 state and edge ids).
 
-Worked example (tests/test_automaton.py uses the same arrays)::
+Worked example (tests/automaton/test_automaton.py uses the same arrays)::
 
     tokens  = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 6]
     context = [0, 1, 2]

@@ -28,11 +28,11 @@ docs/design/measurements-from-comments.md):
   requests' latency.) The transposed and packed
   copies of the weight are made once (``prepare``, kept out of the engine's cost timings).
 
-Every form computes the same float32 sums up to rounding (tests/test_kernels.py). ``swapped``
+Every form computes the same float32 sums up to rounding (tests/model/test_kernels.py). ``swapped``
 puts them in for the duration of ``TargetModel``'s own forwards only, so the model object it
 was handed behaves as before everywhere else (e.g. ``transformers.generate`` on the same model
 in a benchmark). Greedy identity with ``transformers`` is tested as everywhere
-(``tests/test_real_model.py``, ``tests/test_greedy_identity.py``).
+(``tests/system/test_real_model.py``, ``tests/system/test_greedy_identity.py``).
 """
 from __future__ import annotations
 

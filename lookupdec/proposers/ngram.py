@@ -20,7 +20,7 @@ Scores estimate acceptance: the first token of branch ``r`` found with match len
 
 The index and the drafts run in the compiled core (``csrc/ngram.cpp``: the same ranking, ties
 and float operations) when it is built; ``backend="reference"`` runs the pure-Python definition
-below (``tests/test_fast_paths.py`` compares them).
+below (``tests/proposers/test_ngram.py`` compares them).
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ struct CellMemo {
 // merge, so a merge allocates only the tree it returns (the allocator's instructions per step
 // were a visible share of the overhead replay's). They grow to the largest merge seen
 // and stay. Every array is emptied or sized before it is read: a merge's result never depends on
-// the one before (tests/test_fused_plan.py's twins fail when one is not). Defined in tree.cpp;
+// the one before (tests/test_mixture_plan.py's twins fail when one is not). Defined in tree.cpp;
 // make one with new_merge_scratch().
 struct MergeScratch;
 struct MergeScratchDeleter {
