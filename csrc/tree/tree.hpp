@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "topk.hpp"
+#include "common/topk.hpp"
 
 namespace lookupdec {
 

@@ -1,6 +1,6 @@
 // The step's tree merge; see tree.hpp. Comments name the lines of lookupdec/tree.py's
 // reference (from_drafts_reference, coherent_scores, select_top_nodes) each part mirrors.
-#include "tree.hpp"
+#include "tree/tree.hpp"
 
 #include <algorithm>
 #include <cmath>

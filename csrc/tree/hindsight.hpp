@@ -8,7 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tree.hpp"
+#include "tree/tree.hpp"
 
 namespace lookupdec {
 

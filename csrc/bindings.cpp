@@ -23,19 +23,19 @@
 #include <string>
 #include <vector>
 
-#include "automaton.hpp"
-#include "ngram.hpp"
-#include "recycle.hpp"
-#include "suffix_drafts.hpp"
-#include "skinny.hpp"
-#include "rotary.hpp"
-#include "norm.hpp"
-#include "attention.hpp"
+#include "drafting/automaton.hpp"
+#include "drafting/ngram.hpp"
+#include "drafting/recycle.hpp"
+#include "drafting/suffix_drafts.hpp"
+#include "kernels/skinny.hpp"
+#include "kernels/rotary.hpp"
+#include "kernels/norm.hpp"
+#include "kernels/attention.hpp"
 #if defined(LOOKUPDEC_OPENMP)
 #include <omp.h>
 #endif
-#include "tree.hpp"
-#include "hindsight.hpp"
+#include "tree/tree.hpp"
+#include "tree/hindsight.hpp"
 
 namespace nb = nanobind;
 using lookupdec::Automaton;

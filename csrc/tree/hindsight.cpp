@@ -1,4 +1,4 @@
-#include "hindsight.hpp"
+#include "tree/hindsight.hpp"
 
 #include <algorithm>
 #include <cmath>
