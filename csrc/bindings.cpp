@@ -34,6 +34,7 @@
 #if defined(LOOKUPDEC_OPENMP)
 #include <omp.h>
 #endif
+#include "common/topk.hpp"
 #include "tree/tree.hpp"
 #include "tree/hindsight.hpp"
 

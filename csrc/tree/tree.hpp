@@ -10,7 +10,6 @@
 #include <memory>
 #include <vector>
 
-#include "common/topk.hpp"
 
 namespace lookupdec {
 
@@ -187,22 +186,12 @@ int64_t choose_tree_nodes(const MergedTree& tree, const double* sizes, const dou
 void cost_curve(const double* sizes, const double* seconds, const double* counts, int64_t n, int64_t upto,
                 double optimism, bool optimistic, bool padded, std::vector<double>* out);
 
-// The index of the largest of x[0:n], numpy's and torch's argmax: the first NaN if there is one,
-// else the first maximum (AVX2 where the CPU has it).
-int64_t row_argmax(const float* x, int64_t n);
-
-// The k largest of x[0:n] as repeated argmax with each pick set to -inf takes them
-// (lookupdec.engine.top_tokens' reference): NaNs first (by index), then values descending (ties
-// by index), entries of -inf never, then index 0 repeated once those run out; min(k, n) picks.
-void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out);
-
-
 // Greedy acceptance (lookupdec.sampling.accept, greedy without logits processing): from the
 // root, follow the child whose token is the argmax of the node's row of `logits` ([rows,
 // vocab], rows >= nodes, row r at logits + r * row_stride); stop at the first node without
 // such a child. Returns the accepted nodes; *next_token is that node's argmax, *bonus whether
 // it has no children at all. With top_k > 0, each visited row is read once for its top_k
-// (row_topk, appended to *tops in visiting order: the root's row, then each accepted node's),
+// (row_topk, common/topk.hpp, appended to *tops in visiting order: the root's row, then each accepted node's),
 // whose first is the argmax: what token recycling keeps, without a second pass.
 // With row_of (one entry per node), node u's logits are row row_of[u] of `logits`; where the
 // walk reaches a node whose entry is -1 it stops, sets *missing to that node (else -1) and
