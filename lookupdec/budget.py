@@ -33,7 +33,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from lookupdec import cache_file
-from lookupdec.tree import (CELLS_PER_ROW, COND_MIDS, MATCH_BUCKETS, Calibration, Draft, _core, calibration_row_key,
+from lookupdec.native import tree as _core  # the compiled core's tree submodule, None where not built
+from lookupdec.tree import (CELLS_PER_ROW, COND_MIDS, MATCH_BUCKETS, Calibration, Draft, calibration_row_key,
                             observe_draft)
 
 

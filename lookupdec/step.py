@@ -38,7 +38,8 @@ from typing import Callable, Sequence
 
 from lookupdec.budget import SIZE_DECAY, AcceptanceCalibrator, CostModel, DraftBudget, SizeRecord, choose_tree_nodes
 from lookupdec.mixture import Mixture
-from lookupdec.tree import Draft, TokenTree, _core
+from lookupdec.native import tree as _core  # the compiled core's tree submodule, None where not built
+from lookupdec.tree import Draft, TokenTree
 
 SCALE_PRIOR = 2.0  # accepted draft tokens behind the initial correction of 1
 SCALE_DECAY = 0.95  # per verified tree

@@ -62,7 +62,8 @@ def test_choose_tree_nodes_equals_the_reference_on_the_trees_gains(seed):
     estimates (one size or many, all below or above the tree's size, equal neighbours, counts
     under 1), budgets, overheads and corrections, a scalar or one per node count."""
     from lookupdec.budget import choose_num_nodes_reference, choose_tree_nodes, choose_tree_nodes_reference
-    from lookupdec.tree import TokenTree, _core
+    from lookupdec.native import tree as _core
+    from lookupdec.tree import TokenTree
     from test_tree import random_drafts
 
     rng = random.Random(seed)
@@ -143,7 +144,7 @@ class DictSizeRecord:
 def test_size_record_scales_compiled_and_as_defined(seed):
     """``SizeRecord.scales`` from its table equals the dict definition it replaced, and the core's
     ``size_scales`` (what ``choose_tree_nodes(record=)`` reads) equals both, bit for bit."""
-    from lookupdec.tree import _core
+    from lookupdec.native import tree as _core
 
     rng = random.Random(seed)
     record, defined = SizeRecord(), DictSizeRecord()
@@ -166,7 +167,8 @@ def test_size_record_scales_compiled_and_as_defined(seed):
 
 def test_choose_tree_nodes_reads_a_python_tree_and_checks_its_arguments():
     from lookupdec.budget import choose_tree_nodes
-    from lookupdec.tree import Draft, TokenTree, _core
+    from lookupdec.native import tree as _core
+    from lookupdec.tree import Draft, TokenTree
 
     drafts = [Draft((5, 6, 7), (-1, 0, 1), (0.9, 0.8, 0.05), "a")]
     cost = CostModel([1, 2, 4], [1.0, 1.1, 1.3])
@@ -190,7 +192,7 @@ def test_compiled_cost_curve_equals_the_reference(seed):
     four readings."""
     import numpy as np
 
-    from lookupdec.tree import _core
+    from lookupdec.native import tree as _core
 
     if _core is None:
         pytest.skip("compiled core not built")

@@ -132,7 +132,7 @@ def test_hindsight_is_what_each_prefix_tree_would_accept():
 
 
 def test_compiled_hindsight_book_is_its_reference():
-    """``SizeHindsight`` in the core (``_core.ShadowBook``) and its Python reference, fed the same
+    """``SizeHindsight`` in the core (``native.tree.ShadowBook``) and its Python reference, fed the same
     steps of several interleaved requests (random trees, committed tokens often along them, steps
     without a shadow, requests stopped with shadows pending), leave the size records' tables bit
     for bit alike, step after step."""
