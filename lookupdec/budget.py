@@ -45,7 +45,6 @@ SEED_SIZES = (1, 4, 16, 64)  # an engine's first context bucket: one forward eac
 COST_CACHE_VERSION = 5  # 3: the key names the kernels (model/kernels.py); 4: the body packs only where faster;
 # 5: kernel forms re-checked while running (curves cached before measured choices since corrected)
 MAX_CACHED_CURVES = 32  # the cost cache keeps the curves updated last
-MAX_CACHED_FORMS = 8  # ... and the kernel forms (model/kernels.py) of this many setups updated last
 CALIBRATION_REPEATS = 3  # forwards per size; the minimum is kept (least noisy)
 COST_LEARNING_RATE = 0.1  # an observed forward moves its size's estimate this far (after the first few)
 COST_SPIKE = 2.0  # an observation above this many times the estimate counts as this many times
@@ -460,17 +459,6 @@ def cost_key(model_config: dict, device, dtype, context_tokens: int, kernels: st
     return f"{model}|{where}|{dtype}|ctx{context_tokens}|torch{torch.__version__}|{kernels}"
 
 
-def forms_key(model_config: dict, device, dtype, kernels: str = "") -> str:
-    """What the kernel forms chosen on CPU (``model/kernels.py``) depend on besides the row and
-    thread counts their own keys hold: the architecture, the machine, the dtype, torch's version
-    (``cost_key`` less the context bucket and the thread count) and the forms on offer
-    (``TargetModel.kernels``: choices made without a form are made again once it is there)."""
-    import torch
-
-    model, where = _setup(model_config, device)
-    return f"{model}|{where}|{dtype}|torch{torch.__version__}|{kernels}"
-
-
 def _read_cache() -> dict | None:
     """The cost cache's document, or None (no cache, unusable or unreadable, another version:
     ``cache_file.read``)."""
@@ -521,20 +509,6 @@ def load_cached_cost(key: str) -> CostModel | None:
 def store_cached_cost(key: str, cost: CostModel) -> None:
     """Add one curve to the cache file (atomically; an unwritable cache is only logged)."""
     _update_cache("curves", key, cost.to_dict(), MAX_CACHED_CURVES)
-
-
-def load_cached_forms(key: str) -> dict:
-    """The kernel forms kept for ``key`` (``forms_key``; ``model/kernels.kernel_forms``' shape),
-    or {} (none kept, or unreadable)."""
-    doc = _read_cache()
-    forms = doc.get("forms") if doc else None
-    entry = forms.get(key) if isinstance(forms, dict) else None
-    return {part: v for part, v in entry.items() if part != "updated"} if isinstance(entry, dict) else {}
-
-
-def store_cached_forms(key: str, forms: dict) -> None:
-    """Keep the kernel forms chosen in this process for the next ones (``_update_cache``)."""
-    _update_cache("forms", key, forms, MAX_CACHED_FORMS)
 
 
 SOURCE_PRIOR_WEIGHT = 1.0  # a source starts at factor 1, worth this many predicted tokens

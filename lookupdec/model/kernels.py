@@ -857,7 +857,7 @@ def _choosers(head: FastHead | None, body: PackedLinears | None) -> tuple:
 
 
 def kernel_forms(head: FastHead | None, body: PackedLinears | None) -> dict:
-    """The forms chosen so far, for the cost cache (``budget.store_cached_forms``):
+    """The forms chosen so far, for the cost cache (``kernel_forms.store_cached_forms``):
     ``{"head": {"rows,threads": form}, "body": {...}}`` (a part without a chooser left out)."""
     return {part: {f"{rows},{threads}": form for (rows, threads), form in sorted(chooser.choice.items())}
             for part, chooser in _choosers(head, body) if chooser is not None}
@@ -865,7 +865,7 @@ def kernel_forms(head: FastHead | None, body: PackedLinears | None) -> dict:
 
 def seed_kernel_forms(head: FastHead | None, body: PackedLinears | None, forms: dict) -> int:
     """Give ``head`` and ``body`` the choices ``kernel_forms`` wrote (another process's on the
-    same machine, model architecture, dtype and torch: ``budget.forms_key``), so their buckets
+    same machine, model architecture, dtype and torch: ``kernel_forms.forms_key``), so their buckets
     skip the trials (``FormChooser.seed``); entries that do not parse are skipped. Returns how
     many choices were taken."""
     taken = 0
