@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from lookupdec.tree import (CELLS_PER_ROW, COND_MIDS, MATCH_BUCKETS, Calibration, Draft, _core, calibration_row_key,
+from lookupdec.native import tree as native_tree  # the compiled tree submodule, None where not built
+from lookupdec.tree import (CELLS_PER_ROW, COND_MIDS, MATCH_BUCKETS, Calibration, Draft, calibration_row_key,
                             observe_draft)
 
 CALIBRATION_SECONDS = 2.0  # cap on a full measurement (``CostModel.measure``, benchmarks)
@@ -214,9 +215,8 @@ class CostModel:
         next ``observe``; compiled where built (``dense_reference``, bit for bit)."""
         cached = self._curves.get(padded)
         if cached is None or len(cached) <= upto:
-            if _core is not None and hasattr(_core, "cost_curve"):
-                cached = np.frombuffer(_core.cost_curve(self.sizes, self.seconds, self.raw_counts, upto, 0.0,
-                                                        False, padded, self.count_scale), np.float64)
+            if native_tree is not None and hasattr(native_tree, "cost_curve"):
+                cached = np.frombuffer(native_tree.cost_curve(self.sizes, self.seconds, upto, padded), np.float64)
             else:
                 cached = self.dense_reference(upto, padded=padded)
             self._curves[padded] = cached
@@ -293,7 +293,7 @@ class AcceptanceCalibrator:
     def __init__(self, backend: str = "auto") -> None:
         if backend not in ("auto", "reference"):
             raise ValueError(f"AcceptanceCalibrator: backend must be 'auto' or 'reference', not {backend!r}")
-        self.compiled = backend == "auto" and _core is not None and hasattr(_core, "calibration_table")
+        self.compiled = backend == "auto" and native_tree is not None and hasattr(native_tree, "calibration_table")
         self._rows: dict = {}  # (source, match bucket) -> row of the tables
         self._row_source: list[str] = []
         self._sources: dict[str, int] = {}  # source -> its index (the compiled calibration's)
@@ -348,7 +348,7 @@ class AcceptanceCalibrator:
         between steps): accepted over reached, leaning on the row's factor times the cell's mean
         claimed probability (``CELL_PRIOR_WEIGHT`` observations' worth, at most ``MAX_PRIOR_PROB``)."""
         if self._calibration is None and self.compiled:
-            table, by_row, by_source = _core.calibration_table(
+            table, by_row, by_source = native_tree.calibration_table(
                 self._reached, self._predicted, self._matched, self._row_source_index, len(self._sources),
                 _COND_MIDS_BYTES, SOURCE_PRIOR_WEIGHT, ROW_PRIOR_WEIGHT, CELL_PRIOR_WEIGHT, MAX_FACTOR, MAX_PRIOR_PROB)
             if self._rows_copy is None:  # the rows change only when a draft brings a new one
@@ -368,7 +368,7 @@ class AcceptanceCalibrator:
         """What ``TokenTree.from_drafts`` reads instead of ``calibration()`` to compute only the
         cells its drafts read (bit for bit as the table): ``(rows, sources, counts)``; None on the
         reference backend."""
-        if not self.compiled or not hasattr(_core, "merge_drafts_counts"):
+        if not self.compiled or not hasattr(native_tree, "merge_drafts_counts"):
             return None
         return self._rows, self._sources, (
             self._reached, self._predicted, self._matched, self._row_source_index, len(self._sources),
@@ -408,7 +408,7 @@ class AcceptanceCalibrator:
                 if row is None:
                     row = row_by_match[draft.source, draft.match_length] = self._row(draft)
                 rows.append(row)
-            _core.learn_drafts(self._reached, self._predicted, self._matched, HISTORY_DECAY, rows,
+            native_tree.learn_drafts(self._reached, self._predicted, self._matched, HISTORY_DECAY, rows,
                                [draft.packed() for draft in drafts], committed)
             return
         self._reached *= HISTORY_DECAY
@@ -463,12 +463,11 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
     >>> choose_num_nodes([0.9, 0.8, 0.01], cost, 0.0, 3)   # the third node is not worth 0.1
     2
     """
-    if _core is not None and hasattr(_core, "choose_num_nodes"):  # the same operations, compiled
+    if native_tree is not None and hasattr(native_tree, "choose_num_nodes"):  # the same operations, compiled
         if not len(sorted_scores) or max_nodes <= 0:
             return 0
         upto = min(len(sorted_scores), max_nodes) + 1
-        return _core.choose_num_nodes(sorted_scores, cost.dense(upto, padded=False), overhead_s, max_nodes,
-                                      [scale] * upto)
+        return native_tree.choose_num_nodes(sorted_scores, cost.dense(upto, padded=False), overhead_s, max_nodes, scale)
     return choose_num_nodes_reference(sorted_scores, cost, overhead_s, max_nodes, scale)
 
 
@@ -482,8 +481,7 @@ def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int, 
     count = min(len(core) - 1, max_nodes)
     if count <= 0:
         return 0
-    return core.choose_num_nodes(cost.sizes, cost.seconds, cost.raw_counts, 0.0, overhead_s, max_nodes,
-                                 [scale] * (count + 1), cost.count_scale)
+    return core.choose_num_nodes(cost.sizes, cost.seconds, overhead_s, max_nodes, scale)
 
 
 def choose_num_nodes_reference(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float,

@@ -1,5 +1,5 @@
-"""The cost cache: measured cost curves (``budget.CostModel``) and the kernel forms chosen on
-CPU (``model/kernels.py``), kept between processes in one JSON file.
+"""The cost cache: measured cost curves (``budget.CostModel``), and the file it shares with the
+kernel forms chosen on CPU (``model/kernel_forms.py``), kept between processes in one JSON file.
 
 ``~/.cache/lookupdec/cost_curves.json`` (``$XDG_CACHE_HOME``), or ``$LOOKUPDEC_COST_CACHE`` (a
 file; ``off`` disables it). Versioned, keyed by architecture, device, dtype, thread count and
@@ -24,7 +24,6 @@ log = logging.getLogger("lookupdec")
 COST_CACHE_VERSION = 5  # 3: the key names the kernels (model/kernels.py); 4: the body packs only where faster;
 # 5: kernel forms re-checked while running (curves cached before measured choices since corrected)
 MAX_CACHED_CURVES = 32  # the cost cache keeps the curves updated last
-MAX_CACHED_FORMS = 8  # ... and the kernel forms (model/kernels.py) of this many setups updated last
 
 
 def cost_cache_path() -> str | None:
@@ -38,7 +37,7 @@ def cost_cache_path() -> str | None:
     return os.path.join(base, "lookupdec", "cost_curves.json")
 
 
-def _setup(model_config: dict, device) -> tuple[str, str]:
+def setup(model_config: dict, device) -> tuple[str, str]:
     """The architecture (not the weights' values: ``model_type-digest``) and the device (on CPU:
     the machine and its core count; not the thread count)."""
     import torch
@@ -57,24 +56,13 @@ def cost_key(model_config: dict, device, dtype, context_tokens: int, kernels: st
     kernels the forwards use (``TargetModel.kernels``)."""
     import torch
 
-    model, where = _setup(model_config, device)
+    model, where = setup(model_config, device)
     if torch.device(device).type != "cuda":
         where += f":{torch.get_num_threads()}threads"
     return f"{model}|{where}|{dtype}|ctx{context_tokens}|torch{torch.__version__}|{kernels}"
 
 
-def forms_key(model_config: dict, device, dtype, kernels: str = "") -> str:
-    """What the kernel forms chosen on CPU (``model/kernels.py``) depend on besides the row and
-    thread counts their own keys hold: the architecture, the machine, the dtype, torch's version
-    (``cost_key`` less the context bucket and the thread count) and the forms on offer
-    (``TargetModel.kernels``: choices made without a form are made again once it is there)."""
-    import torch
-
-    model, where = _setup(model_config, device)
-    return f"{model}|{where}|{dtype}|torch{torch.__version__}|{kernels}"
-
-
-def _read_cache() -> dict | None:
+def read_cache() -> dict | None:
     """The cost cache's document, or None (no cache, unusable or unreadable, another version:
     ``cache_file.read``)."""
     path = cost_cache_path()
@@ -82,7 +70,7 @@ def _read_cache() -> dict | None:
     return doc if isinstance(doc, dict) and doc.get("version") == COST_CACHE_VERSION else None
 
 
-def _update_cache(section: str, key: str, entry: dict, bound: int) -> None:
+def update_cache(section: str, key: str, entry: dict, bound: int) -> None:
     """Put ``entry`` under ``doc[section][key]`` in the cache file, the ``bound`` entries of the
     section updated last kept (atomically, the other sections as they were; a cache that is not
     a regular file, or unwritable, is left alone: ``cache_file.write``)."""
@@ -90,7 +78,7 @@ def _update_cache(section: str, key: str, entry: dict, bound: int) -> None:
     if not path:
         return
     try:
-        doc = _read_cache() or {"version": COST_CACHE_VERSION}
+        doc = read_cache() or {"version": COST_CACHE_VERSION}
         part = doc.setdefault(section, {})
         if not isinstance(part, dict):
             part = doc[section] = {}
@@ -106,7 +94,7 @@ def _update_cache(section: str, key: str, entry: dict, bound: int) -> None:
 
 
 def load_cached_cost(key: str) -> CostModel | None:
-    doc = _read_cache()
+    doc = read_cache()
     try:
         entry = doc["curves"][key] if doc else None
         if not entry:
@@ -123,18 +111,4 @@ def load_cached_cost(key: str) -> CostModel | None:
 
 def store_cached_cost(key: str, cost: CostModel) -> None:
     """Add one curve to the cache file (atomically; an unwritable cache is only logged)."""
-    _update_cache("curves", key, cost.to_dict(), MAX_CACHED_CURVES)
-
-
-def load_cached_forms(key: str) -> dict:
-    """The kernel forms kept for ``key`` (``forms_key``; ``model/kernels.kernel_forms``' shape),
-    or {} (none kept, or unreadable)."""
-    doc = _read_cache()
-    forms = doc.get("forms") if doc else None
-    entry = forms.get(key) if isinstance(forms, dict) else None
-    return {part: v for part, v in entry.items() if part != "updated"} if isinstance(entry, dict) else {}
-
-
-def store_cached_forms(key: str, forms: dict) -> None:
-    """Keep the kernel forms chosen in this process for the next ones (``_update_cache``)."""
-    _update_cache("forms", key, forms, MAX_CACHED_FORMS)
+    update_cache("curves", key, cost.to_dict(), MAX_CACHED_CURVES)

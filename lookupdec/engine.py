@@ -167,7 +167,7 @@ class Engine:
         # the kernel forms another process chose on this machine (model/kernels.py): no trials for them
         self._forms_key = self._forms_stored = None
         if self.target.fast_head is not None or self.target.body is not None:
-            from lookupdec.cost_cache import forms_key, load_cached_forms
+            from lookupdec.model.kernel_forms import forms_key, load_cached_forms
 
             self._forms_key = forms_key(self.target.config.to_dict(), self.target.device, self.target.dtype,
                                         self.target.kernels)
@@ -496,12 +496,12 @@ class Engine:
 
     def store_forms(self) -> None:
         """Write the kernel forms chosen since the last write to the cost cache, for the next
-        process (``cost_cache.store_cached_forms``): nothing while no choice changed."""
+        process (``kernel_forms.store_cached_forms``): nothing while no choice changed."""
         if self._forms_key is None:
             return
         forms = self.target.kernel_forms()
         if forms != self._forms_stored:
-            from lookupdec.cost_cache import store_cached_forms
+            from lookupdec.model.kernel_forms import store_cached_forms
 
             store_cached_forms(self._forms_key, forms)
             self._forms_stored = forms

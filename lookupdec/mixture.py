@@ -18,9 +18,10 @@ from lookupdec.budget import HISTORY_DECAY, AcceptanceCalibrator
 from lookupdec.config import DraftConfig
 from lookupdec.proposers.suffix import CERTAIN_DECAY
 from lookupdec.proposers.base import Proposer
-from lookupdec.tree import Draft, TokenTree, _core
+from lookupdec.native import drafting as native_drafting
+from lookupdec.tree import Draft, TokenTree
 
-# the fused plan's sources by code (``_core.Lookups``): NgramProposer, SuffixProposer's two
+# the fused plan's sources by code (``native_drafting.Lookups``): NgramProposer, SuffixProposer's two
 # automata, RecycleProposer
 FUSED_SOURCES = ("ngram", "suffix", "suffix-global", "recycle")
 
@@ -40,9 +41,9 @@ class Mixture:
         # ``plan``: the lookups' drafts and their merge in one compiled call, where every lookup
         # is one of the compiled kinds (each at most once) and no draft model joins them
         kinds = [getattr(p, "fused_kind", None) for p in self.lookups]
-        self.fused = (_core is not None and hasattr(_core, "Lookups") and draft is None and None not in kinds
-                      and len(set(kinds)) == len(kinds))
-        self._fused: dict[str, FusedRequest] = {}  # request id -> its _core.Lookups and what they were given
+        self.fused = (native_drafting is not None and hasattr(native_drafting, "Lookups") and draft is None
+                      and None not in kinds and len(set(kinds)) == len(kinds))
+        self._fused: dict[str, FusedRequest] = {}  # request id -> its native_drafting.Lookups and what they were given
         self._suffix = next((p for p in self.lookups if getattr(p, "fused_kind", None) == "s"), None)
         # after a fused observe: the proposers with more to do than the core's extends (observe_fused)
         self._observe_fused = [p.observe_fused for p in self.lookups if hasattr(p, "observe_fused")]
@@ -60,7 +61,7 @@ class Mixture:
             self._start_fused(request_id)
 
     def _start_fused(self, request_id: str) -> None:
-        """The request's ``_core.Lookups`` (its lookups' compiled state and parameters), or none
+        """The request's ``native_drafting.Lookups`` (its lookups' compiled state and parameters), or none
         where one of them is not compiled (``plan`` then returns None, and ``finish`` asks each
         proposer). With one, ``finish`` extends the n-gram index and the request's automaton
         in one call, settling the suffix automata's pending chains into the suffix proposer's
@@ -73,7 +74,7 @@ class Mixture:
         recycle, recycle_params = handles.get("r", (None, (0, 0)))
         suffix, suffix_params, max_match, certain = handles.get("s", (None, (0, 0, 0, 1, 0, 0.0, 0.0), 0, None))
         order = "".join(p.fused_kind for p in self.lookups)
-        lookups = _core.Lookups(ngram, *ngram_params, suffix, *suffix_params, recycle, *recycle_params, order,
+        lookups = native_drafting.Lookups(ngram, *ngram_params, suffix, *suffix_params, recycle, *recycle_params, order,
                                 list(FUSED_SOURCES), certain, CERTAIN_DECAY)
         self._fused[request_id] = FusedRequest(lookups, max_match, recycles=recycle is not None)
 
@@ -88,7 +89,7 @@ class Mixture:
     def plan(self, request_id: str, context: Sequence[int], max_nodes: int, max_depth: int,
              calibrator: AcceptanceCalibrator) -> tuple[TokenTree, "PlannedDrafts"] | None:
         """``propose`` and ``TokenTree.from_drafts`` with ``calibrator`` in one compiled call
-        (``_core.Lookups.plan``): the same drafts, in the same order, and the same tree (the
+        (``native_drafting.Lookups.plan``): the same drafts, in the same order, and the same tree (the
         proposers' own compiled functions, the merge's own; ``tests/test_mixture_plan.py``), with
         no Python between them. None where it does not apply (``fused`` off, a lookup not
         compiled, the calibrator's reference backend, negative budgets): the caller then
@@ -134,7 +135,7 @@ class Mixture:
         """After a step: ``observe_path(*successors)`` (the verify forward's top tokens along the
         walk, for token recycling), ``observe(request_id, new_ids)`` and, with ``calibrator``,
         ``calibrator.learn(drafts, new_ids)``, in that order. Where the request's lookups are
-        fused, one compiled call (``_core.Lookups.finish``) does all three, the learn too where
+        fused, one compiled call (``native_drafting.Lookups.finish``) does all three, the learn too where
         ``drafts`` are the request's last fused plan (``PlannedDrafts``: else the calibrator
         learns apart, after)."""
         entry = self._fused.get(request_id)
@@ -184,7 +185,7 @@ class Mixture:
 
 
 class FusedRequest:
-    """A request's ``_core.Lookups`` and what it was last given of a calibrator: its count
+    """A request's ``native_drafting.Lookups`` and what it was last given of a calibrator: its count
     arrays, row table and weights (``set_calibration``), given again when the calibrator has
     added a row (which replaces its arrays) or is another one."""
 

@@ -243,12 +243,12 @@ def top_tokens_compiled(logits: torch.Tensor, rows, k: int) -> list[list[int]] |
     vocab], best first, as repeated argmax picks them (``engine.top_tokens``: first of equal
     values, NaN as the largest): one pass per row in the compiled core. None where it does not
     apply (another device or dtype, no core)."""
-    from lookupdec.tree import _core
+    from lookupdec.native import tree as native_tree
 
-    if (_core is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+    if (native_tree is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
             or logits.stride(-1) != 1):
         return None
-    return _core.top_tokens(logits.detach().numpy(), list(rows), k)
+    return native_tree.top_tokens(logits.detach().numpy(), list(rows), k)
 
 
 HEAD_MIN_ROWS = 8  # rows the output projection computes as fast as one on a CPU (its weights' read dominates)

@@ -1,11 +1,11 @@
 """The tree format and its two types: a proposer's ``Draft`` and the step's ``TokenTree``.
 
-The bottom of the package: it imports nothing of lookupdec but the compiled core
-(``lookupdec.automaton._core``, same layer), and everything that handles trees (proposers,
+The bottom of the package: it imports nothing of lookupdec but the compiled core's tree
+submodule (``lookupdec.native.tree``, same layer), and everything that handles trees (proposers,
 acceptance, the model, the step) imports it.
 
 Fast paths and references. ``TokenTree.from_drafts`` merges in the compiled core
-(``csrc/tree.cpp``) when it is built and falls back to ``from_drafts_reference``, the pure-Python
+(``csrc/tree/tree.cpp``) when it is built and falls back to ``from_drafts_reference``, the pure-Python
 definition, otherwise; trees it builds carry their depth and prune order, so ``prune``,
 ``expected_in_prune_order`` and ``children`` cost no per-node Python work beyond list copies, and
 ``ancestor_mask`` is compiled too. ``tests/test_tree_compiled.py`` checks every fast path against
@@ -36,10 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-try:
-    from lookupdec.automaton import _core
-except ImportError:  # not built: the references run (lookupdec.automaton warns once when used)
-    _core = None
+from lookupdec.native import tree as native_tree  # None where not built: the references run
 
 MATCH_BUCKETS = (0, 1, 2, 3, 5, 9, 17, 33)  # match lengths are calibrated in these buckets
 
@@ -148,11 +145,11 @@ COND_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.95)  # and the proposer's own conditiona
 CELLS_PER_ROW = len(DEPTH_BUCKETS) * SIBLING_RANKS * len(COND_BUCKETS)
 # each cell's midpoint of its conditional probability bucket, [CELLS_PER_ROW]
 COND_MIDS = np.tile(np.diff(np.append(COND_BUCKETS, 1.0)) / 2 + np.array(COND_BUCKETS), len(DEPTH_BUCKETS) * SIBLING_RANKS)
-if _core is not None and (tuple(getattr(_core, "DEPTH_BUCKETS", ())) != DEPTH_BUCKETS
-                          or getattr(_core, "SIBLING_RANKS", None) != SIBLING_RANKS
-                          or tuple(getattr(_core, "COND_BUCKETS", ())) != COND_BUCKETS
-                          or tuple(getattr(_core, "MATCH_BUCKETS", ())) != MATCH_BUCKETS):
-    raise ImportError("lookupdec.automaton._core was built from other sources (calibration buckets differ, or no "
+if native_tree is not None and (tuple(getattr(native_tree, "DEPTH_BUCKETS", ())) != DEPTH_BUCKETS
+                                or getattr(native_tree, "SIBLING_RANKS", None) != SIBLING_RANKS
+                                or tuple(getattr(native_tree, "COND_BUCKETS", ())) != COND_BUCKETS
+                                or tuple(getattr(native_tree, "MATCH_BUCKETS", ())) != MATCH_BUCKETS):
+    raise ImportError("lookupdec._native was built from other sources (calibration buckets differ, or no "
                       "tree merge): rebuild it with `pip install -e .`")
 
 
@@ -188,10 +185,10 @@ def draft_cells(draft: Draft) -> tuple[list[int], list[int], list[float]]:
 def observe_draft(draft: Draft, committed: Sequence[int], reached: np.ndarray, predicted: np.ndarray,
                   matched: np.ndarray) -> None:
     """``observe_draft_reference``'s counts, made by the compiled core in one call."""
-    if _core is None:
+    if native_tree is None:
         return observe_draft_reference(draft, committed, reached, predicted, matched)
     tokens, parents, scores = draft.packed()
-    _core.observe_draft(tokens, parents, scores, committed if type(committed) is list else list(committed),
+    native_tree.observe_draft(tokens, parents, scores, committed if type(committed) is list else list(committed),
                         reached, predicted, matched)
 
 
@@ -387,7 +384,7 @@ class TokenTree:
 
     @classmethod
     def _from_core(cls, core, samples: dict) -> "TokenTree":
-        """A tree held by the compiled core (``_core.Tree``): its lists are read on first use
+        """A tree held by the compiled core (``native_tree.Tree``): its lists are read on first use
         (``__getattr__``); pruning and verify inputs work on the core's arrays."""
         tree = cls.__new__(cls)
         tree.__dict__.update(samples=samples, _core=core, _children=None, _order=None,
@@ -434,17 +431,17 @@ class TokenTree:
         calibration: Calibration | dict | None = None,
     ) -> "TokenTree":
         """``from_drafts_reference``'s tree, computed by the compiled core when it is built (one
-        call: ``csrc/tree.cpp``). Draft-model ``samples`` are mapped to the kept nodes here.
+        call: ``csrc/tree/tree.cpp``). Draft-model ``samples`` are mapped to the kept nodes here.
         ``calibration`` may also be a ``budget.AcceptanceCalibrator``: the tree is the one its
         ``calibration()`` gives, the merge computing only the cells it reads from the
         calibrator's counts (``merge_counts``)."""
         counts = None
         if hasattr(calibration, "merge_counts"):  # an AcceptanceCalibrator
-            if _core is not None and max_nodes >= 0 and max_depth >= 0:
+            if native_tree is not None and max_nodes >= 0 and max_depth >= 0:
                 counts = calibration.merge_counts()
             if counts is None:  # (the reference backend, or the reference merge below)
                 calibration = calibration.calibration()
-        if _core is None or max_nodes < 0 or max_depth < 0:  # (negative budgets: the reference's behaviour)
+        if native_tree is None or max_nodes < 0 or max_depth < 0:  # (negative budgets: the reference's behaviour)
             return cls.from_drafts_reference(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
                                              calibration=calibration)
         if isinstance(calibration, dict):
@@ -453,7 +450,7 @@ class TokenTree:
         point_mass = bytes([d.samples is None for d in drafts])
         if counts is not None:
             rows_of, source_of, arrays = counts
-            core, node_of = _core.merge_drafts_counts(
+            core, node_of = native_tree.merge_drafts_counts(
                 root_token, packed, [rows_of.get(calibration_row_key(d), -1) for d in drafts],
                 [source_of.get(d.source, -1) for d in drafts], point_mass, *arrays,
                 [d.source for d in drafts] + [""], max_nodes, max_depth)
@@ -464,7 +461,7 @@ class TokenTree:
             rows = [calibration.row(d) for d in drafts]
             fallback = [calibration.fallback.get(d.source, 1.0) if r < 0 else 1.0 for d, r in zip(drafts, rows)]
             table, probabilities = calibration.packed_table(), calibration.probabilities
-        core, node_of = _core.merge_drafts(root_token, packed, rows, fallback, point_mass,
+        core, node_of = native_tree.merge_drafts(root_token, packed, rows, fallback, point_mass,
                                            table, probabilities, [d.source for d in drafts] + [""], max_nodes,
                                            max_depth)
         return cls._with_samples(core, node_of, drafts, packed, point_mass)
@@ -635,9 +632,9 @@ class TokenTree:
         core = self.__dict__.get("_core")
         if core is not None:
             return core.inputs(n_cached, fill)
-        if _core is None:
+        if native_tree is None:
             return None
-        return _core.tree_inputs(self.token_ids, self.parents, n_cached, fill)
+        return native_tree.tree_inputs(self.token_ids, self.parents, n_cached, fill)
 
     def verify_inputs_at(self, n_cached: int, fill: bytes, ids: int, positions: int, mask: int, rows: int,
                          cols: int, last_rows: int, last_column: int):
@@ -651,10 +648,10 @@ class TokenTree:
         core = self.__dict__.get("_core")
         if core is not None:
             return core.inputs_at(n_cached, fill, ids, positions, mask, rows, cols, last_rows, last_column)
-        if _core is None:
+        if native_tree is None:
             return None
-        return _core.tree_inputs_at(self.token_ids, self.parents, n_cached, fill, ids, positions, mask, rows, cols,
-                                    last_rows, last_column)
+        return native_tree.tree_inputs_at(self.token_ids, self.parents, n_cached, fill, ids, positions, mask, rows,
+                                          cols, last_rows, last_column)
 
     def greedy_walk(self, logits: np.ndarray | None, top_k: int = 0, row_of: bytes | None = None, start: int = 0,
                     choices: np.ndarray | None = None):
@@ -673,9 +670,9 @@ class TokenTree:
         core = self.__dict__.get("_core")
         if core is not None:
             return core.greedy_walk(logits, top_k, row_of, start, choices)
-        if _core is None:
+        if native_tree is None:
             return None
-        return _core.greedy_walk(logits, self.token_ids, self.parents, top_k, row_of, start, choices)
+        return native_tree.greedy_walk(logits, self.token_ids, self.parents, top_k, row_of, start, choices)
 
     def tokens_of(self, nodes: Sequence[int]) -> list[int]:
         """The token ids of ``nodes``, without making the whole ``token_ids`` list of a core-held
@@ -699,10 +696,10 @@ class TokenTree:
 
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""
-        if _core is None:
+        if native_tree is None:
             return self.ancestor_mask_reference()
         n = len(self.token_ids)
-        mask = _core.ancestor_mask(array("i", self.parents).tobytes())
+        mask = native_tree.ancestor_mask(array("i", self.parents).tobytes())
         return np.frombuffer(mask, np.bool_).reshape(n, n)
 
     def ancestor_mask_reference(self) -> np.ndarray:

@@ -20,7 +20,8 @@ from helpers import FakeTokenizer, SpyProposer, failing_call, first_difference, 
 from lookupdec import Engine, EngineConfig
 from lookupdec.batch import BatchDecoder, BatchRequest, choose_width
 from lookupdec.budget import CostModel
-from lookupdec.model.cache import BatchStore, SlotStore, _core
+from lookupdec.model.cache import BatchStore, SlotStore
+from lookupdec.native import kernels as native_kernels
 from tiny_models import FAMILIES
 
 SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9)
@@ -731,7 +732,7 @@ def test_slot_writes_equal_indexing_each_layer():
             fast.write(0, torch.zeros(rows, heads + 1, 1, dim), torch.zeros(rows, heads + 1, 1, dim))
 
 
-@pytest.mark.skipif(_core is None, reason="compiled core not built")
+@pytest.mark.skipif(native_kernels is None, reason="compiled core not built")
 def test_compiled_slot_gathers_equal_torch_indexing():
     """``SlotStore.gather`` and ``BatchStore.gather_row`` move slots in place in the compiled
     core (``gather_slots``) on a CPU buffer: the same buffer as torch's indexing

@@ -59,14 +59,15 @@ def test_choose_tree_nodes_equals_the_reference_on_the_trees_gains(seed):
     estimates (one size or many, all below or above the tree's size, equal neighbours, counts
     under 1), budgets and overheads."""
     from lookupdec.budget import choose_num_nodes_reference, choose_tree_nodes
-    from lookupdec.tree import TokenTree, _core
+    from lookupdec.native import tree as native_tree
+    from lookupdec.tree import TokenTree
     from test_tree import random_drafts
 
     rng = random.Random(seed)
     drafts = random_drafts(rng, vocab=rng.choice((2, 4, 50)))
     tree = TokenTree.from_drafts(rng.randrange(50), drafts, max_nodes=rng.choice((0, 3, 64, 64)),
                                  max_depth=rng.choice((2, 64)))
-    if _core is not None:
+    if native_tree is not None:
         assert tree.__dict__.get("_core") is not None  # the compiled path is the one tested
     if rng.random() < 0.3 and tree.num_draft_nodes:
         tree = tree.prune(rng.randint(0, tree.num_draft_nodes))
@@ -88,18 +89,19 @@ def test_choose_tree_nodes_equals_the_reference_on_the_trees_gains(seed):
 
 def test_choose_tree_nodes_reads_a_python_tree_and_checks_its_arguments():
     from lookupdec.budget import choose_tree_nodes
-    from lookupdec.tree import Draft, TokenTree, _core
+    from lookupdec.native import tree as native_tree
+    from lookupdec.tree import Draft, TokenTree
 
     drafts = [Draft((5, 6, 7), (-1, 0, 1), (0.9, 0.8, 0.05), "a")]
     cost = CostModel([1, 2, 4], [1.0, 1.1, 1.3])
     reference = TokenTree.from_drafts_reference(1, drafts, max_nodes=8, max_depth=8)
     assert choose_tree_nodes(reference, cost, 0.0, 3) == 2  # the third node is not worth 0.1
-    if _core is None:
+    if native_tree is None:
         pytest.skip("compiled core not built")
     tree = TokenTree.from_drafts(1, drafts, max_nodes=8, max_depth=8)
     assert choose_tree_nodes(tree, cost, 0.0, 3) == 2 and choose_tree_nodes(tree, cost, 0.0, 0) == 0
     with pytest.raises(ValueError, match="sizes must increase"):
-        tree._core.choose_num_nodes([2, 1], [1.0, 1.0], [1, 1], 0.0, 0.0, 3, [1.0] * 4, 1.0)
+        tree._core.choose_num_nodes([2, 1], [1.0, 1.0], 0.0, 3, 1.0)
 
 
 @pytest.mark.parametrize("seed", range(300))
@@ -110,9 +112,9 @@ def test_compiled_cost_curve_equals_the_reference(seed):
     both readings."""
     import numpy as np
 
-    from lookupdec.tree import _core
+    from lookupdec.native import tree as native_tree
 
-    if _core is None:
+    if native_tree is None:
         pytest.skip("compiled core not built")
     rng = random.Random(seed)
     sizes = sorted(rng.sample(range(1, 140), rng.choice((1, 2, 3, rng.randint(4, 40)))))

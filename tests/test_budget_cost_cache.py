@@ -102,7 +102,7 @@ def test_kernel_forms_are_kept_for_the_next_process(cache_file):
     of a request; an engine on another copy of the model (a new process's) starts from them
     before its first forward (``FormChooser.seed``: no trials in those buckets), and its output
     is the same."""
-    from lookupdec.cost_cache import forms_key, load_cached_forms
+    from lookupdec.model.kernel_forms import forms_key, load_cached_forms
     from tiny_models import tiny_model
 
     first = Engine(tiny_model("llama", tie_word_embeddings=False), FakeTokenizer(), EngineConfig())
@@ -128,7 +128,7 @@ def test_kernel_forms_are_kept_for_the_next_process(cache_file):
 def test_kernel_forms_are_chosen_again_when_the_forms_on_offer_change():
     """Forms chosen without one on offer (a build before the skinny product, a CPU without its
     instruction set) are not seeded where it is: the key names the forms."""
-    from lookupdec.cost_cache import forms_key
+    from lookupdec.model.kernel_forms import forms_key
 
     config = {"model_type": "llama", "hidden_size": 8}
     old = forms_key(config, "cpu", "torch.float32", "head+packed")
@@ -139,7 +139,7 @@ def test_kernel_forms_are_chosen_again_when_the_forms_on_offer_change():
 def test_kernel_forms_share_the_file_with_the_curves(cache_file, monkeypatch):
     """Curves and forms written in any order keep each other; the forms kept are bounded;
     another version's file, a broken section or ``LOOKUPDEC_COST_CACHE=off`` give no forms."""
-    from lookupdec.cost_cache import MAX_CACHED_FORMS, load_cached_forms, store_cached_forms
+    from lookupdec.model.kernel_forms import MAX_CACHED_FORMS, load_cached_forms, store_cached_forms
 
     store_cached_forms("setup", {"head": {"1,1": "linear"}})
     store_cached_cost("curve", CostModel([1, 4], [1.0, 1.5]))

@@ -1,4 +1,4 @@
-"""``Mixture.plan``: the compiled lookups' drafts and their merge in one call (``_core.Lookups``)
+"""``Mixture.plan``: the compiled lookups' drafts and their merge in one call (``native.drafting.Lookups``)
 must give, step after step, exactly what ``Mixture.propose`` and ``TokenTree.from_drafts`` give
 apart: the same drafts in the same order, the same tree (tokens, parents, sources, scores,
 expected gains, prune order), the same pending chains for the suffix proposer's certain-step

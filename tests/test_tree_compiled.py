@@ -1,4 +1,4 @@
-"""The compiled tree merge (``TokenTree.from_drafts``, ``csrc/tree.cpp``) and the fast tree
+"""The compiled tree merge (``TokenTree.from_drafts``, ``csrc/tree/tree.cpp``) and the fast tree
 methods against their pure-Python references, on many random drafts: calibration tables and
 fallback factors, duplicate paths across drafts, draft-model samples, max_depth cuts, every
 budget from 0 to all nodes, and tied scores. Token ids, parents, sources, cells, depths and
@@ -11,9 +11,10 @@ import random
 import numpy as np
 import pytest
 
-from lookupdec.tree import CELLS_PER_ROW, Calibration, Draft, TokenTree, _core, match_bucket
+from lookupdec.native import tree as native_tree
+from lookupdec.tree import CELLS_PER_ROW, Calibration, Draft, TokenTree, match_bucket
 
-pytestmark = pytest.mark.skipif(_core is None, reason="compiled core not built (pip install -e .)")
+pytestmark = pytest.mark.skipif(native_tree is None, reason="compiled core not built (pip install -e .)")
 
 SOURCES = ("ngram", "suffix", "suffix-global", "draft")
 TIED = (0.0, 0.25, 0.5, 0.5, 1.0)  # scores drawn from few values: ties everywhere

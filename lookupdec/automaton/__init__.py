@@ -56,11 +56,11 @@ text (1.6 states of 28 B and 1.8 list edges of 12 B per token, a small hash tabl
 with many edges, the int32 token stream). Not thread-safe: calls hold the GIL, and queries
 update internal caches.
 
-The compiled core (``_core``, C++ through nanobind, built by ``pip install``) is used by
-default; ``reference.py`` is a pure-Python implementation with the same state numbering that
-the tests compare against. If the extension was not built (a source tree without ``pip
-install -e .``), ``backend="auto"`` falls back to the reference with a warning: slow, but
-correct.
+The compiled automaton (``lookupdec.native.drafting.Automaton``, C++ in ``csrc/drafting/``
+through nanobind, built by ``pip install``) is used by default; ``reference.py`` is a
+pure-Python implementation with the same state numbering that the tests compare against. If
+the extension was not built (a source tree without ``pip install -e .``), ``backend="auto"``
+falls back to the reference with a warning: slow, but correct.
 """
 from __future__ import annotations
 
@@ -72,10 +72,7 @@ import numpy as np
 from lookupdec.automaton.reference import ReferenceAutomaton
 from lookupdec.config import DEFAULT_MAX_MATCH  # context tokens matched by propose_tree (its comment: why)
 
-try:
-    from lookupdec.automaton import _core
-except ImportError:  # the extension was not built: see the module docstring
-    _core = None
+from lookupdec.native import drafting as native_drafting  # None where not built: see the module docstring
 
 __all__ = ["SuffixAutomaton", "TreeArrays", "compiled_available", "DEFAULT_MAX_MATCH"]
 
@@ -89,7 +86,7 @@ class TreeArrays(NamedTuple):  # read-only arrays
 
 
 def compiled_available() -> bool:
-    return _core is not None
+    return native_drafting is not None
 
 
 def _array(values: bytes | np.ndarray, dtype: type) -> np.ndarray:
@@ -125,10 +122,10 @@ def _int32_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 def _make_core(backend: str):
     if backend == "reference":
         return ReferenceAutomaton()
-    if _core is not None and backend in ("auto", "compiled"):
-        return _core.Automaton()
+    if native_drafting is not None and backend in ("auto", "compiled"):
+        return native_drafting.Automaton()
     if backend == "compiled":
-        raise ImportError("lookupdec.automaton._core is not built: run `pip install -e .`")
+        raise ImportError("lookupdec's compiled core (lookupdec._native) is not built: run `pip install -e .`")
     if backend == "auto":
         warnings.warn("lookupdec.automaton: compiled core not built (run `pip install -e .` in "
                       "the repository); using the slow pure-Python reference", RuntimeWarning,

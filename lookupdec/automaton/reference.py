@@ -2,7 +2,7 @@
 
 APPEND-ONLY, like the compiled core: a change in the middle needs a rebuild.
 
-It has the compiled core's interface (``lookupdec.automaton._core.Automaton``) and builds the
+It has the compiled core's interface (``lookupdec.native.drafting.Automaton``) and builds the
 same states in the same order (the classic online construction: the new state first, then a
 clone), so state ids agree between the two. It favours obviousness over speed: transitions are
 dicts, and counts and end positions are recomputed from scratch after every extend (by sorting

@@ -7,10 +7,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-try:
-    from lookupdec.automaton import _core
-except ImportError:  # not built: the torch gather runs
-    _core = None
+from lookupdec.native import kernels as native_kernels  # None where not built: the torch gather runs
 
 # -- the KV cache's layout: the only code that knows it ---------------------------------------------
 INITIAL_SLOTS = 256  # slots of a SlotCache's first buffer (it grows by GROWTH, copying once)
@@ -372,11 +369,11 @@ def _gather_in_place(buffer: torch.Tensor, offset: int, outer: tuple[int, int], 
     outer[1] + i * inner[1]`` elements, o < outer[0], i < inner[0]; False where the core cannot
     (not built, not a contiguous CPU buffer): the caller's torch reference then. (Counts and
     strides, not a view: a view's dispatch, cold after a forward, was a large share of a commit.)"""
-    if _core is None or buffer.device.type != "cpu" or not buffer.is_contiguous():
+    if native_kernels is None or buffer.device.type != "cpu" or not buffer.is_contiguous():
         return False
     size = buffer.element_size()
-    _core.gather_slots(buffer.data_ptr() + offset * size, outer[0], outer[1] * size, inner[0], inner[1] * size,
-                       buffer.stride(4) * size, buffer.shape[4], list(slots), start)
+    native_kernels.gather_slots(buffer.data_ptr() + offset * size, outer[0], outer[1] * size, inner[0],
+                                inner[1] * size, buffer.stride(4) * size, buffer.shape[4], list(slots), start)
     return True
 
 

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lookupdec.tree import _core  # the compiled core (None where it is not built): the skinny product
+from lookupdec.native import kernels as native_kernels  # the compiled kernels, None where not built
 
 log = logging.getLogger("lookupdec")
 
@@ -418,13 +418,13 @@ def shares_torch_runtime() -> bool:
     runs another thread pool leaves the core its own runtime, whose workers would spin on the
     same cores as torch's. (Other libraries' runtimes, such as faiss's or sentencepiece's
     renamed libgomp copies, sleep while they are not used.)"""
-    if _core is None or not getattr(_core, "OPENMP", False):
+    if native_kernels is None or not getattr(native_kernels, "OPENMP", False):
         return False
     before = torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            if _core.omp_max_threads() != count:
+            if native_kernels.omp_max_threads() != count:
                 return False
         return True
     finally:
@@ -433,12 +433,12 @@ def shares_torch_runtime() -> bool:
 
 def _check_runtimes() -> bool:
     """Whether the skinny product may split over threads: on torch's own OpenMP runtime; a core
-    with another is capped at one thread (``_core.set_skinny_thread_cap``)."""
+    with another is capped at one thread (``native_kernels.set_skinny_thread_cap``)."""
     if shares_torch_runtime():
         return True
-    if _core is not None and getattr(_core, "OPENMP", False):
+    if native_kernels is not None and getattr(native_kernels, "OPENMP", False):
         log.info("the compiled core and torch use different OpenMP runtimes: the skinny product runs on one thread")
-        _core.set_skinny_thread_cap(1)
+        native_kernels.set_skinny_thread_cap(1)
     return False
 
 
@@ -447,24 +447,25 @@ _THREADED = _check_runtimes()
 
 def skinny_threaded() -> bool:
     """The skinny product splits its panels over torch's OpenMP threads (``skinny_threads`` in
-    ``csrc/skinny.hpp``; the core built with OpenMP, on torch's runtime): at 2
+    ``csrc/kernels/skinny.hpp``; the core built with OpenMP, on torch's runtime): at 2
     threads it is another kernel than the one-thread product, so the cost and form caches name
     it apart (``TargetModel.kernels``)."""
     return _THREADED
 
 
 def skinny_available() -> bool:
-    """The compiled core has the skinny product (``csrc/skinny.hpp``) in a vector instruction set
-    of this CPU (AVX-512 or AVX2; the compiler's default kernel, several times slower than
-    either, is a reference for tests, not a form)."""
-    return _core is not None and hasattr(_core, "skinny_linear") and _core.skinny_isa() != "generic"
+    """The compiled core has the skinny product (``csrc/kernels/skinny.hpp``) in a vector
+    instruction set of this CPU (AVX-512 or AVX2; the compiler's default kernel, several times
+    slower than either, is a reference for tests, not a form)."""
+    return (native_kernels is not None and hasattr(native_kernels, "skinny_linear")
+            and native_kernels.skinny_isa() != "generic")
 
 
 def skinny_pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] in the skinny product's panels (16 outputs each, zero-padded)."""
     out, inp = weight.shape
     panels = torch.empty(-(-out // 16) * 16 * inp, dtype=torch.float32)
-    _core.skinny_pack(weight.detach().contiguous(), panels)
+    native_kernels.skinny_pack(weight.detach().contiguous(), panels)
     return panels
 
 
@@ -472,7 +473,7 @@ def skinny_linear(flat: torch.Tensor, panels: torch.Tensor, out_features: int, b
                   isa: str | None = None, tops: np.ndarray | None = None,
                   weight_bound: float = math.inf) -> torch.Tensor:
     """``F.linear(flat, W, bias)`` for 2D contiguous ``flat`` with ``panels = skinny_pack(W)``
-    (called per layer in every forward: ``_core`` bound at import, not looked up per call);
+    (called per layer in every forward: ``native_kernels`` bound at import, not looked up per call);
     ``tops`` (int32 [m, k], bias-free only): each row's k best column indices written there, as
     ``engine.top_tokens`` picks them from the row, as the product stores it (``weight_bound``:
     max |W|, by which a row's outputs are known finite; a row not known so, or every row with
@@ -481,19 +482,19 @@ def skinny_linear(flat: torch.Tensor, panels: torch.Tensor, out_features: int, b
     if tops is not None:
         if bias is not None:
             raise ValueError("skinny_linear: tops of a bias-free product only")
-        _core.skinny_linear(flat, panels, out, isa, tops, weight_bound)
+        native_kernels.skinny_linear(flat, panels, out, isa, tops, weight_bound)
         return out
     if (isa is None and _skinny_at is not None and flat.dtype == torch.float32 and flat.device.type == "cpu"
             and flat.stride(1) == 1 and panels.numel() == -(-out_features // 16) * 16 * flat.shape[1]
             and panels.dtype == torch.float32 and panels.device.type == "cpu" and panels.is_contiguous()):
         return skinny_product(flat, panels, out_features, bias)
-    _core.skinny_linear(flat, panels, out, isa)
+    native_kernels.skinny_linear(flat, panels, out, isa)
     if bias is not None:
         out += bias
     return out
 
 
-_skinny_at = getattr(_core, "skinny_linear_at", None)  # (a core built before it: the checked binding)
+_skinny_at = getattr(native_kernels, "skinny_linear_at", None)  # (a core built before it: the checked binding)
 
 
 def skinny_product(flat: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None):
@@ -531,8 +532,8 @@ class PackedLinears:
     on panels of them (``skinny``, forwards of at most ``SKINNY_MAX_ROWS`` tokens); plain
     ``nn.Linear`` everywhere else. One per model (``packed_linears_for``).
 
-    The skinny product (``csrc/skinny.hpp``) reads each weight once per call and multiplies it
-    into up to 8 rows held in registers: a verify forward of a few tokens on a CPU costs about
+    The skinny product (``csrc/kernels/skinny.hpp``) reads each weight once per call and multiplies
+    it into up to 8 rows held in registers: a verify forward of a few tokens on a CPU costs about
     the weights' read, and at one thread on an AVX-512 CPU it beats oneDNN's prepacked product
     for the few rows of a verify forward. At two threads and on CPUs without AVX-512 the
     timed choice decides as between the other two."""
@@ -700,8 +701,8 @@ def fused_norms_for(model) -> list:
     """``(module, forward)`` for each RMS norm of ``model`` that ``F.rms_norm`` computes bit for
     bit: CPU float32 weights, checked once per module on a probe row against the module's own
     forward (Gemma's ``1 + weight`` norm and any other formula fail it and keep their own).
-    The forward is one call of the compiled core (``_core.rms_norm_at``, whose sum of squares
-    adds in ATen's order) where a probe of several row counts and scales finds it bit-equal to
+    The forward is one call of the compiled core (``native_kernels.rms_norm_at``, whose sum of
+    squares adds in ATen's order) where a probe of several row counts and scales finds it bit-equal to
     ``F.rms_norm`` on this machine, else that one ATen call (which ATen runs as about ten small
     operations; transformers' own forward makes six Python-level ones): 61 norms in a SmolLM2
     forward, a measurable part of it even through ``F.rms_norm`` (``bench/forward_parts.py``
@@ -744,7 +745,7 @@ def core_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     compiled core (the caller has checked ``_core_norm_matches`` and the layouts)."""
     n = weight.shape[0]
     out = torch.empty_like(x)
-    _core.rms_norm_at(x.data_ptr(), n, x.numel() // n, n, weight.data_ptr(), eps, out.data_ptr(), n)
+    native_kernels.rms_norm_at(x.data_ptr(), n, x.numel() // n, n, weight.data_ptr(), eps, out.data_ptr(), n)
     return out
 
 
@@ -752,7 +753,7 @@ def _core_norm_matches(weight: torch.Tensor, eps: float) -> bool:
     """Whether the compiled core's RMS norm equals ``F.rms_norm`` bit for bit on probes of 1, 5
     and 37 rows at three scales (its sum adds in the order of this torch's CPU kernel; another
     build, or one that adds otherwise, fails and keeps ``F.rms_norm``)."""
-    if _core is None or not hasattr(_core, "rms_norm_at"):
+    if native_kernels is None or not hasattr(native_kernels, "rms_norm_at"):
         return False
     g = torch.Generator().manual_seed(1)
     n = weight.shape[0]
@@ -771,8 +772,8 @@ _SHARED_ROTARY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def fused_rotary_for(model) -> tuple | None:
     """``(module, fused)``: the modeling module whose ``apply_rotary_pos_emb`` the model's
     attention layers call, and in its place a function making each float32 CPU query and key
-    tensor's rotation in one call of the compiled core (``_core.rotary_at``: the six ATen calls
-    per tensor of transformers' ``q * cos + rotate_half(q) * sin``, each value rounded as they
+    tensor's rotation in one call of the compiled core (``native_kernels.rotary_at``: the six ATen
+    calls per tensor of transformers' ``q * cos + rotate_half(q) * sin``, each value rounded as they
     round it, so bit for bit theirs; ``bench/forward_parts.py`` measures what the rotation
     costs a forward); any other input (another dtype, device or layout, a keyword it does not
     know) goes to the module's own function. Checked once per model on probes against the
@@ -791,7 +792,7 @@ def fused_rotary_for(model) -> tuple | None:
     own = getattr(own, "__wrapped_rotary__", own)  # (another model's fused one set there just now)
     dim = getattr(model.config, "head_dim", None) or (
         getattr(model.config, "hidden_size", 0) // max(1, getattr(model.config, "num_attention_heads", 1)))
-    if _core is not None and hasattr(_core, "rotary_at") and callable(own) and dim and dim % 2 == 0:
+    if native_kernels is not None and hasattr(native_kernels, "rotary_at") and callable(own) and dim and dim % 2 == 0:
         fused = _rotary_function(own)
         g = torch.Generator().manual_seed(0)
         ok = True
@@ -845,7 +846,7 @@ def _layout(x: torch.Tensor) -> list:
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int) -> torch.Tensor:
     out = torch.empty_like(x)  # (x's layout, as ATen's elementwise result keeps it)
-    _core.rotary_at(x.data_ptr(), *x.shape, *x.stride(), cos.data_ptr(), sin.data_ptr(), batch,
+    native_kernels.rotary_at(x.data_ptr(), *x.shape, *x.stride(), cos.data_ptr(), sin.data_ptr(), batch,
                     out.data_ptr(), *out.stride())
     return out
 
@@ -856,7 +857,7 @@ def _choosers(head: FastHead | None, body: PackedLinears | None) -> tuple:
 
 
 def kernel_forms(head: FastHead | None, body: PackedLinears | None) -> dict:
-    """The forms chosen so far, for the cost cache (``cost_cache.store_cached_forms``):
+    """The forms chosen so far, for the cost cache (``kernel_forms.store_cached_forms``):
     ``{"head": {"rows,threads": form}, "body": {...}}`` (a part without a chooser left out)."""
     return {part: {f"{rows},{threads}": form for (rows, threads), form in sorted(chooser.choice.items())}
             for part, chooser in _choosers(head, body) if chooser is not None}
@@ -864,7 +865,7 @@ def kernel_forms(head: FastHead | None, body: PackedLinears | None) -> dict:
 
 def seed_kernel_forms(head: FastHead | None, body: PackedLinears | None, forms: dict) -> int:
     """Give ``head`` and ``body`` the choices ``kernel_forms`` wrote (another process's on the
-    same machine, model architecture, dtype and torch: ``cost_cache.forms_key``), so their buckets
+    same machine, model architecture, dtype and torch: ``kernel_forms.forms_key``), so their buckets
     skip the trials (``FormChooser.seed``); entries that do not parse are skipped. Returns how
     many choices were taken."""
     taken = 0
@@ -923,19 +924,20 @@ def _folded_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return folded
 
 
-# The core's tree attention (``_core.tree_attention_at``, attention.hpp): inside ``swapped(gqa=True)``
-# a masked call of ``CORE_MIN_QUERIES`` to ``CORE_MAX_QUERIES`` query tokens, float32 with head
-# dims of 16 to 128 by 16, grouped K/V heads or not, is one call of the core: each (row, K/V head,
-# block of up to 16 of its query heads' tokens) reads only the slots some query of the row sees,
-# once. The mask's plan (``attention_plan``) is made once per forward. ``CORE_ATTENTION`` False:
-# the folded SDPA call above instead (``bench/batch_profile.py --attention core grouped``
-# compares the two: the core's call reads fewer slots, so it is the faster one).
+# The core's tree attention (``native_kernels.tree_attention_at``, csrc/kernels/attention.hpp):
+# inside ``swapped(gqa=True)`` a masked call of ``CORE_MIN_QUERIES`` to ``CORE_MAX_QUERIES`` query
+# tokens, float32 with head dims of 16 to 128 by 16, grouped K/V heads or not, is one call of the
+# core: each (row, K/V head, block of up to 16 of its query heads' tokens) reads only the slots
+# some query of the row sees, once. The mask's plan (``attention_plan``) is made once per
+# forward. ``CORE_ATTENTION`` False: the folded SDPA call above instead
+# (``bench/batch_profile.py --attention core grouped`` compares the two: the core's call reads
+# fewer slots, so it is the faster one).
 CORE_ATTENTION = True
 CORE_ATTENTION_CALLS = [0]  # calls the core made (tests)
 CORE_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)
 CORE_MIN_QUERIES = 1  # a batch's rows verifying their roots alone too (folded SDPA gained nothing there)
 CORE_MAX_QUERIES = 64  # a tree's or batch width's tokens; more (a prefill's) go to SDPA
-_attention_at = getattr(_core, "tree_attention_at", None) if _core is not None else None
+_attention_at = getattr(native_kernels, "tree_attention_at", None) if native_kernels is not None else None
 
 
 def core_attention_available() -> bool:
@@ -954,14 +956,15 @@ class AttentionPlan(typing.NamedTuple):
     live: torch.Tensor
 
 
-_plan_at = getattr(_core, "attention_plan_at", None) if _core is not None else None
+_plan_at = getattr(native_kernels, "attention_plan_at", None) if native_kernels is not None else None
 
 
 def attention_plan(mask: torch.Tensor) -> AttentionPlan:
     """The plan of an additive float32 mask (a slot is hidden at the dtype's minimum or -inf, as
     ``tree_inputs`` and ``BatchTarget`` fill them) or a boolean one (True: seen), made by the
-    core (``_core.attention_plan_at``, one pass over the mask, where ``attention_plan_reference``
-    takes a dozen torch calls), its rows ``L`` wide (the slots past ``counts`` unused)."""
+    core (``native_kernels.attention_plan_at``, one pass over the mask, where
+    ``attention_plan_reference`` takes a dozen torch calls), its rows ``L`` wide (the slots past
+    ``counts`` unused)."""
     if (_plan_at is None or mask.dtype not in (torch.float32, torch.bool) or mask.device.type != "cpu"
             or mask.stride(-1) != 1):
         return attention_plan_reference(mask)

@@ -377,7 +377,7 @@ class InputBuffers:
     ``TargetModel`` holds one). A fresh mask [1+n, n_cached+1+n] per step costs its page faults
     and a write of every prefix column (0.5 MB at a 2000-token context); here the
     mask is a view of a zeroed buffer [rows, cols] whose prefix columns are never written: a step
-    clears the last step's tree block and writes its own ([1+n, 1+n], ``_core.tree_inputs_at``).
+    clears the last step's tree block and writes its own ([1+n, 1+n], ``native.tree.tree_inputs_at``).
     The tensors returned are views, valid until the next call (a forward reads them at once)."""
 
     def __init__(self) -> None:
@@ -421,7 +421,7 @@ def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict 
     mask [1, 1, 1+n, n_cached+1+n] (0 where node i sees slot j: the prefix, itself, its
     ancestors; the dtype's minimum elsewhere), a dict per layer type with sliding ``windows``
     (``_sliding_windows``). On the CPU without windows, one call into the compiled core writes
-    all three (``csrc/tree.cpp``; into ``buffers`` when given: views of them are returned);
+    all three (``csrc/tree/tree.cpp``; into ``buffers`` when given: views of them are returned);
     elsewhere a handful of tensor operations, none per node. ``tree_inputs_reference`` is the
     same by definition."""
     fill = _MASK_FILL.get(dtype)

@@ -18,7 +18,7 @@ Worked example (min_ngram=1, max_ngram=3, max_branches=2, max_draft_tokens=3)::
 Scores estimate acceptance: the first token of branch ``r`` found with match length ``L`` gets
 ``L / (L + 1) * BRANCH_DECAY**r`` and each further token multiplies by ``CONTINUE_PROB``.
 
-The index and the drafts run in the compiled core (``csrc/ngram.cpp``: the same ranking, ties
+The index and the drafts run in the compiled core (``csrc/drafting/ngram.cpp``: the same ranking, ties
 and float operations) when it is built; ``backend="reference"`` runs the pure-Python definition
 below (``tests/proposers/test_ngram.py`` compares them).
 """
@@ -53,7 +53,7 @@ class NgramProposer:
         if backend not in ("auto", "compiled", "reference"):
             raise ValueError(f"backend must be 'auto', 'compiled' or 'reference', got {backend!r}")
         if backend == "compiled" and not compiled_available():
-            raise ImportError("lookupdec.automaton._core is not built: run `pip install -e .`")
+            raise ImportError("lookupdec's compiled core (lookupdec._native) is not built: run `pip install -e .`")
         self.config = config or NgramConfig()
         self.backend = "compiled" if backend != "reference" and compiled_available() else "reference"
         self._requests = RequestRegistry("NgramProposer")
@@ -62,9 +62,9 @@ class NgramProposer:
         if request_id in self._requests:
             self._requests.add(request_id, None)  # raises, naming the request
         if self.backend == "compiled":
-            from lookupdec.automaton import _core
+            from lookupdec.native import drafting as native_drafting
 
-            state = _core.NgramIndex(self.config.min_ngram, self.config.max_ngram)
+            state = native_drafting.NgramIndex(self.config.min_ngram, self.config.max_ngram)
         else:
             state = _NgramIndex()
         self._extend(state, prompt_ids)  # first: a rejected prompt leaves no request behind

@@ -14,7 +14,7 @@ every draft node is a point mass that acceptance verifies like any lookup's.
 
 The table is the engine's, shared by all requests (a token's likely successors do not depend on
 the request much), and bounded (``RecycleConfig.max_entries``: past it, the pair table starts
-over). The table and the draft live in the compiled core (``_core.RecycleTable``) when it is
+over). The table and the draft live in the compiled core (``native.drafting.RecycleTable``) when it is
 built; ``backend="reference"`` runs the pure-Python definition here, which tests compare it
 with draft for draft. Paper: Luo et al., "Turning Trash into Treasure: Accelerating Inference of Large Language
 Models with Token Recycling" (arXiv 2408.08696), which keeps one adjacency row per token.
@@ -44,16 +44,17 @@ class RecycleProposer:
         if backend not in ("auto", "compiled", "reference"):
             raise ValueError(f"backend must be 'auto', 'compiled' or 'reference', got {backend!r}")
         if backend == "compiled" and not compiled_available():
-            raise ImportError("lookupdec.automaton._core is not built: run `pip install -e .`")
+            raise ImportError("lookupdec's compiled core (lookupdec._native) is not built: run `pip install -e .`")
         self.config = config or RecycleConfig()
         self.backend = "compiled" if backend != "reference" and compiled_available() else "reference"
         self.by_pair: dict[tuple[int, int], tuple[int, ...]] = {}  # (previous, token) -> successors, best first
         self.by_token: dict[int, tuple[int, ...]] = {}  # token -> successors, best first
         self._table = None
         if self.backend == "compiled":
-            from lookupdec.automaton import _core
+            from lookupdec.native import drafting as native_drafting
 
-            self._table = _core.RecycleTable(self.config.successors, self.config.max_entries, list(RANK_PRIOR))
+            self._table = native_drafting.RecycleTable(self.config.successors, self.config.max_entries,
+                                                       list(RANK_PRIOR))
 
     @property
     def num_pairs(self) -> int:

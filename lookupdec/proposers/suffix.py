@@ -57,7 +57,7 @@ class CertainStepEstimate:
 
     def __init__(self, state: np.ndarray | None = None) -> None:
         """``state``: where (trials, hits) live, a float64 pair (a row of ``SuffixProposer``'s
-        table, which the compiled lookups read and update in place: ``_core.Lookups``)."""
+        table, which the compiled lookups read and update in place: ``native.drafting.Lookups``)."""
         self.state = np.zeros(2) if state is None else state
         self.state[:] = (CERTAIN_PRIOR_WEIGHT, CERTAIN_PRIOR_WEIGHT * CERTAIN_STEP)
 
@@ -220,7 +220,7 @@ _SUFFIX_DRAFTS_KWARGS = ("max_nodes", "min_match", "levels", "shorter_divisor", 
 def automaton_drafts(automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: int, min_match: int, source: str,
                      certain_step: CertainStepEstimate, pending: dict) -> list[Draft]:
     """``automaton_drafts_reference``'s drafts, made by the compiled core in one call
-    (``csrc/suffix_drafts.cpp``) when the automaton is compiled; each draft comes with its
+    (``csrc/drafting/suffix_drafts.cpp``) when the automaton is compiled; each draft comes with its
     arrays (the merge and the calibrator read them as they are), the first with its best chain
     and certain-step flags for ``pending``."""
     if automaton.backend != "compiled":

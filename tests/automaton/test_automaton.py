@@ -16,12 +16,12 @@ import pytest
 from lookupdec.automaton import SuffixAutomaton, compiled_available
 
 if not compiled_available():  # fail, never skip: the compiled core is the product
-    pytest.fail("lookupdec.automaton._core is not importable: build it with `pip install -e .` "
+    pytest.fail("lookupdec._native (the compiled core) is not importable: build it with `pip install -e .` "
                 "(or, after a non-editable install, run `pytest`, not `python -m pytest`, from "
                 "the repository root, whose lookupdec/ would shadow the installed one)",
                 pytrace=False)
 
-from lookupdec.automaton import _core  # noqa: E402
+from lookupdec.native import drafting as native_drafting  # noqa: E402
 
 BACKENDS = ("compiled", "reference")
 BIG_VOCAB_BASE = 100_000  # ids above 65,535 (REST's uint16 limit)
@@ -129,7 +129,7 @@ def test_random_extends_agree_with_reference_and_brute_force(seed, vocab_kind):
     if vocab_kind == "small":
         vocab = list(range(int(rng.integers(2, 5))))
     elif vocab_kind == "medium":  # states with >= HEAVY_DEGREE edges use the hashed index
-        vocab = list(range(3 * _core.HEAVY_DEGREE))
+        vocab = list(range(3 * native_drafting.HEAVY_DEGREE))
     else:  # above 65,535, up to the int32 limit
         vocab = [BIG_VOCAB_BASE + i for i in range(6)] + [70_000, INT32_MAX - 1, INT32_MAX]
     compiled, reference = both()
@@ -207,7 +207,7 @@ def test_repeated_token_stream():
 def test_clone_of_a_state_with_many_edges():
     """[7, 8] always came as [6, 7, 8] and was followed by 3 * HEAVY_DEGREE different tokens;
     then [5, 7, 8] splits its state: the clone copies every edge (and the hashed index)."""
-    fanout = [200 + k for k in range(3 * _core.HEAVY_DEGREE)]
+    fanout = [200 + k for k in range(3 * native_drafting.HEAVY_DEGREE)]
     stream = [t for k in fanout for t in (6, 7, 8, k)] + [5, 7, 8]
     compiled, reference = both(stream)
     compiled.check_invariants()

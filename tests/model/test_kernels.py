@@ -94,11 +94,11 @@ def threads(request):
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 13, 16, 17, 24, 33, 64])
 @pytest.mark.parametrize("out_features, in_features", [(40, 24), (48, 576), (1, 5), (100, 33), (16, 16)])
 def test_skinny_product_equals_linear_on_every_instruction_set(rows, out_features, in_features, threads):
-    """``_core.skinny_linear`` on each kernel this CPU runs (AVX-512, AVX2, the compiler's
-    default) against ``F.linear``: the same sums up to float32 rounding, panels of 16 outputs
-    with a partial last one, rows split into register blocks of 8 (or 6, 3)."""
-    from lookupdec.automaton import _core
+    """``native_kernels.skinny_linear`` on each kernel this CPU runs (AVX-512, AVX2, the
+    compiler's default) against ``F.linear``: the same sums up to float32 rounding, panels of 16
+    outputs with a partial last one, rows split into register blocks of 8 (or 6, 3)."""
     from lookupdec.model.kernels import skinny_linear, skinny_pack
+    from lookupdec.native import kernels as native_kernels
 
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = torch.randn(out_features, in_features, generator=generator)
@@ -106,7 +106,7 @@ def test_skinny_product_equals_linear_on_every_instruction_set(rows, out_feature
     x = torch.randn(rows, in_features, generator=generator)
     want = torch.nn.functional.linear(x, w, bias)
     panels = skinny_pack(w)
-    for isa in _core.skinny_isas():
+    for isa in native_kernels.skinny_isas():
         got = skinny_linear(x, panels, out_features, bias, isa=isa)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * in_features ** 0.5), isa
 
@@ -116,14 +116,14 @@ def test_skinny_rows_do_not_depend_on_the_other_rows():
     """Each output is one sum over the inputs in order, whatever the row count: a row's values
     are bit for bit the same alone or among others (a tree's node computes what it would in any
     tree, on every kernel)."""
-    from lookupdec.automaton import _core
     from lookupdec.model.kernels import skinny_linear, skinny_pack
+    from lookupdec.native import kernels as native_kernels
 
     generator = torch.Generator().manual_seed(7)
     w = torch.randn(70, 96, generator=generator)
     x = torch.randn(20, 96, generator=generator)
     panels = skinny_pack(w)
-    for isa in _core.skinny_isas():
+    for isa in native_kernels.skinny_isas():
         alone = torch.cat([skinny_linear(x[i : i + 1], panels, 70, None, isa=isa) for i in range(20)])
         for m in (2, 9, 13, 20):
             assert torch.equal(skinny_linear(x[:m], panels, 70, None, isa=isa), alone[:m]), (isa, m)
@@ -133,11 +133,12 @@ def test_skinny_rows_do_not_depend_on_the_other_rows():
 @pytest.mark.parametrize("rows", [1, 6, 16, 40])
 @pytest.mark.parametrize("out_features", [16, 63, 64, 200, 5003])
 def test_skinny_outputs_and_picks_do_not_depend_on_the_thread_count(rows, out_features):
-    """The skinny product splits its panels over torch's threads (``_core.skinny_threads``: as
-    many as ``torch.set_num_threads`` gives, one per 4 panels at most): every output and every
-    pick is bit for bit the one-thread product's, on every kernel."""
-    from lookupdec.automaton import _core
+    """The skinny product splits its panels over torch's threads
+    (``native_kernels.skinny_threads``: as many as ``torch.set_num_threads`` gives, one per 4
+    panels at most): every output and every pick is bit for bit the one-thread product's, on
+    every kernel."""
     from lookupdec.model.kernels import skinny_linear, skinny_pack, skinny_threaded
+    from lookupdec.native import kernels as native_kernels
 
     generator = torch.Generator().manual_seed(rows * 7 + out_features)
     w = torch.randn(out_features, 48, generator=generator)
@@ -149,13 +150,13 @@ def test_skinny_outputs_and_picks_do_not_depend_on_the_thread_count(rows, out_fe
         for count in (1, 2):
             torch.set_num_threads(count)
             want_threads = min(count, max(1, (out_features + 15) // 16 // 4)) if skinny_threaded() else 1
-            assert _core.skinny_threads(out_features) == want_threads
-            for isa in _core.skinny_isas():
+            assert native_kernels.skinny_threads(out_features) == want_threads
+            for isa in native_kernels.skinny_isas():
                 tops = np.full((rows, 3), -1, dtype=np.int32)
                 got[count, isa] = (skinny_linear(x, panels, out_features, None, isa=isa),
                                    skinny_linear(x, panels, out_features, None, isa=isa, tops=tops, weight_bound=bound),
                                    tops)
-        for isa in _core.skinny_isas():
+        for isa in native_kernels.skinny_isas():
             (a, a_tops_rows, a_tops), (b, b_tops_rows, b_tops) = got[1, isa], got[2, isa]
             assert torch.equal(a, b) and torch.equal(a_tops_rows, b_tops_rows) and torch.equal(a, a_tops_rows), isa
             assert a_tops.tolist() == b_tops.tolist(), isa
@@ -174,9 +175,9 @@ def test_skinny_tops_are_the_top_tokens_of_the_rows_it_writes(rows, top_k, threa
     ``weight_bound`` is scanned once written; without a bound every row is); the rows
     themselves are bit for bit those without ``tops``, on every kernel; on two threads each
     thread's picks among its panels are merged (the ties above lie on both sides of the split)."""
-    from lookupdec.automaton import _core
     from lookupdec.engine import top_tokens_reference
     from lookupdec.model.kernels import skinny_linear, skinny_pack
+    from lookupdec.native import kernels as native_kernels
 
     generator = torch.Generator().manual_seed(rows * 10 + top_k)
     n, d = 5003, 40
@@ -187,7 +188,8 @@ def test_skinny_tops_are_the_top_tokens_of_the_rows_it_writes(rows, top_k, threa
     if rows > 2:
         x[2, 7] = float("nan")  # a whole row of NaN: its first ids
     panels = skinny_pack(w)
-    for isa, bound in [(isa, bound) for isa in _core.skinny_isas() for bound in (float(w.abs().max()), math.inf)]:
+    for isa, bound in [(isa, bound) for isa in native_kernels.skinny_isas()
+                       for bound in (float(w.abs().max()), math.inf)]:
         plain = skinny_linear(x, panels, n, None, isa=isa)
         tops = np.full((rows, top_k), -1, dtype=np.int32)
         got = skinny_linear(x, panels, n, None, isa=isa, tops=tops, weight_bound=bound)
@@ -195,7 +197,7 @@ def test_skinny_tops_are_the_top_tokens_of_the_rows_it_writes(rows, top_k, threa
         assert tops.tolist() == top_tokens_reference(got, range(rows), top_k), (isa, bound)
         assert tops[0].tolist() == [2500, 3, 17, 4000][:top_k]
     with pytest.raises(ValueError, match="tops"):
-        _core.skinny_linear(x, panels, torch.empty(rows, n), None, np.empty((rows + 1, 2), dtype=np.int32))
+        native_kernels.skinny_linear(x, panels, torch.empty(rows, n), None, np.empty((rows + 1, 2), dtype=np.int32))
 
 
 @needs_skinny
@@ -220,15 +222,15 @@ def test_the_head_picks_top_tokens_only_in_the_skinny_form():
 
 @needs_skinny
 def test_skinny_rejects_what_it_cannot_compute():
-    from lookupdec.automaton import _core
+    from lookupdec.native import kernels as native_kernels
 
     panels = torch.empty(16 * 8)
     with pytest.raises(ValueError, match="panels"):
-        _core.skinny_linear(torch.randn(2, 8), panels, torch.empty(2, 17))  # 17 outputs need 2 panels
+        native_kernels.skinny_linear(torch.randn(2, 8), panels, torch.empty(2, 17))  # 17 outputs need 2 panels
     with pytest.raises(ValueError, match="rows"):
-        _core.skinny_linear(torch.randn(2, 8), panels, torch.empty(3, 16))
+        native_kernels.skinny_linear(torch.randn(2, 8), panels, torch.empty(3, 16))
     with pytest.raises(ValueError, match="instruction set"):
-        _core.skinny_linear(torch.randn(2, 8), panels, torch.empty(2, 16), "sse9")
+        native_kernels.skinny_linear(torch.randn(2, 8), panels, torch.empty(2, 16), "sse9")
 
 
 @needs_skinny
@@ -650,12 +652,12 @@ def test_the_cache_keys_name_a_threaded_skinny_product():
 @needs_skinny
 @pytest.mark.parametrize("rows", [0, 1, 9, 64])
 def test_the_skinny_hot_path_computes_what_the_checked_binding_does(rows, threads):
-    """``kernels.skinny_linear`` hands the core addresses (``_core.skinny_linear_at``) where
-    the tensors are float32 CPU with rows of contiguous floats, the checked binding otherwise
+    """``kernels.skinny_linear`` hands the core addresses (``native_kernels.skinny_linear_at``)
+    where the tensors are float32 CPU with rows of contiguous floats, the checked binding otherwise
     (an instruction set named): the same outputs, bit for bit, with rows strided apart (a
     slice of wider rows) and a bias."""
-    from lookupdec.automaton import _core
     from lookupdec.model.kernels import skinny_linear, skinny_pack
+    from lookupdec.native import kernels as native_kernels
 
     generator = torch.Generator().manual_seed(rows)
     w = torch.randn(90, 40, generator=generator)
@@ -664,12 +666,13 @@ def test_the_skinny_hot_path_computes_what_the_checked_binding_does(rows, thread
     x = wide[:, 8:48]  # rows 56 floats apart
     panels = skinny_pack(w)
     want = torch.empty(rows, 90)
-    _core.skinny_linear(x, panels, want, None)
+    native_kernels.skinny_linear(x, panels, want, None)
     assert torch.equal(skinny_linear(x, panels, 90, None), want)
     assert torch.equal(skinny_linear(x, panels, 90, bias), want + bias)
-    assert torch.equal(skinny_linear(x, panels, 90, None, isa=_core.skinny_isa()), want)
+    assert torch.equal(skinny_linear(x, panels, 90, None, isa=native_kernels.skinny_isa()), want)
     with pytest.raises(ValueError):
-        _core.skinny_linear_at(x.data_ptr(), 4, rows, 40, panels.data_ptr(), 90, want.data_ptr())  # rows overlap
+        native_kernels.skinny_linear_at(x.data_ptr(), 4, rows, 40, panels.data_ptr(), 90,
+                                        want.data_ptr())  # rows overlap
 
 
 def test_the_core_runs_on_torchs_openmp_runtime():
@@ -677,32 +680,32 @@ def test_the_core_runs_on_torchs_openmp_runtime():
     follows ``torch.set_num_threads`` (``shares_torch_runtime``), so the skinny product splits
     over torch's own workers (``skinny_threaded``); faiss's and sentencepiece's renamed copies,
     loaded in this test session, do not change that."""
-    from lookupdec.automaton import _core
     from lookupdec.model.kernels import shares_torch_runtime, skinny_threaded
+    from lookupdec.native import kernels as native_kernels
 
-    if not getattr(_core, "OPENMP", False):
+    if not getattr(native_kernels, "OPENMP", False):
         pytest.skip("the core was built without OpenMP")
     before = torch.get_num_threads()
     assert shares_torch_runtime() and skinny_threaded()
     assert torch.get_num_threads() == before  # the check leaves torch's count as it was
     torch.set_num_threads(1)
     try:
-        assert _core.omp_max_threads() == 1
+        assert native_kernels.omp_max_threads() == 1
     finally:
         torch.set_num_threads(before)
 
 
 @needs_skinny
 def test_the_thread_cap_keeps_the_product_on_one_thread():
-    from lookupdec.automaton import _core
+    from lookupdec.native import kernels as native_kernels
 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        _core.set_skinny_thread_cap(1)
-        assert _core.skinny_threads(49152) == 1
+        native_kernels.set_skinny_thread_cap(1)
+        assert native_kernels.skinny_threads(49152) == 1
     finally:
-        _core.set_skinny_thread_cap(1 << 20)
+        native_kernels.set_skinny_thread_cap(1 << 20)
         torch.set_num_threads(before)
 
 
@@ -1040,8 +1043,8 @@ def test_core_attention_matches_its_float64_definition(batch, heads, kv_heads, q
     slots its mask row shows, bias added, zeros for one that sees nothing; and against torch's
     SDPA where a query sees something. Rounding apart, the same; the builds agree with each other
     as closely."""
-    from lookupdec.automaton import _core
     from lookupdec.model import kernels
+    from lookupdec.native import kernels as native_kernels
 
     query, key, value, mask, allowed = _tree_attention_inputs(batch, heads, kv_heads, q, kv, dim)
     plan = kernels.attention_plan(mask)
@@ -1052,7 +1055,7 @@ def test_core_attention_matches_its_float64_definition(batch, heads, kv_heads, q
     live = allowed.any(-1)
     assert not live.all() or q == 1
     outs = {}
-    for isa in _core.attention_isas():
+    for isa in native_kernels.attention_isas():
         got = kernels.core_attention(query, key, value, plan, dim ** -0.5, isa)
         assert got.shape == (batch, q, heads, dim) and got.is_contiguous()
         assert torch.allclose(got, want, rtol=1e-5, atol=2e-6), (isa, (got - want).abs().max())
@@ -1103,7 +1106,7 @@ def test_attention_plan_lists_the_slots_each_row_shows(made_by):
 @pytest.mark.parametrize("shape", [(1, 9, 3, 8, 600, 64), (8, 9, 3, 4, 300, 64), (2, 6, 2, 64, 90, 112),
                                    (3, 4, 2, 2, 50, 32), (5, 4, 2, 1, 17, 16)])
 def test_the_cores_attention_plan_is_the_references(shape):
-    """The core's plan (``_core.attention_plan_at``) of ragged tree masks -- holes, a padded
+    """The core's plan (``native_kernels.attention_plan_at``) of ragged tree masks -- holes, a padded
     query, biased slots; additive, boolean, and a strided view of a wider buffer -- holds the
     values ``attention_plan_reference`` computes, entry for entry up to each row's count."""
     from lookupdec.model import kernels

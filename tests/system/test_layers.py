@@ -18,14 +18,17 @@ PACKAGE = os.path.join(REPO, "lookupdec")
 
 # Bottom first. A module belongs to the entry with the longest matching prefix.
 LAYERS = [
-    ("base", ["lookupdec.tree", "lookupdec.tokens", "lookupdec.config", "lookupdec.version", "lookupdec.automaton",
-              "lookupdec.stops", "lookupdec.workloads", "lookupdec.model_files", "lookupdec.validate", "lookupdec.demo",
-              "lookupdec.cache_file"]),
+    # lookupdec.native hands out the compiled extension lookupdec._native (csrc/), which imports nothing
+    ("base", ["lookupdec.native", "lookupdec._native", "lookupdec.tree", "lookupdec.tokens", "lookupdec.config",
+              "lookupdec.version", "lookupdec.automaton", "lookupdec.stops", "lookupdec.workloads",
+              "lookupdec.model_files", "lookupdec.validate", "lookupdec.demo", "lookupdec.cache_file"]),
     ("index", ["lookupdec.index"]),
     ("model", ["lookupdec.model", "lookupdec.sampling"]),
     ("proposers", ["lookupdec.proposers"]),
-    ("engine", ["lookupdec.budget", "lookupdec.cost_cache", "lookupdec.mixture", "lookupdec.step", "lookupdec.request", "lookupdec.engine",
-                "lookupdec.batch", "lookupdec.simulate"]),
+    ("engine", ["lookupdec.budget", "lookupdec.cost_cache", "lookupdec.mixture", "lookupdec.step", "lookupdec.request",
+                "lookupdec.engine", "lookupdec.batch", "lookupdec.simulate",
+                # the kernels' forms, kept in the cost cache's file (cost_cache.py): above it
+                "lookupdec.model.kernel_forms"]),
     ("faces", ["lookupdec", "lookupdec.cli", "lookupdec.server", "lookupdec.pipelines", "lookupdec.demo.data",
                "lookupdec.demo.train"]),
 ]
@@ -191,7 +194,7 @@ def own_private_names(tree: ast.Module) -> set[str]:
 
 def private_uses() -> set[tuple[str, str, str]]:
     """(module, private name, where) for each use in a module of a private name of another
-    module of the package: ``from lookupdec.x import _name`` (or ``import lookupdec.x._core``),
+    module of the package: ``from lookupdec.x import _name`` (or ``import lookupdec._native``),
     and ``obj._name`` where ``obj`` is not ``self``, ``cls`` or ``super()`` and another module of
     the package defines ``_name`` (whether this one does too: ``engine._room`` in a module with a
     ``_room`` of its own is still the engine's; a third-party private, ``tensor._version``, is
@@ -200,7 +203,7 @@ def private_uses() -> set[tuple[str, str, str]]:
     trees = {m: parse(path) for m, path in modules.items()}
     own = {m: own_private_names(tree) for m, tree in trees.items()}
     compiled = {os.path.basename(f).split(".")[0] for root, _, files in os.walk(PACKAGE) for f in files
-                if f.endswith((".so", ".pyd"))}  # compiled submodules (the core)
+                if f.endswith((".so", ".pyd"))}  # compiled modules (the core, lookupdec._native)
     found = set()
     for module, tree in trees.items():
         others = compiled.union(*(names for m, names in own.items() if m != module))
@@ -227,15 +230,13 @@ def private_uses() -> set[tuple[str, str, str]]:
 
 
 # Private names used outside the module that defines them: private name -> the modules using it.
-# Each is here because the modules involved are not this change's to edit (or, for the compiled
-# core, by design); an entry no module uses any more must go (the test below says when).
+# Each is here because the modules involved are not this change's to edit; an entry no module
+# uses any more must go (the test below says when).
 ALLOWED_PRIVATE = {
-    # The compiled core, lookupdec/automaton/_core*.so: a C extension module, named with an
-    # underscore as extension modules are (its Python face is the modules that wrap it); private
-    # to the package, not to one module. tree.py re-exports it for the tree's callers.
-    "_core": {"lookupdec.tree", "lookupdec.budget", "lookupdec.mixture", "lookupdec.sampling",
-              "lookupdec.model.cache", "lookupdec.model.kernels", "lookupdec.proposers.ngram",
-              "lookupdec.proposers.recycle", "lookupdec.proposers.suffix"},
+    # SuffixAutomaton's compiled automaton (automaton/__init__.py, ``self._core``), which the
+    # suffix proposer hands to the compiled drafts and the fused plan. (The compiled core itself,
+    # lookupdec._native, is reached only through lookupdec.native's public submodules.)
+    "_core": {"lookupdec.proposers.suffix"},
     # Unchecked constructors of tree.py (TokenTree._from_core, Draft._trusted) and automaton's
     # token conversion, for the proposers' and the mixture's hot paths (values the compiled core
     # or the proposer built valid). To be public (``Draft.trusted``...) where tree.py and
@@ -268,6 +269,15 @@ def test_allowed_private_names_still_used():
     assert not stale, "remove from ALLOWED_PRIVATE:\n" + "\n".join(stale)
 
 
+def test_only_lookupdec_native_imports_the_extension():
+    """The compiled core is reached through ``lookupdec.native``, whose submodules each caller
+    names (``from lookupdec.native import kernels as native_kernels``): no module but that one
+    imports the extension ``lookupdec._native``."""
+    modules = package_modules()
+    importers = {m for m, path in modules.items() if "lookupdec._native" in imports(path, modules)}
+    assert importers == {"lookupdec.native"}, importers
+
+
 def test_only_the_model_package_imports_transformers():
     modules = package_modules()
     importers = {m for m, path in modules.items()
@@ -275,8 +285,8 @@ def test_only_the_model_package_imports_transformers():
     assert importers <= TRANSFORMERS_GATES, importers - TRANSFORMERS_GATES
 
 
-@pytest.mark.parametrize("module", ["lookupdec", "lookupdec.automaton", "lookupdec.config", "lookupdec.tree",
-                                    "lookupdec.tokens", "lookupdec.workloads"])
+@pytest.mark.parametrize("module", ["lookupdec", "lookupdec.native", "lookupdec.automaton", "lookupdec.config",
+                                    "lookupdec.tree", "lookupdec.tokens", "lookupdec.workloads"])
 def test_low_modules_import_without_torch(module):
     """The package's face is lazy: importing it (or a low layer) must not import torch."""
     code = f"import sys; sys.modules['torch'] = None; import {module}; assert 'transformers' not in sys.modules"

@@ -6,7 +6,7 @@ next kernel, torch or CPU. Such measurements belong in a design note
 (docs/design/measurements-from-comments.md keeps those that were once in comments).
 
 Scanned: every comment (``tokenize``) and every string statement (docstrings, ``ast``) of
-``lookupdec/**/*.py``, and every ``//`` and ``/* */`` comment of ``lookupdec/automaton/csrc/*``.
+``lookupdec/**/*.py``, and every ``//`` and ``/* */`` comment of ``csrc/**`` (the compiled core).
 Flagged: a number with a time unit (``31.5 ms``, ``5 µs``, ``0.4 s``, ``2M appends/s``) or a
 time in words ("half a second", "a few microseconds"), a speed ratio (``2.1x faster``,
 ``1.3x slower``, ``9% cheaper``), a machine name (Xeon, EPYC, H100, H200) and anything shaped
@@ -24,7 +24,7 @@ from repo_paths import REPO
 
 ROOT = Path(REPO)
 PACKAGE = ROOT / "lookupdec"
-CSRC = PACKAGE / "automaton" / "csrc"
+CSRC = ROOT / "csrc"
 
 _NUM = r"(?<![\w.])\d+(?:[.,]\d+)*"
 _PATTERNS = [
@@ -92,8 +92,9 @@ def cpp_texts(path: Path) -> list[tuple[int, str]]:
 
 def _sources() -> list[Path]:
     paths = [p for p in PACKAGE.rglob("*.py")]
-    paths += [p for p in CSRC.iterdir() if p.is_file() and p.suffix in {".cpp", ".hpp", ".h", ".cc", ".inc"}]
-    return sorted(paths)
+    cpp = [p for p in CSRC.rglob("*") if p.is_file() and p.suffix in {".cpp", ".hpp", ".h", ".cc", ".inc"}]
+    assert cpp, f"no C++ sources under {CSRC}"  # (a moved tree would otherwise pass unscanned)
+    return sorted(paths + cpp)
 
 
 def _rel(path: Path) -> str:

@@ -1,4 +1,4 @@
-#include "recycle.hpp"
+#include "drafting/recycle.hpp"
 
 #include <algorithm>
 #include <queue>

@@ -1,5 +1,5 @@
 // Suffix automaton core; see automaton.hpp for the layout and the counting scheme.
-#include "automaton.hpp"
+#include "drafting/automaton.hpp"
 
 #include <algorithm>
 #include <cstring>

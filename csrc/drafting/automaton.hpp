@@ -11,7 +11,7 @@
 //                                  edges keyed by token: O(1) lookups, sequential enumeration
 //                                  of its thousands of children, and growth that rehashes only
 //                                  that state's edges (no pause over a global table)
-// states_ and edges_ grow in fixed blocks (BlockVector, arrays.hpp): no copy on growth,
+// states_ and edges_ grow in fixed blocks (BlockVector, common/arrays.hpp): no copy on growth,
 // little slack, transparent huge pages past the first block.
 // The suffix-link tree (children of each state) is kept as singly linked sibling lists. When
 // a clone takes q's place under q's parent P, the entry of P's list that points to q is left
@@ -35,7 +35,7 @@
 #include <utility>
 #include <vector>
 
-#include "arrays.hpp"
+#include "common/arrays.hpp"
 
 namespace lookupdec {
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "attention.hpp"
+#include "kernels/attention.hpp"
 
 #if defined(LOOKUPDEC_OPENMP)
 #include <omp.h>

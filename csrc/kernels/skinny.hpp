@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "topk.hpp"
+#include "common/topk.hpp"
 
 namespace lookupdec {
 

@@ -2,7 +2,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "attention.hpp"
+#include "kernels/attention.hpp"
 
 namespace lookupdec::attention_avx512 {
 #if defined(LOOKUPDEC_SKINNY_X86)

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "arrays.hpp"
+#include "common/arrays.hpp"
 
 namespace lookupdec {
 

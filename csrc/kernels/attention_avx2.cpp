@@ -2,7 +2,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "attention.hpp"
+#include "kernels/attention.hpp"
 
 namespace lookupdec::attention_avx2 {
 #if defined(LOOKUPDEC_SKINNY_X86)

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "automaton.hpp"
+#include "drafting/automaton.hpp"
 
 namespace lookupdec {
 

@@ -1,4 +1,4 @@
-#include "norm.hpp"
+#include "kernels/norm.hpp"
 
 #include <algorithm>
 #include <cmath>

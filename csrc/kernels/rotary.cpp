@@ -1,4 +1,4 @@
-#include "rotary.hpp"
+#include "kernels/rotary.hpp"
 
 namespace lookupdec {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "skinny.hpp"
+#include "kernels/skinny.hpp"
 
 #if defined(LOOKUPDEC_OPENMP)
 #include <omp.h>

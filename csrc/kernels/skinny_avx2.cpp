@@ -2,7 +2,7 @@
 // intrinsics: 6 rows x one panel (two ymm halves) = 12 ymm accumulators.
 #include <cstring>
 
-#include "skinny.hpp"
+#include "kernels/skinny.hpp"
 
 #if defined(LOOKUPDEC_SKINNY_X86)
 #include <immintrin.h>

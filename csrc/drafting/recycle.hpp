@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "arrays.hpp"
+#include "common/arrays.hpp"
 
 namespace lookupdec {
 

@@ -1,6 +1,6 @@
 // The suffix proposer's drafts; see suffix_drafts.hpp. Each part names the Python function of
 // lookupdec/proposers/suffix.py (or tree.py) it mirrors.
-#include "suffix_drafts.hpp"
+#include "drafting/suffix_drafts.hpp"
 
 #include <algorithm>
 

@@ -1,4 +1,6 @@
-// The k best entries of a row (implemented in tree.cpp, next to row_topk and the greedy walk).
+// Reading a row of logits (topk.cpp): its argmax and its k best entries, as the greedy walk
+// (tree/tree.hpp), sampling's top tokens and the skinny product's picks (kernels/skinny.hpp) read
+// them: one definition, so a row's picks are the same whichever of them makes them.
 #pragma once
 
 #include <cstddef>
@@ -8,7 +10,16 @@
 
 namespace lookupdec {
 
-// row_topk (tree.hpp) of a row of n entries given in pieces or one entry at a time, in index
+// The index of the largest of x[0:n], numpy's and torch's argmax: the first NaN if there is one,
+// else the first maximum (AVX2 where the CPU has it).
+int64_t row_argmax(const float* x, int64_t n);
+
+// The k largest of x[0:n] as repeated argmax with each pick set to -inf takes them
+// (lookupdec.request.top_tokens_reference): NaNs first (by index), then values descending (ties
+// by index), entries of -inf never, then index 0 repeated once those run out; min(k, n) picks.
+void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out);
+
+// row_topk (above) of a row of n entries given in pieces or one entry at a time, in index
 // order (scan x[begin, end), x the row's first entry; or add): the same min(k, n) picks as
 // row_topk of the whole row. The skinny product (skinny_linear_tops) adds the entries of each
 // block of outputs it computes that beat the floor, as it stores them.

@@ -2,7 +2,7 @@
 // them), in intrinsics: 8 rows x 3 panels = 24 zmm accumulators, each panel row one load.
 #include <cstring>
 
-#include "skinny.hpp"
+#include "kernels/skinny.hpp"
 
 #if defined(LOOKUPDEC_SKINNY_X86)
 #include <immintrin.h>

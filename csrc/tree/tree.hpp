@@ -10,7 +10,6 @@
 #include <memory>
 #include <vector>
 
-#include "topk.hpp"
 
 namespace lookupdec {
 
@@ -165,44 +164,30 @@ void calibration_table(const double* reached, const double* predicted, const dou
 void calibration_levels(const CalibrationCounts& c, std::vector<double>* by_source, std::vector<double>* by_row);
 double calibration_cell(const CalibrationCounts& c, const std::vector<double>& by_row, int64_t k);
 
-// budget.choose_num_nodes: the n in [0, count] maximising (1 + scale[n] * (v[0] + ... + v[n-1])) /
+// budget.choose_num_nodes: the n in [0, count] maximising (1 + scale * (v[0] + ... + v[n-1])) /
 // (curve[1 + n] + overhead), the first of equal rates (the reference's numpy operations, in order).
-int64_t choose_num_nodes(const double* values, int64_t count, const double* curve, double overhead,
-                         const double* scale);
+int64_t choose_num_nodes(const double* values, int64_t count, const double* curve, double overhead, double scale);
 
 // budget.choose_num_nodes on a merged tree's own gains (its nodes' expected in prune order, the
-// first min(order size, max_nodes)) with the optimistic, unpadded cost curve of the estimates
-// (sizes increasing, seconds, counts: n >= 1 of each; cost_curve(..., optimistic, !padded)) read
-// at 1 .. count + 1 tokens only: without padding each size's cost is its own, so those entries
-// are cost_curve's, bit for bit. scale: count + 1 entries at least.
-int64_t choose_tree_nodes(const MergedTree& tree, const double* sizes, const double* seconds, const double* counts,
-                          int64_t n, double optimism, double overhead, int64_t max_nodes, const double* scale,
-                          int64_t num_scales);
+// first min(order size, max_nodes)) with the unpadded cost curve of the estimates (sizes
+// increasing, seconds: n >= 1 of each; cost_curve(..., !padded)) read at 1 .. count + 1 tokens
+// only: without padding each size's cost is its own, so those entries are cost_curve's, bit for bit.
+int64_t choose_tree_nodes(const MergedTree& tree, const double* sizes, const double* seconds, int64_t n,
+                          double overhead, int64_t max_nodes, double scale);
 
 // budget.CostModel.dense: out[k] = the cost of k tokens, k = 0 .. max(upto, sizes[last]) (out[0] =
-// out[1]), from the estimates (sizes increasing, seconds, counts: n >= 1 of each): with
-// `optimistic` each estimate times (1 - optimism / sqrt(max(count, 1))); interpolated as np.interp
-// does it, linear past the last size with budget.tail_slope's slope; `padded`: the cheapest of any
-// size from k up (a suffix minimum). The reference's numpy operations, one by one.
-void cost_curve(const double* sizes, const double* seconds, const double* counts, int64_t n, int64_t upto,
-                double optimism, bool optimistic, bool padded, std::vector<double>* out);
-
-// The index of the largest of x[0:n], numpy's and torch's argmax: the first NaN if there is one,
-// else the first maximum (AVX2 where the CPU has it).
-int64_t row_argmax(const float* x, int64_t n);
-
-// The k largest of x[0:n] as repeated argmax with each pick set to -inf takes them
-// (lookupdec.engine.top_tokens' reference): NaNs first (by index), then values descending (ties
-// by index), entries of -inf never, then index 0 repeated once those run out; min(k, n) picks.
-void row_topk(const float* x, int64_t n, int32_t k, std::vector<int32_t>* out);
-
+// out[1]), from the estimates (sizes increasing, seconds: n >= 1 of each), interpolated as
+// np.interp does it, linear past the last size with budget.tail_slope's slope; `padded`: the
+// cheapest of any size from k up (a suffix minimum). The reference's numpy operations, one by one.
+void cost_curve(const double* sizes, const double* seconds, int64_t n, int64_t upto, bool padded,
+                std::vector<double>* out);
 
 // Greedy acceptance (lookupdec.sampling.accept, greedy without logits processing): from the
 // root, follow the child whose token is the argmax of the node's row of `logits` ([rows,
 // vocab], rows >= nodes, row r at logits + r * row_stride); stop at the first node without
 // such a child. Returns the accepted nodes; *next_token is that node's argmax, *bonus whether
 // it has no children at all. With top_k > 0, each visited row is read once for its top_k
-// (row_topk, appended to *tops in visiting order: the root's row, then each accepted node's),
+// (row_topk, common/topk.hpp, appended to *tops in visiting order: the root's row, then each accepted node's),
 // whose first is the argmax: what token recycling keeps, without a second pass.
 // With row_of (one entry per node), node u's logits are row row_of[u] of `logits`; where the
 // walk reaches a node whose entry is -1 it stops, sets *missing to that node (else -1) and

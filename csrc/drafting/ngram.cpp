@@ -1,6 +1,6 @@
 // The n-gram index and drafts; see ngram.hpp. Each part names the Python it mirrors in
 // lookupdec/proposers/ngram.py.
-#include "ngram.hpp"
+#include "drafting/ngram.hpp"
 
 #include <algorithm>
 #include <cmath>
