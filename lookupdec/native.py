@@ -3,21 +3,26 @@
 
 - ``drafting``: the suffix automaton (``automaton/``), the n-gram index and the recycling table
   (``proposers/``), a request's lookups drafted and merged in one call (``mixture.py``).
-- ``tree``: the step's tree merge, calibration, size choice, verify inputs, greedy walk and
-  size hindsight (``tree.py``, ``budget.py``, ``step.py``, ``sampling.py``).
+- ``tree``: the step's tree merge, calibration, size choice, verify inputs and greedy walk
+  (``tree.py``, ``budget.py``, ``sampling.py``).
 - ``kernels``: the forward's CPU kernels and the K/V cache's slot moves (``model/kernels.py``,
   ``model/cache.py``).
 
 Every caller names the submodule it takes (``from lookupdec.native import kernels as
 native_kernels``) and keeps its Python reference for None: every fast path has one that defines
-it (docs/design/kernels.md), so the package works, slowly, without the build. Importing this
-module imports no torch.
+it (docs/design/kernels.md), so the package works, slowly, without the build
+(``LOOKUPDEC_NO_NATIVE=1`` runs the references with the build present: tests compare the two).
+Importing this module imports no torch.
 """
 from __future__ import annotations
 
+import os
+
 try:
+    if os.environ.get("LOOKUPDEC_NO_NATIVE", "") not in ("", "0"):
+        raise ImportError("LOOKUPDEC_NO_NATIVE is set")
     from lookupdec._native import drafting, kernels, tree
-except ImportError:  # not built (a source tree without `pip install -e .`): the references
+except ImportError:  # not built (a source tree without `pip install -e .`), or turned off: the references
     drafting = kernels = tree = None
 
 __all__ = ["available", "drafting", "kernels", "tree"]

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from lookupdec.sampling import HEAD_MIN_ROWS, accept, head_rows, top_tokens_compiled
+from lookupdec.sampling import HEAD_MIN_ROWS, PartialLogits, accept, head_rows, top_tokens_compiled
 from lookupdec.step import StepResult
 from lookupdec.tree import TokenTree
 from lookupdec.validate import bad
@@ -218,7 +218,13 @@ class RequestCore:
         visited = result.tokens if result.tokens is not None else tree.tokens_of(nodes)
         successors = None
         if recycle:
-            tops = result.tops if result.tops is not None else top_tokens(logits, nodes, recycle)
+            if result.tops is not None:
+                tops = result.tops
+            elif isinstance(logits, PartialLogits):  # the visited rows, computed where the walk had none
+                logits.fill(nodes)
+                tops = top_tokens(logits.logits, [int(logits.row_of[u]) for u in nodes], recycle)
+            else:
+                tops = top_tokens(logits, nodes, recycle)
             successors = (prev, visited, tops)
         return result.accepted, self.clip(visited[1:] + [result.next_token], limit), successors
 
