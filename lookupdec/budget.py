@@ -63,14 +63,12 @@ class CostModel:
 
     @property
     def counts(self) -> list[float]:
-        """The decayed number of forwards behind each size's estimate (``COUNT_DECAY`` per
-        ``observe``), a new list."""
+        """The decayed number of forwards behind each size's estimate, a new list."""
         scale = self.count_scale
         return [c * scale for c in self.raw_counts]
 
     def copy(self) -> "CostModel":
-        """The same estimates and counts (to be learnt apart); another process's or bucket's
-        curve goes through ``trusted`` instead."""
+        """The same estimates and counts, to be learnt apart (another bucket's: ``trusted``)."""
         return CostModel(self.sizes, self.seconds, self.counts)
 
     def trusted(self, max_count: float = CACHED_COUNT_CAP, min_count: float = CACHED_MIN_COUNT) -> "CostModel | None":
@@ -167,10 +165,6 @@ class CostModel:
         >>> cost = CostModel([1, 4, 8], [1.0, 1.1, 1.5])
         >>> [cost.explore(3, 7) for _ in range(EXPLORE_EVERY)][-2:]   # 5 tokens never observed
         [3, 4]
-        >>> cost = CostModel([1, 7, 8, 9, 10, 11, 12, 16], [1.0, 1.2, 1.2, 2.3, 2.3, 2.2, 2.2, 4.0],
-        ...                  counts=[9, 9, 9, 9, 9, 9, 9, 0.1])
-        >>> [cost.explore(7, 40) for _ in range(EXPLORE_EVERY)][-1]   # 16 tokens, observed least lately
-        15
         """
         self._since_explore += 1
         if self._since_explore < EXPLORE_EVERY or nodes <= 0:
@@ -191,8 +185,7 @@ class CostModel:
         return other
 
     def _interpolate(self, n: int, skip: int = -1) -> float:
-        """Linear interpolation between measured sizes (extrapolated past the ends); ``skip``:
-        a position in ``sizes`` to ignore (a size just inserted)."""
+        """Linear between measured sizes, extrapolated past the ends; ``skip``: a position to ignore."""
         pairs = [(m, t) for j, (m, t) in enumerate(zip(self.sizes, self.seconds)) if j != skip]
         if len(pairs) == 1:
             return pairs[0][1]
@@ -320,8 +313,7 @@ class AcceptanceCalibrator:
         return row
 
     def _levels(self) -> tuple[dict, np.ndarray]:
-        """Per source and per row: the factor on claimed probabilities, prior included (sums left
-        to right: a cumulative sum's last entry)."""
+        """Per source and per row: the factor on claimed probabilities, prior included (sums left to right)."""
         row_p, row_m = _row_sums(self._predicted), _row_sums(self._matched)
         totals: dict[str, list[float]] = {}
         for row, source in enumerate(self._row_source):
@@ -344,9 +336,7 @@ class AcceptanceCalibrator:
         return self.calibration().row_factor(draft)
 
     def calibration(self) -> Calibration:
-        """Each cell's acceptance probability, as ``TokenTree.from_drafts`` takes it (cached
-        between steps): accepted over reached, leaning on the row's factor times the cell's mean
-        claimed probability (``CELL_PRIOR_WEIGHT`` observations' worth, at most ``MAX_PRIOR_PROB``)."""
+        """Each cell's acceptance probability as ``TokenTree.from_drafts`` takes it (cached between steps)."""
         if self._calibration is None and self.compiled:
             table, by_row, by_source = native_tree.calibration_table(
                 self._reached, self._predicted, self._matched, self._row_source_index, len(self._sources),
@@ -376,8 +366,7 @@ class AcceptanceCalibrator:
 
     @property
     def rows_version(self) -> int:
-        """Rows made so far: each new one replaces the count arrays (a fused request hands the
-        core the new ones when this moves: ``mixture.FusedRequest.sync``)."""
+        """Rows made so far (a fused request hands the core new count arrays when this moves)."""
         return len(self._row_source)
 
     def row_table(self, names: tuple[str, ...]) -> tuple[list[int], list[int]]:
@@ -387,14 +376,11 @@ class AcceptanceCalibrator:
         return rows, [self._sources.get(name, -1) for name in names]
 
     def learnt(self) -> None:
-        """The counts were learnt in the core (``mixture.Mixture.finish``): what ``learn`` does
-        beside the counting (the cached table dropped)."""
+        """The counts were learnt in the core (``Mixture.finish``): the cached table is dropped."""
         self._calibration = None
 
     def learn(self, drafts: Sequence[Draft], committed: Sequence[int]) -> None:
-        """After a step: decay the history once, then count every reached node of every draft
-        against the ``committed`` tokens (the verified tree needs no pass of its own: every
-        verified node came from a draft)."""
+        """After a step: decay the history once, then count every reached node of every draft."""
         self._calibration = None
         committed = list(committed)
         if self.compiled:
@@ -472,9 +458,8 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
 
 
 def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int, scale: float = 1.0) -> int:
-    """``choose_num_nodes(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale)``: where
-    the compiled core holds the tree (``TokenTree._from_core``), in one call that reads the gains
-    where they are and makes the cost curve only as far as it is read."""
+    """``choose_num_nodes`` on the tree's gains in prune order: one compiled call where the core
+    holds the tree (``TokenTree._from_core``), the curve made only as far as it is read."""
     core = tree.__dict__.get("_core")
     if core is None or not hasattr(core, "choose_num_nodes"):
         return choose_num_nodes(tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale)
