@@ -3,7 +3,7 @@
 The chooser (``lookupdec/budget.py``, ``lookupdec/step.py``) learns t(n), calibrates each node's
 chance and keeps the tree size that maximises expected tokens per second; on top of that sit
 correction layers (those whose removal cost nothing beyond the noise are gone: the optimism,
-per-size records and their hindsight, the per-request factor and the prices; docs/design/chooser.md).
+per-size records and their hindsight and the prices; docs/design/chooser.md).
 Each variant below is the default engine with one layer off (its constant set
 while that engine runs), beside ``plain`` (no drafts) and the default twice (``default`` and
 ``default-again``, two engines of the same code: their gap is the noise a layer's effect must
@@ -12,6 +12,7 @@ exceed to count):
 * ``no-explore``      -- ``EXPLORE_EVERY`` never reached and ``EXPLORE_ROOT`` off: no size is
   verified only to re-measure it
 * ``no-root-explore`` -- ``EXPLORE_ROOT`` off (the root alone is never explored)
+* ``no-request``      -- ``REQUEST_PRIOR`` huge: no per-request correction
 * ``no-scale``        -- ``SCALE_PRIOR`` huge: no step-wide correction of the calibrated chances
 * ``fixed4``          -- ``budget="fixed", max_nodes=4``: no chooser at all
 
@@ -42,6 +43,7 @@ HUGE = 1e12
 VARIANTS = {  # name -> (module, constant, value) switched while that engine runs
     "no-explore": [("budget", "EXPLORE_EVERY", 1 << 40), ("budget", "EXPLORE_ROOT", False)],
     "no-root-explore": [("budget", "EXPLORE_ROOT", False)],
+    "no-request": [("step", "REQUEST_PRIOR", HUGE)],
     "no-scale": [("step", "SCALE_PRIOR", HUGE)],
 }
 

@@ -8,7 +8,8 @@
     plan     every sequence's drafts and merged tree (``StepCore.plan``, no pruning yet)
     choose   one joint budget: the width ``W`` (nodes per row, root included) maximising the
              batch's expected tokens per second, sum over rows of ``1 + scale x`` the gains of
-             its ``W - 1`` best nodes (``StepCore.scale``), over ``t(rows x W)``, the learnt cost of the batched forward
+             its ``W - 1`` best nodes (``StepCore.scale``; each row's times its request's own
+             correction, ``StepCore.request_factor``), over ``t(rows x W)``, the learnt cost of the batched forward
              (rows are padded to the widest tree, so within a width every row takes all the
              nodes it has up to ``W - 1``: padding is computed anyway); a row whose tree is
              wider than ``W - 1`` is drafted again for ``W - 1`` nodes. A sequence alone in
@@ -481,7 +482,9 @@ class BatchDecoder:
         trees = [seq.plan.tree for seq in seqs]
         if engine.config.budget != "auto":
             return trees
-        gains = [tree.expected_in_prune_order() for tree in trees]
+        # each row's gains corrected by its request's own record (``StepCore.request_factor``): the
+        # joint budget then spends its width where the drafts have been accepted
+        gains = [[seq.plan.factor * g for g in tree.expected_in_prune_order()] for seq, tree in zip(seqs, trees)]
         longest = min(max((len(g) for g in gains), default=0), engine.config.max_nodes)
         width = choose_width(gains, self._cost(len(trees)), self.overhead_s, engine.config.max_nodes, core.scale)
         width = self._probe(len(trees), width, longest + 1)

@@ -8,7 +8,8 @@
              (``Mixture.plan``: the same drafts and tree; ``propose_s`` then counts both)
     choose   with a cost model (``EngineConfig.budget == "auto"``): keep the node count that
              maximises expected tokens per second (``budget.choose_tree_nodes``), the gains
-             corrected by what recent trees accepted (``StepCore.scale``), and prune to it
+             corrected by what recent trees accepted (``StepCore.scale``) and by what this
+             request's trees accepted (``StepCore.request_factor``), and prune to it
     verdict  the caller's: the engine verifies the tree with the target and accepts exactly
              (``sampling.accept``); the simulator walks the recorded response. Either returns
              the accepted nodes and the step's new tokens (accepted + one bonus or recovered
@@ -41,6 +42,11 @@ from lookupdec.tree import Draft, TokenTree
 SCALE_PRIOR = 2.0  # accepted draft tokens behind the initial correction of 1
 SCALE_DECAY = 0.95  # per verified tree
 SCALE_MIN, SCALE_MAX = 0.2, 1.5
+# a request's own correction (``StepCore.request_factor``): its accepted draft tokens over those
+# the shared correction predicted for its trees, each sum with this prior added, decayed per step
+REQUEST_PRIOR = 2.0
+REQUEST_DECAY = 0.95
+REQUEST_MIN = 0.02  # the lowest step correction a request's record can bring (shared x its own)
 
 @dataclass
 class Verdict:
@@ -59,9 +65,15 @@ class Plan:
 
     tree: TokenTree
     drafts: list[Draft]
-    scale: float  # the step's correction when the tree was built (``StepCore.scale``)
+    scale: float  # the step's correction when the tree was built: shared x the request's, clipped
     propose_s: float
     tree_s: float
+    shared: float = 1.0  # ``StepCore.scale`` then
+
+    @property
+    def factor(self) -> float:
+        """The request's own correction as applied (``StepCore.request_factor``, clipped)."""
+        return self.scale / self.shared
 
 
 @dataclass
@@ -103,12 +115,17 @@ class StepCore:
         self.chain_only = chain_only  # verify only the best chain (a model without tree masks)
         # decayed sums of the accepted draft tokens trees promised and those accepted (whole steps)
         self._promised = self._accepted = SCALE_PRIOR
+        # per request: decayed sums of the accepted draft tokens the shared correction predicted
+        # for its trees and those accepted (``request_factor``)
+        self._requests: dict[str, list[float]] = {}
 
     def start(self, request_id: str, prompt_ids: Sequence[int], params=None, seed=None) -> None:
         self.mixture.start(request_id, prompt_ids, params, seed)
+        self._requests[request_id] = [0.0, 0.0]
 
     def stop(self, request_id: str) -> None:
         self.mixture.stop(request_id)
+        self._requests.pop(request_id, None)
 
     def first(self, request_id: str, new_tokens: Sequence[int], successors: tuple | None = None) -> None:
         """A request's first token, taken from its prefill's logits (no tree, no step): every
@@ -129,7 +146,8 @@ class StepCore:
         keeps up to ``max_nodes`` nodes (default: the step's cap), for a caller that chooses
         itself (the batched step's joint budget, ``batch.py``)."""
         t0 = time.perf_counter()
-        scale = self.scale
+        shared = self.scale
+        scale = min(SCALE_MAX, max(REQUEST_MIN, shared * self.request_factor(request_id)))
         if max_nodes is None:
             max_nodes = self.draft_budget.nodes(self.max_nodes) if cost is not None else self.max_nodes
         fused = (self.mixture.plan(request_id, context, max_nodes, max_depth, self.calibrator)
@@ -144,20 +162,28 @@ class StepCore:
             merged = TokenTree.from_drafts(context[-1], drafts, max_nodes=max_nodes, max_depth=max_depth,
                                            calibration=self.calibrator)
         tree = self.select(merged, max_nodes=max_nodes, cost=cost, overhead_s=overhead_s, scale=scale)
-        return Plan(tree, drafts, scale, propose_s=t1 - t0, tree_s=time.perf_counter() - t1)
+        return Plan(tree, drafts, scale, propose_s=t1 - t0, tree_s=time.perf_counter() - t1, shared=shared)
 
     def finish(self, request_id: str, plan: "Plan", judged: Verdict) -> StepResult:
         """After the verdict on ``plan.tree``: every proposer observes the new tokens, the
-        calibrator learns, the scale moves."""
+        calibrator learns, the scale and the request's record move."""
         tree = plan.tree
         self.mixture.finish(request_id, judged.new_tokens, judged.successors, plan.drafts, self.calibrator)
         promised = tree.expected_total() if tree.num_draft_nodes else 0.0
+        record = self._requests.get(request_id)
         if tree.num_draft_nodes:
+            accepted = len(judged.accepted)
             self._promised = SCALE_DECAY * self._promised + promised
-            self._accepted = SCALE_DECAY * self._accepted + len(judged.accepted)
+            self._accepted = SCALE_DECAY * self._accepted + accepted
+            if record is not None:
+                record[0] = REQUEST_DECAY * record[0] + promised * plan.shared
+                record[1] = REQUEST_DECAY * record[1] + accepted
         else:  # nothing verified, nothing learnt: drift back towards 1, or a low scale would stick
             self._promised = SCALE_DECAY * self._promised + (1 - SCALE_DECAY) * SCALE_PRIOR
             self._accepted = SCALE_DECAY * self._accepted + (1 - SCALE_DECAY) * SCALE_PRIOR
+            if record is not None:  # the request's record fades alike: a request that stopped drafting tries again
+                record[0] *= REQUEST_DECAY
+                record[1] *= REQUEST_DECAY
         return StepResult(tree, plan.drafts, judged.accepted[: len(judged.new_tokens)], judged.new_tokens,
                           propose_s=plan.propose_s, tree_s=plan.tree_s, promised=promised, scale=plan.scale)
 
@@ -168,6 +194,19 @@ class StepCore:
         node alone; this corrects what they miss together (sources that disagree at a position
         are each right less often than their own record says)."""
         return min(SCALE_MAX, max(SCALE_MIN, self._accepted / self._promised))
+
+    def request_factor(self, request_id: str) -> float:
+        """The request's own correction on top of ``scale``: the draft tokens its trees accepted
+        over those ``scale`` predicted for them (decayed sums, ``REQUEST_PRIOR`` added to each;
+        1 for a request not started). The shared correction learns from every request and moves
+        slowly: a request whose drafts keep failing where others' succeed (a translation whose
+        answer never copies its prompt) would verify trees for its whole length before the shared
+        sums noticed. Steps without a tree fade the record as the shared one fades, so a request
+        that stopped drafting on a few unlucky steps tries again."""
+        record = self._requests.get(request_id)
+        if record is None:
+            return 1.0
+        return (record[1] + REQUEST_PRIOR) / (record[0] + REQUEST_PRIOR)
 
     def select(self, tree: TokenTree, *, max_nodes: int, cost: CostModel | None, overhead_s: float,
                scale: float = 1.0) -> TokenTree:

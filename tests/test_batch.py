@@ -379,6 +379,44 @@ def test_a_batchs_first_curve_times_its_probe_widths_then_hands_on():
     assert engine.batch_probes.get((bucket, 5), set()) == engine.batch_probes.get((bucket, 4), set())
 
 
+def test_joint_budget_weighs_each_row_by_its_requests_record(monkeypatch):
+    """The joint budget multiplies each row's gains by its request's own correction
+    (``Plan.factor``, from ``StepCore.request_factor``): each prompt runs in two rows at once, so
+    both rows draft the same trees, and the second request's record is one of failed drafts: the
+    gains handed to ``choose_width`` differ by exactly that factor, and each row's output is still
+    its own."""
+    import lookupdec.batch as batch_module
+    from lookupdec.step import REQUEST_MIN, SCALE_MIN
+
+    model = cached_tiny("llama")
+    refs = cached_references("llama")[:6]
+    engine = Engine(model, FakeTokenizer(), EngineConfig(max_nodes=16))
+    decoder = BatchDecoder(engine, 2)
+    core = engine.step_core
+    failing = {f"batch-{id(decoder)}-{i}" for i in range(1, 2 * len(refs), 2)}  # every pair's second (``submit``)
+    monkeypatch.setattr(core, "request_factor", lambda rid: 0.25 if rid in failing else 1.0)
+    seen = []
+    choose = batch_module.choose_width
+
+    def spy(gains, *args, **kwargs):
+        seen.append([list(g) for g in gains])
+        return choose(gains, *args, **kwargs)
+
+    monkeypatch.setattr(batch_module, "choose_width", spy)
+    for p, n, _ in refs:
+        for _ in range(2):
+            decoder.submit(BatchRequest(list(p), n))
+    outs = decoder.run()
+    assert [g.token_ids for g in outs] == [want for _, _, want in refs for _ in range(2)]
+    pairs = [g for g in seen if len(g) == 2 and g[0]]
+    assert len(pairs) >= 5, len(pairs)  # steps where the pair had drafts
+    # (the shared correction stays in [SCALE_MIN, SCALE_MAX]: a quarter of it is never clipped at REQUEST_MIN)
+    assert 0.25 * SCALE_MIN > REQUEST_MIN
+    for first, second in pairs:
+        assert len(first) == len(second)
+        assert all(b == 0.25 * a for a, b in zip(first, second)), (first, second)  # (a power of 2: exact)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt_neox"])
 def test_sampled_batch_equals_alone_for_a_seed(family):
     model = cached_tiny(family)

@@ -248,6 +248,74 @@ def test_chooser_picks_the_root_alone_when_drafts_never_match():
     assert nodes[-20:] == [0] * 20  # then the root alone, step after step
 
 
+def _interleaved_requests(steps: int):
+    """Two requests on one ``StepCore`` whose drafts look the same to the calibrator (one source,
+    one match length): request "copies" accepts every chain, request "never" none. Returns each
+    request's draft nodes per step, the core and its cost."""
+    from lookupdec.mixture import Mixture
+    from lookupdec.step import StepCore, Verdict
+    from lookupdec.budget import AcceptanceCalibrator
+    from lookupdec.proposers.base import Draft
+
+    class Same:
+        name = "same"
+
+        def start(self, *a): pass
+        def observe(self, *a): pass
+        def stop(self, *a): pass
+
+        def propose(self, rid, context, max_nodes):
+            n = min(8, max_nodes)
+            return [Draft.chain([5] * n, [0.9 ** (d + 1) for d in range(n)], self.name, match_length=4)]
+
+    calibrator = AcceptanceCalibrator()
+    core = StepCore(Mixture([Same()], calibrator=calibrator), max_nodes=64, calibrator=calibrator)
+    cost = CostModel([1, 2, 4, 8, 16, 64], [1.0, 1.1, 1.2, 1.3, 1.55, 3.5])  # SmolLM2, one thread, smoothed
+    nodes = {"copies": [], "never": []}
+    contexts = {rid: [1, 2, 3] for rid in nodes}
+    for rid in nodes:
+        core.start(rid, contexts[rid])
+    for _ in range(steps):
+        for rid in nodes:
+            if rid == "copies":
+                verdict = lambda tree: Verdict(list(range(1, len(tree))), [5] * len(tree))  # noqa: E731
+            else:
+                verdict = lambda tree: Verdict([], [7])  # noqa: E731
+            result = core.run(rid, contexts[rid], verdict, max_depth=48, cost=cost)
+            nodes[rid].append(result.tree.num_draft_nodes)
+            contexts[rid] += result.new_tokens
+    return nodes, core
+
+
+def test_a_request_whose_drafts_fail_stops_drafting_while_another_keeps_its_trees():
+    """The shared correction and the cells learn from every request: where one request copies and
+    another never does, both alike, the second verifies a tree every step (SmolLM2, a translation
+    whose answer never copies its prompt: 0.09 accepted a step where 0.9 were predicted). Its own
+    record (``StepCore.request_factor``) brings it to the root alone within a few steps, with a
+    retry now and then as the record fades, and leaves the first request its trees."""
+    from lookupdec import step
+
+    nodes, core = _interleaved_requests(40)
+    assert nodes["never"][0] > 0 and nodes["copies"][0] > 0  # the drafts' scores are believed at first
+    assert nodes["never"].index(0) <= 6  # within a few steps: the root alone
+    assert sum(n > 0 for n in nodes["never"][10:]) <= 15  # then a tree in at most every second step
+    assert min(nodes["copies"][10:]) >= 7  # the copying request keeps its chain (7: the cost's exploration)
+    assert core.request_factor("never") < 0.2 < 1.0 < core.request_factor("copies")
+    assert core.request_factor("other") == 1.0  # a request not started: no correction of its own
+    core.stop("never")
+    assert core.request_factor("never") == 1.0  # nothing kept after the request
+
+    # without the requests' own records (a prior too large to move), the failing request verifies
+    # a tree every step: what the record is there for
+    original = step.REQUEST_PRIOR
+    step.REQUEST_PRIOR = 1e12
+    try:
+        nodes, _ = _interleaved_requests(40)
+    finally:
+        step.REQUEST_PRIOR = original
+    assert min(nodes["never"]) > 0
+
+
 def _replay_calibration(workload: str, limit: int, calibrated: bool):
     from lookupdec.budget import AcceptanceCalibrator
     from lookupdec.model import load_tokenizer
