@@ -134,10 +134,17 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def build(stream: np.ndarray) -> tuple["SuffixAutomaton", dict]:
-    from lookupdec.automaton import SuffixAutomaton
+def compiled_automaton(tokens=()) -> "SuffixAutomaton":
+    """A ``SuffixAutomaton`` over the compiled core, the one measured (an error without the build)."""
+    from lookupdec.automaton import SuffixAutomaton, compiled_available
 
-    automaton = SuffixAutomaton(backend="compiled")
+    if not compiled_available():
+        raise ImportError("lookupdec's compiled core (lookupdec._native) is not built: run `pip install -e .`")
+    return SuffixAutomaton(tokens)
+
+
+def build(stream: np.ndarray) -> tuple["SuffixAutomaton", dict]:
+    automaton = compiled_automaton()
     wall, cpu = timed(lambda: automaton.extend(stream))
     first_query_wall, _ = timed(lambda: automaton.count(0))
     n = len(stream)
@@ -162,21 +169,19 @@ def rss_bytes_per_token(stream: np.ndarray) -> float:
 
 
 def rss_child(path: str) -> None:
-    from lookupdec.automaton import SuffixAutomaton
+    from lookupdec.automaton import SuffixAutomaton  # noqa: F401 -- loaded before the RSS is read
 
     stream = np.load(path)
     before = rss_bytes()
-    automaton = SuffixAutomaton(stream, backend="compiled")
+    automaton = compiled_automaton(stream)
     automaton.count(0)
     print(rss_bytes() - before)
 
 
 def incremental(stream: np.ndarray) -> dict:
     """Bulk-build all but the tail, then append the tail in chunks, each followed by a query."""
-    from lookupdec.automaton import SuffixAutomaton
-
     tail = min(INCREMENTAL_TOKENS, len(stream) // 2)
-    automaton = SuffixAutomaton(stream[:len(stream) - tail], backend="compiled")
+    automaton = compiled_automaton(stream[:len(stream) - tail])
     automaton.count(0)
     chunks = np.array_split(stream[len(stream) - tail:], max(tail // INCREMENTAL_CHUNK, 1))
 

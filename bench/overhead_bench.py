@@ -9,7 +9,8 @@ the verify forward, in µs per step:
              on the fast paths ``Mixture.plan``, as ``StepCore.plan`` calls it: the drafts and
              their merge in one compiled call (merge then reads 0)
     merge    ``TokenTree.from_drafts`` with the calibrator, as ``StepCore.plan`` (the
-             reference: ``AcceptanceCalibrator.calibration()``'s whole table first)
+             reference: the reference calibrator's whole table first, then
+             ``reference.tree.merge_drafts``)
     choose   ``choose_tree_nodes`` (``CostModel``: a measured 150M-parameter curve,
              one per set of paths, observed every step) + ``prune`` (timed; the verified tree stays the fixed
              budget's, as with ``budget="fixed"``)
@@ -28,7 +29,7 @@ the verify forward, in µs per step:
              as in the engine, and not counted here); the reference reads every row where the
              KV writes left it
     recycle  the engine's hand-off to the token-recycling proposer: the reference's
-             ``top_tokens_reference`` of the visited rows, and ``Mixture.observe_path``; on the
+             ``reference.request.top_tokens`` of the visited rows, and ``Mixture.observe_path``; on the
              fast paths only the hand-off's tuple (``Verdict.successors``): the table takes it
              with the observe
     commit   ``model.commit_accepted`` on a KV cache of SmolLM2-135M's shape (30 layers of
@@ -40,14 +41,17 @@ the verify forward, in µs per step:
              ``Mixture.finish``, as ``StepCore.finish`` calls it: the recycling table's
              hand-off, the observe and the calibrator's learn in one compiled call (learn then
              reads 0; a step whose drafts add a calibrator row learns apart, inside it)
-    learn    ``AcceptanceCalibrator.learn`` (fast paths: in ``observe``)
+    learn    ``AcceptanceCalibrator.learn`` (fast paths: in ``observe``; the reference:
+             ``lookupdec.reference.budget.AcceptanceCalibrator.learn``)
 
 Also, inside the verify forward and so in none of the totals: the K/V writes a forward of 1 + 64
 tokens makes into the engine's cache, 30 layers (``SlotStore.write``), against indexing the
-buffer per layer (``write_reference``), in turn (``kv_writes``).
+buffer per layer (its definition, ``reference.model.write``), in turn (``kv_writes``).
 
-Two sets of code paths run the same steps, record by record in turn: ``reference`` (the pure
-Python reference of every fast path) and ``fast`` (what the engine runs); every step's tree and
+Two sets of code paths run the same steps, record by record in turn: ``reference`` (the
+definition of every fast path, ``lookupdec.reference``: its functions called by name, and the
+lookups' index, table and automata made as where the extension is not built, ``without_core``)
+and ``fast`` (what the engine runs); every step's tree and
 accepted nodes must be identical between them (checked). The verify forward is replaced by
 the recorded response, so greedy acceptance accepts what the real model would; the recycling
 proposer's successors come from those synthetic logits (their argmax is the recorded token,
@@ -62,12 +66,14 @@ KV cache gets the forward's writes, so, as in the engine, every phase starts wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import hashlib
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -80,21 +86,22 @@ from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_re
 
 import torch  # noqa: E402
 
-from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_num_nodes_reference, choose_tree_nodes  # noqa: E402
+from lookupdec import automaton  # noqa: E402
+from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_tree_nodes  # noqa: E402
 from lookupdec.config import EngineConfig  # noqa: E402
-from lookupdec.engine import top_tokens, top_tokens_reference  # noqa: E402
+from lookupdec.engine import top_tokens  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
-from lookupdec.model import (commit_accepted, load_tokenizer, new_cache, tree_inputs,  # noqa: E402
-                             tree_inputs_reference)
+from lookupdec.model import commit_accepted, load_tokenizer, new_cache, tree_inputs  # noqa: E402
 from lookupdec.model.target import InputBuffers  # noqa: E402
-from lookupdec.proposers import build_proposers  # noqa: E402
-from lookupdec.proposers.ngram import NgramProposer  # noqa: E402
-from lookupdec.proposers.recycle import RecycleProposer  # noqa: E402
-from lookupdec.proposers.suffix import SuffixProposer  # noqa: E402
-from lookupdec.sampling import PartialLogits, SamplingParams, accept, accept_reference, head_rows  # noqa: E402
+from lookupdec.proposers import build_proposers, ngram, recycle  # noqa: E402
+from lookupdec.reference import budget as reference_budget  # noqa: E402
+from lookupdec.reference import model as reference_model  # noqa: E402
+from lookupdec.reference import request as reference_request  # noqa: E402
+from lookupdec.reference import sampling as reference_sampling  # noqa: E402
+from lookupdec.reference import tree as reference_tree  # noqa: E402
+from lookupdec.sampling import PartialLogits, SamplingParams, accept, head_rows  # noqa: E402
 from lookupdec.simulate import accepted_path, tokenize_record  # noqa: E402
-from lookupdec import budget  # noqa: E402
-from lookupdec.tree import TokenTree, observe_draft, observe_draft_reference  # noqa: E402
+from lookupdec.tree import TokenTree  # noqa: E402
 from lookupdec.workloads import WORKLOADS  # noqa: E402
 
 PHASES = ("propose", "merge", "choose", "inputs", "accept", "recycle", "commit", "observe", "learn")
@@ -119,13 +126,13 @@ class Paths:
     """The code one set of paths runs per phase."""
 
     name: str
-    drafting: str  # SuffixProposer(drafting=...), NgramProposer(backend=...)
+    lookups: Callable  # () -> a context in which the lookups' index, table and automata are made (and run)
+    calibrator: Callable  # () -> the calibrator (budget.AcceptanceCalibrator or its reference)
     merge: Callable  # (root, drafts, max_nodes=, max_depth=, calibration=) -> TokenTree
     prune: Callable  # (tree, n) -> TokenTree
     inputs: Callable  # model.tree_inputs(tree, n_cached, device=, dtype=, windows=, tree_mode=)
     accept: Callable  # sampling.accept(tree, logits, params)
     slot_cache: bool  # the engine's SlotCache, else a DynamicCache
-    observe_draft: Callable  # the calibrator's per-draft count (tree.observe_draft or its reference)
     top_tokens: Callable  # engine.top_tokens(logits, rows, k)
     choose: Callable  # budget.choose_tree_nodes(tree, cost, overhead, max_nodes, scales) or its reference
     partial: bool = False  # accept on PartialLogits (the likely nodes' rows), as the engine's greedy verify
@@ -133,18 +140,41 @@ class Paths:
     picked: bool = False  # ... with each row's best ids made by the output projection (FastHead.project)
 
 
+@contextlib.contextmanager
+def without_core():
+    """The lookups as where the extension is not built: the modules that make the n-gram index,
+    the recycling table and the suffix automata see no compiled drafting, so those made (and run)
+    meanwhile are their definitions (``reference.drafting.NgramIndex``, ``RecycleTable``,
+    ``reference.automaton.ReferenceAutomaton``)."""
+    saved = [(module, module.native_drafting) for module in (automaton, ngram, recycle)]
+    try:
+        for module, _ in saved:
+            module.native_drafting = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (the automaton's "compiled core not built")
+            yield
+    finally:
+        for module, core in saved:
+            module.native_drafting = core
+
+
+def reference_merge(root_token, drafts, *, max_nodes, max_depth, calibration) -> TokenTree:
+    return TokenTree(**reference_tree.merge_drafts(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
+                                                   calibration=calibration.calibration()))
+
+
 def reference_paths() -> Paths:
-    return Paths("reference", "reference", TokenTree.from_drafts_reference, TokenTree.prune_reference,
-                 tree_inputs_reference, accept_reference, slot_cache=False,
-                 observe_draft=observe_draft_reference, top_tokens=top_tokens_reference,
-                 choose=lambda tree, cost, overhead_s, max_nodes, scale=1.0: choose_num_nodes_reference(
+    return Paths("reference", without_core, reference_budget.AcceptanceCalibrator, reference_merge,
+                 lambda tree, n: TokenTree(**reference_tree.prune(tree, n)), reference_model.tree_inputs,
+                 reference_sampling.accept, slot_cache=False, top_tokens=reference_request.top_tokens,
+                 choose=lambda tree, cost, overhead_s, max_nodes, scale=1.0: reference_budget.choose_num_nodes(
                      tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale))
 
 
 def fast_paths() -> Paths:
     inputs = functools.partial(tree_inputs, buffers=InputBuffers())  # as TargetModel.verify
-    return Paths("fast", "auto", TokenTree.from_drafts, TokenTree.prune, inputs, accept, slot_cache=True,
-                 observe_draft=observe_draft, top_tokens=top_tokens, choose=choose_tree_nodes,
+    return Paths("fast", contextlib.nullcontext, AcceptanceCalibrator, TokenTree.from_drafts, TokenTree.prune, inputs,
+                 accept, slot_cache=True, top_tokens=top_tokens, choose=choose_tree_nodes,
                  partial=True, picked=True, fused=True)
 
 
@@ -154,7 +184,7 @@ class Mode:
 
     paths: Paths
     mixture: Mixture
-    calibrator: AcceptanceCalibrator
+    calibrator: AcceptanceCalibrator  # (or its reference)
     cost: CostModel = field(default_factory=lambda: CostModel(COST_SIZES, COST_SECONDS))  # the engine's curve, observed
     times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # phase -> [ns per step], wall clock
     cpu_times: dict = field(default_factory=lambda: {p: [] for p in PHASES})  # ... this thread's CPU time
@@ -164,17 +194,9 @@ class Mode:
 
     @classmethod
     def make(cls, paths: Paths) -> "Mode":
-        proposers = build_proposers(EngineConfig())
-        for proposer in proposers:
-            if isinstance(proposer, SuffixProposer):
-                proposer.drafting = paths.drafting
-            elif isinstance(proposer, NgramProposer) and paths.drafting == "reference":
-                proposer.backend = "reference"
-        if paths.drafting == "reference":  # the recycling table's pure-Python definition
-            proposers = [RecycleProposer(p.config, backend="reference") if isinstance(p, RecycleProposer) else p
-                         for p in proposers]
-        backend = "reference" if paths.drafting == "reference" else "auto"
-        return cls(paths, Mixture(proposers), AcceptanceCalibrator(backend=backend))
+        with paths.lookups():  # (the recycling table and the global suffix automaton are made here)
+            proposers = build_proposers(EngineConfig())
+        return cls(paths, Mixture(proposers), paths.calibrator())
 
 
 class KVBuffer:
@@ -254,9 +276,15 @@ def _now() -> tuple[int, int]:
 def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv: KVBuffer, walk: WalkLogits,
                timed: bool, max_steps: int) -> None:
     """One record through ``mode``'s paths, step by step as ``StepCore.run`` orders them."""
+    with mode.paths.lookups():  # (the request's n-gram index and suffix automaton are made here)
+        run_steps(mode, rid, prompt, response, kv, walk, timed, max_steps)
+
+
+def run_steps(mode: Mode, rid: str, prompt: list[int], response: list[int], kv: KVBuffer, walk: WalkLogits,
+              timed: bool, max_steps: int) -> None:
+    """``run_record``'s steps, in its paths' lookups context."""
     mixture, calibrator, paths, greedy = mode.mixture, mode.calibrator, mode.paths, SamplingParams()
     cost = mode.cost
-    budget.observe_draft = paths.observe_draft  # AcceptanceCalibrator.learn's kernel (module-level name)
     context = list(prompt)
     mixture.start(rid, context)
     kv.start(len(context) - 1)
@@ -296,7 +324,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
                                          lambda nodes: (logits[nodes].clone(), 0.0), tops=tops)
             marks.append(_now())
             # the engine's accept(top_k=...) reads each visited row once for the argmax and the
-            # recycling table's top tokens; the reference takes them apart (top_tokens_reference)
+            # recycling table's top tokens; the reference takes them apart (reference.request.top_tokens)
             fused = RECYCLE_SUCCESSORS if mixture.successor_sinks and paths.name == "fast" else 0
             result = (paths.accept(tree, verified, greedy, top_k=fused) if fused
                       else paths.accept(tree, verified, greedy))
@@ -347,7 +375,7 @@ def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv:
 def kv_writes(context: int, rounds: int) -> dict:
     """Inside the verify forward, not in the step's totals: the K/V writes of one forward of
     1 + ``MAX_NODES`` tokens into the engine's cache (``SlotStore.write``, every layer's views
-    made at once) against indexing the buffer per layer (``SlotStore.write_reference``), both
+    made at once) against indexing the buffer per layer (``reference.model.write``), both
     after a ``context``-token prefix, in turn, µs per forward (median of ``rounds``, CPU time;
     back to back, so warm, unlike the step's phases)."""
     from lookupdec.model.cache import SlotStore
@@ -356,14 +384,14 @@ def kv_writes(context: int, rounds: int) -> dict:
     new = torch.randn(1, 1 + MAX_NODES, KV_HEADS, HEAD_DIM, dtype=DTYPE).transpose(1, 2)
     prefix = torch.zeros(1, KV_HEADS, context, HEAD_DIM, dtype=DTYPE)
     out = {}
-    stores = {"write": SlotStore(LAYERS), "write_reference": SlotStore(LAYERS)}
+    stores = {"write": SlotStore(LAYERS), "write_reference": SlotStore(LAYERS)}  # (the results' keys)
     for name, store in stores.items():
         for layer in range(LAYERS):
-            store.write_reference(layer, prefix, prefix)
+            reference_model.write(store, layer, prefix, prefix)
         out[name] = []
     for _ in range(rounds):
         for name, store in stores.items():
-            write = getattr(store, name)
+            write = store.write if name == "write" else functools.partial(reference_model.write, store)
             t = time.thread_time_ns()
             for layer in range(LAYERS):
                 write(layer, new, new)

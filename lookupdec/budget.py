@@ -6,6 +6,11 @@ what is accepted; ``choose_num_nodes`` keeps the ``n`` best nodes maximising ``(
 accepted) / (t(1 + n) + overhead)``; ``DraftBudget`` sizes the proposers' request. Only history
 enters (committed tokens, timings), never a step's random draws: sampling stays exact. Why each
 part is there, and the layers removed because they did not pay: docs/design/chooser.md.
+
+The curve, the choice and the calibrator's counts and table are compiled (``csrc/tree/tree.cpp``)
+where the extension is built; their definitions, which run where it is not, are in
+``lookupdec/reference/budget.py``, with the calibrator's priors and decay and the curve's tail
+(``tail_slope``) that both use (imported from there).
 """
 from __future__ import annotations
 
@@ -16,8 +21,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from lookupdec.native import tree as native_tree  # the compiled tree submodule, None where not built
-from lookupdec.tree import (CELLS_PER_ROW, COND_MIDS, MATCH_BUCKETS, Calibration, Draft, calibration_row_key,
-                            observe_draft)
+from lookupdec.reference import budget as reference_budget
+# what the definitions (lookupdec/reference/budget.py) and the compiled paths share, re-exported
+from lookupdec.reference.budget import (CELL_PRIOR_WEIGHT, HISTORY_DECAY, MAX_FACTOR, MAX_PRIOR_PROB,
+                                        ROW_PRIOR_WEIGHT, SOURCE_PRIOR_WEIGHT, tail_slope)
+from lookupdec.tree import CELLS_PER_ROW, COND_MIDS, MATCH_BUCKETS, Calibration, Draft, calibration_row_key
 
 CALIBRATION_SECONDS = 2.0  # cap on a full measurement (``CostModel.measure``, benchmarks)
 CALIBRATION_REPEATS = 3  # forwards per size in a full measurement; the minimum is kept (least noisy)
@@ -34,8 +42,6 @@ EXPLORE_MIN_COUNT = 3.0
 EXPLORE_ROOT = True
 CACHED_COUNT_CAP = 4.0  # a curve from the cost cache or another bucket counts as this many forwards at most per size
 CACHED_MIN_COUNT = 0.5  # ... and keeps only sizes observed at least this many times lately
-HISTORY_DECAY = 0.95  # the calibrator's per-step decay of old observations (half-life about 14 steps)
-MAX_FACTOR = 1.5  # a source's scores are never trusted more than this
 DRAFT_BUDGET_HEADROOM = 2.0  # proposers are asked for this many times the nodes lately kept
 DRAFT_BUDGET_MIN = 16  # ... but never fewer than this many
 DRAFT_BUDGET_DECAY = 0.9  # per-step decay of the running mean of kept nodes
@@ -205,28 +211,16 @@ class CostModel:
         """``out[k]`` = the cost of ``k`` tokens, k = 0 ... upto (``out[0] = out[1]``), interpolated
         (past the largest size: ``tail_slope``); ``padded``: the cheapest of any size from ``k``
         up (what a caller that pads pays); else each size at its own estimate. Cached until the
-        next ``observe``; compiled where built (``dense_reference``, bit for bit)."""
+        next ``observe``; compiled where built, else its definition
+        (``reference.budget.cost_curve``, bit for bit)."""
         cached = self._curves.get(padded)
         if cached is None or len(cached) <= upto:
             if native_tree is not None and hasattr(native_tree, "cost_curve"):
                 cached = np.frombuffer(native_tree.cost_curve(self.sizes, self.seconds, upto, padded), np.float64)
             else:
-                cached = self.dense_reference(upto, padded=padded)
+                cached = reference_budget.cost_curve(self.sizes, self.seconds, upto, padded=padded)
             self._curves[padded] = cached
         return cached
-
-    def dense_reference(self, upto: int, *, padded: bool = True) -> np.ndarray:
-        """``dense`` in numpy, not cached: the definition the compiled curve repeats."""
-        top = max(upto, self.sizes[-1])
-        ks = np.arange(1, top + 1, dtype=np.float64)
-        xs, ys = np.asarray(self.sizes, dtype=np.float64), np.asarray(self.seconds, dtype=np.float64)
-        curve = np.interp(ks, xs, ys)
-        if len(xs) > 1 and top > xs[-1]:  # linear past the last size
-            tail = ks > xs[-1]
-            curve[tail] = ys[-1] + tail_slope(xs, ys) * (ks[tail] - xs[-1])
-        if padded:
-            curve = np.minimum.accumulate(curve[::-1])[::-1]
-        return np.concatenate([curve[:1], curve])
 
     def __call__(self, n: int) -> float:
         return float(self.dense(n)[n])
@@ -235,40 +229,7 @@ class CostModel:
         return {"sizes": self.sizes, "seconds": self.seconds, "counts": self.counts}
 
 
-def tail_slope(sizes: Sequence[float], seconds: Sequence[float]) -> float:
-    """Seconds per token past the largest size of a cost curve: the secant from the largest
-    size back to one at most half as large (adjacent sizes differ by noise alone), never below 0
-    nor above the largest size's seconds per token (``n`` tokens never cost more than ``n / m``
-    forwards of ``m``).
-
-    >>> round(tail_slope([1, 16, 62, 64], [0.051, 0.040, 0.036, 0.046]), 6)   # 16 -> 64, not 62 -> 64
-    0.000125
-    >>> tail_slope([1, 4], [0.01, 0.09])   # at most 0.09 / 4 a token
-    0.0225
-    """
-    last = len(sizes) - 1
-    if last < 1:
-        return 0.0
-    base = 0  # the largest size at most half the last one (the first if none is)
-    for j in range(last):
-        if sizes[j] <= sizes[last] / 2:
-            base = j
-    slope = (seconds[last] - seconds[base]) / (sizes[last] - sizes[base])
-    return float(min(max(slope, 0.0), seconds[last] / sizes[last]))
-
-
-SOURCE_PRIOR_WEIGHT = 1.0  # a source starts at factor 1, worth this many predicted tokens
-ROW_PRIOR_WEIGHT = 2.0  # a (source, match bucket) row starts at its source's factor, worth this many
-CELL_PRIOR_WEIGHT = 2.0  # a cell starts at its row's factor x its claimed probability, worth this many nodes
-MAX_PRIOR_PROB = 0.9  # ... but a cell never observed is not believed certain
-
-
 _COND_MIDS_BYTES = np.ascontiguousarray(COND_MIDS, dtype=np.float64).tobytes()
-
-
-def _row_sums(counts: np.ndarray) -> np.ndarray:
-    """Each row's sum, left to right (numpy's ``sum`` adds in pairs: its last bits differ)."""
-    return np.cumsum(counts, axis=1)[:, -1] if counts.shape[0] else np.zeros(0)
 
 
 class AcceptanceCalibrator:
@@ -279,14 +240,18 @@ class AcceptanceCalibrator:
     one. Observations are summed per (source, match bucket) row and (depth bucket, sibling rank,
     claimed-probability bucket) cell (``tree.Calibration``): decayed accepted over decayed claimed.
     A cell with few observations leans on its row, a row on its source, a source on 1
-    (``*_PRIOR_WEIGHT``). ``backend="reference"``: numpy, the definition the compiled tables
-    repeat bit for bit (every sum left to right).
+    (``*_PRIOR_WEIGHT``). The counts are learnt and the table made in the compiled core; their
+    definition, ``lookupdec.reference.budget.AcceptanceCalibrator`` (numpy, every sum left to
+    right, the same interface), is what ``AcceptanceCalibrator()`` gives where the extension is
+    not built.
     """
 
-    def __init__(self, backend: str = "auto") -> None:
-        if backend not in ("auto", "reference"):
-            raise ValueError(f"AcceptanceCalibrator: backend must be 'auto' or 'reference', not {backend!r}")
-        self.compiled = backend == "auto" and native_tree is not None and hasattr(native_tree, "calibration_table")
+    def __new__(cls):
+        if native_tree is None or not hasattr(native_tree, "calibration_table"):  # the core is absent: the definition
+            return reference_budget.AcceptanceCalibrator()
+        return super().__new__(cls)
+
+    def __init__(self) -> None:
         self._rows: dict = {}  # (source, match bucket) -> row of the tables
         self._row_source: list[str] = []
         self._sources: dict[str, int] = {}  # source -> its index (the compiled calibration's)
@@ -312,24 +277,11 @@ class AcceptanceCalibrator:
             self._matched = np.vstack([self._matched, grow])
         return row
 
-    def _levels(self) -> tuple[dict, np.ndarray]:
-        """Per source and per row: the factor on claimed probabilities, prior included (sums left to right)."""
-        row_p, row_m = _row_sums(self._predicted), _row_sums(self._matched)
-        totals: dict[str, list[float]] = {}
-        for row, source in enumerate(self._row_source):
-            t = totals.setdefault(source, [0.0, 0.0])
-            t[0] += row_p[row]
-            t[1] += row_m[row]
-        by_source = {s: min(MAX_FACTOR, (m + SOURCE_PRIOR_WEIGHT) / (p + SOURCE_PRIOR_WEIGHT))
-                     for s, (p, m) in totals.items()}
-        prior = np.array([by_source[s] for s in self._row_source])
-        by_row = np.minimum(MAX_FACTOR, (row_m + ROW_PRIOR_WEIGHT * prior) / (row_p + ROW_PRIOR_WEIGHT))
-        return by_source, by_row
-
     def factors(self) -> dict:
-        """Every source's and every ``(source, match bucket)`` row's factor."""
-        by_source, by_row = self._levels()
-        return {**by_source, **{key: float(by_row[row]) for key, row in self._rows.items()}}
+        """Every source's and every ``(source, match bucket)`` row's factor (``calibration()``'s)."""
+        calibration = self.calibration()
+        row_factors = calibration.row_factors
+        return {**calibration.fallback, **{key: float(row_factors[row]) for key, row in calibration.rows.items()}}
 
     def factor(self, draft: Draft) -> float:
         """The factor of ``draft``'s row, else its source's, else 1."""
@@ -337,7 +289,7 @@ class AcceptanceCalibrator:
 
     def calibration(self) -> Calibration:
         """Each cell's acceptance probability as ``TokenTree.from_drafts`` takes it (cached between steps)."""
-        if self._calibration is None and self.compiled:
+        if self._calibration is None:
             table, by_row, by_source = native_tree.calibration_table(
                 self._reached, self._predicted, self._matched, self._row_source_index, len(self._sources),
                 _COND_MIDS_BYTES, SOURCE_PRIOR_WEIGHT, ROW_PRIOR_WEIGHT, CELL_PRIOR_WEIGHT, MAX_FACTOR, MAX_PRIOR_PROB)
@@ -345,20 +297,13 @@ class AcceptanceCalibrator:
                 self._rows_copy = dict(self._rows)
             factors = np.frombuffer(by_source, np.float64).tolist()
             self._calibration = Calibration.packed(self._rows_copy, table, dict(zip(self._sources, factors)), by_row)
-        elif self._calibration is None:
-            by_source, by_row = self._levels()
-            claimed = np.where(self._reached > 0, self._predicted / np.maximum(self._reached, 1e-12), COND_MIDS)
-            prior = np.minimum(by_row[:, None] * claimed, MAX_PRIOR_PROB)
-            table = (self._matched + CELL_PRIOR_WEIGHT * prior) / (self._reached + CELL_PRIOR_WEIGHT)
-            self._calibration = Calibration(dict(self._rows), table, by_source, row_factors=by_row,
-                                            probabilities=True)
         return self._calibration
 
     def merge_counts(self) -> tuple | None:
         """What ``TokenTree.from_drafts`` reads instead of ``calibration()`` to compute only the
-        cells its drafts read (bit for bit as the table): ``(rows, sources, counts)``; None on the
-        reference backend."""
-        if not self.compiled or not hasattr(native_tree, "merge_drafts_counts"):
+        cells its drafts read (bit for bit as the table): ``(rows, sources, counts)``; None where
+        the core has no such merge."""
+        if not hasattr(native_tree, "merge_drafts_counts"):
             return None
         return self._rows, self._sources, (
             self._reached, self._predicted, self._matched, self._row_source_index, len(self._sources),
@@ -383,26 +328,18 @@ class AcceptanceCalibrator:
         """After a step: decay the history once, then count every reached node of every draft."""
         self._calibration = None
         committed = list(committed)
-        if self.compiled:
-            in_core = getattr(drafts, "learn", None)  # a fused plan's drafts (mixture.PlannedDrafts)
-            if in_core is not None and in_core(self, committed):
-                return
-            rows = []  # first: a new row grows the arrays
-            row_by_match = self._row_by_match
-            for draft in drafts:
-                row = row_by_match.get((draft.source, draft.match_length))
-                if row is None:
-                    row = row_by_match[draft.source, draft.match_length] = self._row(draft)
-                rows.append(row)
-            native_tree.learn_drafts(self._reached, self._predicted, self._matched, HISTORY_DECAY, rows,
-                               [draft.packed() for draft in drafts], committed)
+        in_core = getattr(drafts, "learn", None)  # a fused plan's drafts (mixture.PlannedDrafts)
+        if in_core is not None and in_core(self, committed):
             return
-        self._reached *= HISTORY_DECAY
-        self._predicted *= HISTORY_DECAY
-        self._matched *= HISTORY_DECAY
-        for draft in drafts:  # tree.observe_draft: compiled (tree.observe_draft_reference: the loop)
-            row = self._row(draft)
-            observe_draft(draft, committed, self._reached[row], self._predicted[row], self._matched[row])
+        rows = []  # first: a new row grows the arrays
+        row_by_match = self._row_by_match
+        for draft in drafts:
+            row = row_by_match.get((draft.source, draft.match_length))
+            if row is None:
+                row = row_by_match[draft.source, draft.match_length] = self._row(draft)
+            rows.append(row)
+        native_tree.learn_drafts(self._reached, self._predicted, self._matched, HISTORY_DECAY, rows,
+                                 [draft.packed() for draft in drafts], committed)
 
 
 class DraftBudget:
@@ -443,7 +380,8 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
     """The ``n`` (0..max_nodes) maximising (1 + scale x the sum of the first n values) / (t(1 + n)
     + overhead): the values are the nodes' acceptance probabilities in prune order
     (``TokenTree.expected_in_prune_order``), ``scale`` the step's correction (``StepCore.scale``),
-    ``t`` each size at its own estimate (``dense(padded=False)``). Ties: fewer nodes.
+    ``t`` each size at its own estimate (``dense(padded=False)``). Ties: fewer nodes. Compiled
+    where built, else its definition (``reference.budget.choose_num_nodes``).
 
     >>> cost = CostModel([1, 2, 4], [1.0, 1.1, 1.3])
     >>> choose_num_nodes([0.9, 0.8, 0.01], cost, 0.0, 3)   # the third node is not worth 0.1
@@ -454,7 +392,7 @@ def choose_num_nodes(sorted_scores: Sequence[float], cost: CostModel, overhead_s
             return 0
         upto = min(len(sorted_scores), max_nodes) + 1
         return native_tree.choose_num_nodes(sorted_scores, cost.dense(upto, padded=False), overhead_s, max_nodes, scale)
-    return choose_num_nodes_reference(sorted_scores, cost, overhead_s, max_nodes, scale)
+    return reference_budget.choose_num_nodes(sorted_scores, cost, overhead_s, max_nodes, scale)  # (the core is absent)
 
 
 def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int, scale: float = 1.0) -> int:
@@ -467,18 +405,3 @@ def choose_tree_nodes(tree, cost: CostModel, overhead_s: float, max_nodes: int, 
     if count <= 0:
         return 0
     return core.choose_num_nodes(cost.sizes, cost.seconds, overhead_s, max_nodes, scale)
-
-
-def choose_num_nodes_reference(sorted_scores: Sequence[float], cost: CostModel, overhead_s: float,
-                               max_nodes: int, scale: float = 1.0) -> int:
-    """``choose_num_nodes`` in numpy: the definition the compiled chooser repeats."""
-    values = np.asarray(sorted_scores[:max_nodes], dtype=np.float64)
-    if not len(values):
-        return 0
-    expected = np.empty(len(values) + 1)
-    expected[0] = 1.0
-    np.cumsum(values, out=expected[1:])
-    expected[1:] *= scale
-    expected[1:] += 1.0
-    seconds = cost.dense_reference(len(values) + 1, padded=False)[1 : len(values) + 2] + overhead_s
-    return int(np.argmax(expected / seconds))

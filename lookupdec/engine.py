@@ -29,7 +29,7 @@ from lookupdec.model_files import DEFAULT_MODEL
 from lookupdec.proposers import Proposer, build_proposers
 from lookupdec.request import (MIN_CALIBRATION_CONTEXT, Generation, GenerationStats, RequestCore, StepTimer,
                                cancel_check, count_step, finish_stats)
-from lookupdec.request import top_tokens, top_tokens_reference  # noqa: F401 -- re-exported (their old home)
+from lookupdec.request import top_tokens  # noqa: F401 -- re-exported (its old home)
 from lookupdec.sampling import PartialLogits, SamplingParams
 from lookupdec.step import StepCore, Verdict
 from lookupdec.stops import StopStrings, TextAssembler

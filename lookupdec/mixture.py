@@ -92,7 +92,7 @@ class Mixture:
         (``native_drafting.Lookups.plan``): the same drafts, in the same order, and the same tree (the
         proposers' own compiled functions, the merge's own; ``tests/test_mixture_plan.py``), with
         no Python between them. None where it does not apply (``fused`` off, a lookup not
-        compiled, the calibrator's reference backend, negative budgets): the caller then
+        compiled, a calibrator without compiled counts, negative budgets): the caller then
         proposes and merges apart. The drafts come as ``PlannedDrafts``: ``Draft`` objects made
         only if something reads them (``AcceptanceCalibrator.learn`` counts them in the core)."""
         entry = self._fused.get(request_id)
@@ -198,7 +198,7 @@ class FusedRequest:
 
     def sync(self, calibrator: AcceptanceCalibrator) -> bool:
         """Give the core ``calibrator``'s current arrays if they changed; False where it has no
-        compiled counts (its reference backend)."""
+        compiled counts (the reference calibrator, which runs where the extension is not built)."""
         if calibrator is self.calibrator and calibrator.rows_version == self.version:
             return True
         counts = calibrator.merge_counts()

@@ -9,8 +9,8 @@
   ``model/cache.py``).
 
 Every caller names the submodule it takes (``from lookupdec.native import kernels as
-native_kernels``) and keeps its Python reference for None: every fast path has one that defines
-it (docs/design/kernels.md), so the package works, slowly, without the build
+native_kernels``) and falls back for None on the fast path's definition in ``lookupdec.reference``
+(docs/design/kernels.md), so the package works, slowly, without the build
 (``LOOKUPDEC_NO_NATIVE=1`` runs the references with the build present: tests compare the two).
 Importing this module imports no torch.
 """

@@ -16,9 +16,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-import numpy as np
 import torch
 
+from lookupdec.reference import request as reference_request
 from lookupdec.sampling import HEAD_MIN_ROWS, PartialLogits, accept, head_rows, top_tokens_compiled
 from lookupdec.step import StepResult
 from lookupdec.tree import TokenTree
@@ -118,28 +118,12 @@ def finish_stats(stats: GenerationStats, timer: StepTimer, elapsed: float, n_tok
 
 def top_tokens(logits: torch.Tensor, rows: Sequence[int], k: int) -> list[list[int]]:
     """The ``k`` highest-scoring token ids of each of ``rows`` of ``logits`` [n, vocab], best
-    first: one pass per row in the compiled core (CPU float32), else ``top_tokens_reference``."""
+    first: one pass per row in the compiled core (CPU float32), else (another device or dtype, the
+    extension not built) its definition, ``reference.request.top_tokens``."""
     fast = top_tokens_compiled(logits, rows, k)  # one pass per row in the compiled core (CPU float32)
     if fast is not None:
         return fast
-    return top_tokens_reference(logits, rows, k)
-
-
-def top_tokens_reference(logits: torch.Tensor, rows: Sequence[int], k: int) -> list[list[int]]:
-    """``top_tokens`` by repeated argmax (CPU) or ``topk``."""
-    if logits.device.type != "cpu":
-        return logits[list(rows)].topk(k, dim=-1).indices.tolist()
-    out = []
-    array = logits.numpy()
-    for r in rows:
-        row = array[r].copy()
-        best = []
-        for _ in range(min(k, len(row))):
-            i = int(row.argmax())
-            best.append(i)
-            row[i] = -np.inf
-        out.append(best)
-    return out
+    return reference_request.top_tokens(logits, rows, k)
 
 
 class RequestCore:

@@ -224,18 +224,13 @@ def accept(
     the CPU (a row's argmax costs a small share of the whole tensor's, and the walk visits the
     accepted nodes plus one), in one call into the compiled core for float32 logits
     (``TokenTree.greedy_walk``); on an accelerator, one argmax over every row and one transfer.
-    ``accept_reference`` takes every row's argmax first; both give the same result.
+    ``lookupdec.reference.sampling.accept`` defines these greedy walks (every row's argmax
+    first); they give its result.
 
     ``top_k`` > 0 asks for the ``top_k`` best tokens of every visited row too (token recycling's
     input), read in the walk's own pass over each row: ``Acceptance.tops`` where the compiled
     greedy walk ran, else None (the caller then takes them itself, ``engine.top_tokens``)."""
-    return _accept(tree, logits, params, context_ids=context_ids, generator=generator, all_rows=False, top_k=top_k)
-
-
-def accept_reference(tree: TokenTree, logits: torch.Tensor, params: SamplingParams, *,
-                     context_ids: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Acceptance:
-    """``accept`` with greedy choices made by one argmax over every row."""
-    return _accept(tree, logits, params, context_ids=context_ids, generator=generator, all_rows=True)
+    return _accept(tree, logits, params, context_ids=context_ids, generator=generator, top_k=top_k)
 
 
 def top_tokens_compiled(logits: torch.Tensor, rows, k: int) -> list[list[int]] | None:
@@ -355,17 +350,16 @@ def head_rows(nodes, expected, *, base: float = 1.0, threshold: float = HEAD_ROW
     return sorted([nodes[0], *rest[:keep]])
 
 
-def _greedy_rows(logits: torch.Tensor, all_rows: bool):
+def _greedy_rows(logits: torch.Tensor):
     """``pick(node)``: the argmax of row ``node`` (the first of equal maxima, as ``torch.argmax``)."""
-    if not all_rows and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         rows = logits.detach().numpy()  # a view: numpy's argmax of one row is the fastest on a CPU
         return lambda node: int(rows[node].argmax())
     choice = logits.argmax(-1).tolist()  # one sync for the whole tree
     return choice.__getitem__
 
 
-def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, generator,
-            all_rows: bool, top_k: int = 0) -> Acceptance:
+def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, generator, top_k: int = 0) -> Acceptance:
     if isinstance(logits, GreedyChoices):
         if not params.greedy or params.uses_prefix or (top_k and logits.tops is None):
             raise ValueError("GreedyChoices: greedy acceptance without a repetition penalty only")
@@ -379,7 +373,7 @@ def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, gen
             accepted.append(child)
             node = child
     if isinstance(logits, PartialLogits):
-        if not all_rows and logits.float32 and params.greedy and not params.uses_prefix:
+        if logits.float32 and params.greedy and not params.uses_prefix:
             accepted, tops, tokens, start = [], [] if top_k else None, [], 0
             while True:  # walk the rows computed; a node reached without one gets its rows, and the walk goes on
                 choices = logits.tops if logits.tops is not None and logits.tops.shape[1] >= max(top_k, 1) else None
@@ -399,7 +393,7 @@ def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, gen
                 logits.fill_from(missing)
                 start = missing
         logits = logits.dense()
-    if (not all_rows and params.greedy and not params.uses_prefix and logits.device.type == "cpu"
+    if (params.greedy and not params.uses_prefix and logits.device.type == "cpu"
             and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1):
         # one call, one pass over each visited row (its argmax, or its top_k whose first is that)
         walked = tree.greedy_walk(logits.detach().numpy(), top_k)
@@ -407,7 +401,7 @@ def _accept(tree: TokenTree, logits, params: SamplingParams, *, context_ids, gen
             return Acceptance(*walked[:4], tokens=walked[5])
     probs_cache: dict[int, torch.Tensor] = {}
     if params.greedy and not params.uses_prefix:
-        pick = _greedy_rows(logits, all_rows)
+        pick = _greedy_rows(logits)
     else:
         prefixes = PrefixTracker(context_ids, tree) if params.uses_prefix else None
 

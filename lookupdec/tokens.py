@@ -3,7 +3,7 @@
 - ``SEPARATOR``: a token id no vocabulary uses. It joins documents in an index's token store
   (``index/store.py``), earlier outputs in the suffix cache's global stream and retrieved chunk
   runs (``proposers/suffix.py``, ``proposers/retrieval.py``), so that no match spans two of them.
-  Drafts never contain it (``proposers.suffix.without_separator``).
+  Drafts never contain it (the suffix drafts drop it: ``reference.drafting.without_separator``).
 - ``vocab_fingerprint``: ties caches and indexes to a tokenizer's vocabulary.
 """
 from __future__ import annotations

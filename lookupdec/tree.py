@@ -1,15 +1,17 @@
 """The tree format and its two types: a proposer's ``Draft`` and the step's ``TokenTree``.
 
 The bottom of the package: it imports nothing of lookupdec but the compiled core's tree
-submodule (``lookupdec.native.tree``, same layer), and everything that handles trees (proposers,
-acceptance, the model, the step) imports it.
+submodule (``lookupdec.native.tree``) and its references (``lookupdec.reference.tree``), both in
+its layer, and everything that handles trees (proposers, acceptance, the model, the step)
+imports it.
 
 Fast paths and references. ``TokenTree.from_drafts`` merges in the compiled core
-(``csrc/tree/tree.cpp``) when it is built and falls back to ``from_drafts_reference``, the pure-Python
-definition, otherwise; trees it builds carry their depth and prune order, so ``prune``,
-``expected_in_prune_order`` and ``children`` cost no per-node Python work beyond list copies, and
-``ancestor_mask`` is compiled too. ``tests/test_tree_compiled.py`` checks every fast path against
-its reference on random drafts (token ids, parents, cells exactly; scores are bit-identical too).
+(``csrc/tree/tree.cpp``) when it is built and falls back to ``reference.tree.merge_drafts``, the
+pure-Python definition, otherwise; trees it builds carry their depth and prune order, so
+``prune``, ``expected_in_prune_order`` and ``children`` cost no per-node Python work beyond list
+copies, and ``ancestor_mask`` is compiled too. ``tests/test_tree_compiled.py`` checks every fast
+path against its definition in ``lookupdec/reference/tree.py`` on random drafts (token ids,
+parents, cells exactly; scores are bit-identical too).
 
 One format (docs/architecture.md, "The tree format"): ``token_ids[i]`` and ``parents[i]`` for every node, and parents
 come before children (``parents[i] < i``). In a ``Draft``, ``parents[i] == -1`` marks a child of
@@ -37,6 +39,9 @@ from typing import Sequence
 import numpy as np
 
 from lookupdec.native import tree as native_tree  # None where not built: the references run
+from lookupdec.reference import tree as reference_tree
+# the calibration cells, defined with their definition (reference.tree.draft_cells), re-exported
+from lookupdec.reference.tree import CELLS_PER_ROW, COND_BUCKETS, DEPTH_BUCKETS, SIBLING_RANKS
 
 MATCH_BUCKETS = (0, 1, 2, 3, 5, 9, 17, 33)  # match lengths are calibrated in these buckets
 
@@ -139,10 +144,6 @@ class Draft:
         return cls._trusted(tuple(token_ids), tuple(range(-1, n - 1)), tuple(scores), source, match_length)
 
 
-DEPTH_BUCKETS = (1, 2, 3, 5, 9, 17)  # node depths are calibrated in these buckets
-SIBLING_RANKS = 3  # sibling rank (by score within a draft) is calibrated as 0, 1, 2 or more
-COND_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.95)  # and the proposer's own conditional probability
-CELLS_PER_ROW = len(DEPTH_BUCKETS) * SIBLING_RANKS * len(COND_BUCKETS)
 # each cell's midpoint of its conditional probability bucket, [CELLS_PER_ROW]
 COND_MIDS = np.tile(np.diff(np.append(COND_BUCKETS, 1.0)) / 2 + np.array(COND_BUCKETS), len(DEPTH_BUCKETS) * SIBLING_RANKS)
 if native_tree is not None and (tuple(getattr(native_tree, "DEPTH_BUCKETS", ())) != DEPTH_BUCKETS
@@ -153,91 +154,16 @@ if native_tree is not None and (tuple(getattr(native_tree, "DEPTH_BUCKETS", ()))
                       "tree merge): rebuild it with `pip install -e .`")
 
 
-def depth_bucket(depth: int) -> int:
-    """The index of ``depth``'s bucket in ``DEPTH_BUCKETS`` (depth 1 = a child of the root).
-
-    >>> [depth_bucket(d) for d in (1, 2, 3, 4, 5, 8, 9, 30)]
-    [0, 1, 2, 2, 3, 3, 4, 5]
-    """
-    return bisect.bisect_right(DEPTH_BUCKETS, depth) - 1
-
-
-def draft_cells(draft: Draft) -> tuple[list[int], list[int], list[float]]:
-    """Per draft node: its depth, its calibration cell within a row (``Calibration``: depth
-    bucket, sibling rank, bucket of its conditional probability) and that conditional probability
-    ``score / parent score``.
-
-    >>> draft_cells(Draft((1, 2), (-1, 0), (.8, .2), "t"))
-    ([1, 2], [3, 16], [0.8, 0.25])
-    """
-    depth, rank = draft_features(draft)
-    scores, parents = draft.scores, draft.parents
-    conds, cells = [], []
-    for i, p in enumerate(parents):
-        parent_score = scores[p] if p >= 0 else 1.0
-        cond = scores[i] / parent_score if parent_score > 0 else 0.0
-        conds.append(cond)
-        cells.append((depth_bucket(depth[i]) * SIBLING_RANKS + min(rank[i], SIBLING_RANKS - 1)) * len(COND_BUCKETS)
-                     + bisect.bisect_right(COND_BUCKETS, cond) - 1)
-    return depth, cells, conds
-
-
 def observe_draft(draft: Draft, committed: Sequence[int], reached: np.ndarray, predicted: np.ndarray,
                   matched: np.ndarray) -> None:
-    """``observe_draft_reference``'s counts, made by the compiled core in one call."""
+    """One draft against the step's ``committed`` tokens, counted into a calibration row's arrays
+    (``budget.AcceptanceCalibrator.learn``) by the compiled core in one call; defined by
+    ``reference.tree.observe_draft`` (which runs where the core is absent)."""
     if native_tree is None:
-        return observe_draft_reference(draft, committed, reached, predicted, matched)
+        return reference_tree.observe_draft(draft, committed, reached, predicted, matched)
     tokens, parents, scores = draft.packed()
     native_tree.observe_draft(tokens, parents, scores, committed if type(committed) is list else list(committed),
                         reached, predicted, matched)
-
-
-def observe_draft_reference(draft: Draft, committed: Sequence[int], reached: np.ndarray, predicted: np.ndarray,
-                            matched: np.ndarray) -> None:
-    """One draft against the step's ``committed`` tokens, into a calibration row's arrays
-    ([CELLS_PER_ROW] each; ``budget.AcceptanceCalibrator.learn``): every node whose parent path
-    matches the committed tokens was *reached* (+1 in ``reached`` at its cell, its conditional
-    probability in ``predicted``), accepted (+1 in ``matched``) if its own token is the next
-    committed one."""
-    depth, cells, conds = draft_cells(draft)
-    parents, tokens = draft.parents, draft.token_ids
-    known = len(committed)
-    hit = [False] * len(tokens)
-    for i, p in enumerate(parents):
-        d = depth[i]
-        if d > known or (p >= 0 and not hit[p]):
-            continue
-        cell = cells[i]
-        reached[cell] += 1.0
-        predicted[cell] += conds[i]
-        if tokens[i] == committed[d - 1]:
-            matched[cell] += 1.0
-            hit[i] = True
-
-
-def draft_features(draft: Draft) -> tuple[list[int], list[int]]:
-    """Per draft node: its depth (1 = a child of the root) and its sibling rank (0 = the
-    best-scored child of its parent in this draft; ties go to the earlier node).
-
-    >>> draft_features(Draft((1, 2, 3, 4), (-1, -1, 0, 0), (.5, .7, .2, .4), "t"))
-    ([1, 1, 2, 2], [1, 0, 1, 0])
-    """
-    parents, scores = draft.parents, draft.scores
-    n = len(parents)
-    depth = [0] * n
-    for i, p in enumerate(parents):
-        depth[i] = 1 if p < 0 else depth[p] + 1
-    if parents == tuple(range(-1, n - 1)):
-        return depth, [0] * n
-    rank = [0] * n
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parents):
-        children.setdefault(p, []).append(i)
-    for kids in children.values():
-        if len(kids) > 1:
-            for r, i in enumerate(sorted(kids, key=lambda i: (-scores[i], i))):
-                rank[i] = r
-    return depth, rank
 
 
 class Calibration:
@@ -246,7 +172,7 @@ class Calibration:
 
     ``rows`` maps ``(source, match bucket)`` to a row of ``table`` ``[rows, CELLS_PER_ROW]``; a
     node's cell in the row is its (depth bucket, sibling rank, conditional probability bucket)
-    (``draft_cells``).
+    (``reference.tree.draft_cells``).
     A draft without a row takes ``fallback[source]`` (1.0 when absent) for every node. With
     ``probabilities``, ``table`` holds each cell's acceptance probability itself: the node's
     factor is that over its own conditional probability.
@@ -307,17 +233,6 @@ class Calibration:
         """``draft``'s row, -1 if none (``fallback`` then)."""
         return self.rows.get(calibration_row_key(draft), -1)
 
-    def node_factors(self, draft: Draft) -> tuple[list[float], list[int]]:
-        """Each node's factor and its flat cell (``row * CELLS_PER_ROW + cell``, -1 without a row)."""
-        row = self.row(draft)
-        if row < 0:
-            return [self.fallback.get(draft.source, 1.0)] * len(draft.token_ids), [-1] * len(draft.token_ids)
-        _, cells, conds = draft_cells(draft)
-        cells = [row * CELLS_PER_ROW + c for c in cells]
-        flat = self.table.reshape(-1)
-        if self.probabilities:  # the factor that turns the node's own probability into its cell's
-            return [float(flat[c]) / cond if cond > 0 else 0.0 for c, cond in zip(cells, conds)], cells
-        return [float(flat[c]) for c in cells], cells
 
 
 @dataclass
@@ -335,8 +250,8 @@ class TokenTree:
     # [1 + n] True where a deterministic (lookup) draft proposed the node: a point mass, tried
     # before the sampled children of its parent. Default: every node.
     point_mass: list[bool] = field(default_factory=list)
-    # [1 + n] probability that the walk reaches each node (``coherent_scores``): what the budget
-    # chooser adds up. ``scores`` rank the nodes (they decide what a budget keeps). Default: scores.
+    # [1 + n] probability that the walk reaches each node (``reference.tree.coherent_scores``): what
+    # the budget chooser adds up. ``scores`` rank the nodes (they decide what a budget keeps). Default: scores.
     expected: list[float] = field(default_factory=list)
     # [1 + n] per node, from the draft that gave its score: the calibration cell it was scaled by
     # (``Calibration``; -1: none) and its raw conditional probability (draft score / parent
@@ -430,20 +345,25 @@ class TokenTree:
         cls, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
         calibration: Calibration | dict | None = None,
     ) -> "TokenTree":
-        """``from_drafts_reference``'s tree, computed by the compiled core when it is built (one
-        call: ``csrc/tree/tree.cpp``). Draft-model ``samples`` are mapped to the kept nodes here.
-        ``calibration`` may also be a ``budget.AcceptanceCalibrator``: the tree is the one its
+        """Merge drafts into a trie, then keep the ``max_nodes`` best nodes (ancestors kept), as
+        ``reference.tree.merge_drafts`` defines it (scores, calibration, ties): in one call into
+        the compiled core when it is built (``csrc/tree/tree.cpp``), by the definition itself
+        where it is not or a budget is negative. Draft-model ``samples`` are mapped to the kept
+        nodes here. ``calibration``: a ``Calibration``, a dict of factors (``Calibration.from_factors``)
+        or a ``budget.AcceptanceCalibrator``: the tree is the one its
         ``calibration()`` gives, the merge computing only the cells it reads from the
         calibrator's counts (``merge_counts``)."""
         counts = None
         if hasattr(calibration, "merge_counts"):  # an AcceptanceCalibrator
             if native_tree is not None and max_nodes >= 0 and max_depth >= 0:
                 counts = calibration.merge_counts()
-            if counts is None:  # (the reference backend, or the reference merge below)
+            if counts is None:  # (a calibrator without compiled counts, or the reference merge below)
                 calibration = calibration.calibration()
         if native_tree is None or max_nodes < 0 or max_depth < 0:  # (negative budgets: the reference's behaviour)
-            return cls.from_drafts_reference(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
-                                             calibration=calibration)
+            if isinstance(calibration, dict):
+                calibration = Calibration.from_factors(calibration)
+            return cls(**reference_tree.merge_drafts(root_token, drafts, max_nodes=max_nodes, max_depth=max_depth,
+                                                     calibration=calibration))
         if isinstance(calibration, dict):
             calibration = Calibration.from_factors(calibration)
         packed = [d.packed() for d in drafts]
@@ -481,76 +401,6 @@ class TokenTree:
                     if node >= 0:
                         samples[node] = (q, tuple(drawn))
         return cls._from_core(core, samples)
-
-    @classmethod
-    def from_drafts_reference(
-        cls, root_token: int, drafts: Sequence[Draft], *, max_nodes: int, max_depth: int,
-        calibration: Calibration | dict | None = None,
-    ) -> "TokenTree":
-        """Merge drafts into a trie, then keep the ``max_nodes`` best nodes (ancestors kept).
-
-        ``calibration`` (``Calibration``, from ``budget.AcceptanceCalibrator.calibration``; a
-        dict of per-source factors is taken as ``Calibration.from_factors``) multiplies each
-        node's conditional probability ``score / parent score`` by its cell's factor (per
-        source, match bucket, depth bucket and sibling rank), capped at 1. A node's score is
-        capped by its parent's (a path cannot be likelier than its prefix), so taking nodes in
-        order of score never takes a child before its parent. Ties go to the earlier node
-        (drafts earlier in the list win).
-        """
-        if hasattr(calibration, "merge_counts"):  # an AcceptanceCalibrator
-            calibration = calibration.calibration()
-        if isinstance(calibration, dict):
-            calibration = Calibration.from_factors(calibration)
-        token_ids, parents, scores, sources, depths = [root_token], [-1], [1.0], [""], [0]
-        point_mass, samples, cells, conds = [True], {}, [-1], [1.0]
-        index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-        for draft in drafts:
-            if calibration is not None:
-                node_factors, node_cells = calibration.node_factors(draft)
-            else:
-                node_factors, node_cells = None, None
-            raw = draft.scores
-            local = [0] * len(draft.token_ids)  # draft node -> trie node
-            for i, (tok, par) in enumerate(zip(draft.token_ids, draft.parents)):
-                parent = 0 if par < 0 else local[par]
-                if parent < 0:  # an ancestor was cut by max_depth
-                    local[i] = -1
-                    continue
-                key = (parent, tok)
-                node = index.get(key)
-                raw_parent = 1.0 if par < 0 else raw[par]
-                cond = raw[i] / raw_parent if raw_parent > 0 else 0.0
-                factor = node_factors[i] if node_factors is not None else 1.0
-                score = scores[parent] * min(1.0, factor * cond)
-                if node is None:
-                    if depths[parent] >= max_depth:
-                        local[i] = -1
-                        continue
-                    node = len(token_ids)
-                    depths.append(depths[parent] + 1)
-                    index[key] = node
-                    token_ids.append(tok)
-                    parents.append(parent)
-                    scores.append(score)
-                    sources.append(draft.source)
-                    point_mass.append(draft.samples is None)
-                    cells.append(node_cells[i] if node_cells is not None else -1)
-                    conds.append(cond)
-                else:
-                    point_mass[node] = point_mass[node] or draft.samples is None
-                    if score > scores[node]:
-                        scores[node] = score
-                        sources[node] = draft.source
-                        cells[node] = node_cells[i] if node_cells is not None else -1
-                        conds[node] = cond
-                local[i] = node
-            for at, (q, drawn) in (draft.samples or {}).items():
-                node = 0 if at < 0 else local[at]
-                if node >= 0:
-                    samples[node] = (q, tuple(drawn))
-        expected = coherent_scores(parents, scores)
-        keep = select_top_nodes(parents, scores, max_nodes)
-        return cls._subtree(keep, token_ids, parents, scores, sources, point_mass, samples, expected, cells, conds)
 
     @classmethod
     def _subtree(cls, keep, token_ids, parents, scores, sources, point_mass=None, samples=None,
@@ -593,8 +443,9 @@ class TokenTree:
         """The root and the ``max_nodes`` best nodes (ancestors kept), as a new tree."""
         if len(self) - 1 <= max_nodes:  # (a core-held tree's length, its lists not made)
             return self
-        if max_nodes < 0 or not self._parents_first:
-            return self.prune_reference(max_nodes)
+        if max_nodes < 0 or not self._parents_first:  # (no prune order, a negative budget: the definition)
+            fields = reference_tree.prune(self, max_nodes)
+            return self if len(fields["token_ids"]) == len(self.token_ids) else TokenTree(**fields)
         core = self.__dict__.get("_core")
         if core is not None:  # the core's arrays: no Python lists
             samples = self.samples
@@ -603,7 +454,7 @@ class TokenTree:
                 remap = {old: new for new, old in enumerate(keep)}
                 samples = {remap[node]: value for node, value in samples.items() if node in remap}
             return TokenTree._from_core(core.prune(max_nodes), samples)
-        # every node's parent comes before it in prune order: select_top_nodes takes a prefix
+        # every node's parent comes before it in prune order: select_top_nodes (reference.tree) takes a prefix
         taken = self._order[:max(max_nodes, 0)]
         keep = [0, *sorted(taken)]
         remap = [-1] * len(self.token_ids)
@@ -617,13 +468,6 @@ class TokenTree:
             point_mass=[self.point_mass[i] for i in keep], expected=[self.expected[i] for i in keep],
             cells=[self.cells[i] for i in keep], conds=[self.conds[i] for i in keep],
             depth=[depth[i] for i in keep], order=[remap[i] for i in taken], parents_first=True)
-
-    def prune_reference(self, max_nodes: int) -> "TokenTree":
-        """``prune`` by its definition: ``select_top_nodes``, then the subtree."""
-        keep = select_top_nodes(self.parents, self.scores, max_nodes)
-        if len(keep) == len(self.token_ids):
-            return self
-        return self._keep(keep)
 
     def verify_inputs(self, n_cached: int, fill: bytes):
         """The compiled core's ``(input ids, positions, additive mask)`` for ``model.tree_inputs``
@@ -695,23 +539,13 @@ class TokenTree:
         return total
 
     def ancestor_mask(self) -> np.ndarray:
-        """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]"""
+        """``mask[i, j]`` is True when node j is node i or one of its ancestors.  [1+n, 1+n]
+        (Defined by ``reference.tree.ancestor_mask``, which runs where the core is absent.)"""
         if native_tree is None:
-            return self.ancestor_mask_reference()
+            return reference_tree.ancestor_mask(self.parents)
         n = len(self.token_ids)
         mask = native_tree.ancestor_mask(array("i", self.parents).tobytes())
         return np.frombuffer(mask, np.bool_).reshape(n, n)
-
-    def ancestor_mask_reference(self) -> np.ndarray:
-        """``ancestor_mask`` row by row: a node's row is its parent's plus itself."""
-        n = len(self.token_ids)
-        mask = np.zeros((n, n), dtype=bool)
-        for i in range(n):
-            p = self.parents[i]
-            if p >= 0:
-                mask[i, : p + 1] = mask[p, : p + 1]
-            mask[i, i] = True
-        return mask
 
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root's child down to ``node`` (root excluded)."""
@@ -735,55 +569,3 @@ class TokenTree:
 # the lists a core-held tree (TokenTree._from_core) makes on first use
 _CORE_LISTS = frozenset(("token_ids", "parents", "scores", "sources", "point_mass", "expected", "cells", "conds",
                          "depth"))
-
-
-def coherent_scores(parents: Sequence[int], scores: Sequence[float]) -> list[float]:
-    """Scores adjusted so that the children of a node never claim more than certainty.
-
-    Drafts are scored independently; merged into one trie, two sources can each give their own
-    child of the same node a high conditional probability, though at most one child can be
-    accepted. Children keep their conditional probability ``score / parent score`` in order of
-    confidence until the mass left runs out: the likeliest keeps its own, each next one gets at
-    most what the ones before left. Applied top-down, a node's score is then at most the
-    probability that the walk reaches it — what the budget chooser adds up as expected accepted
-    tokens.
-
-    >>> coherent_scores([-1, 0, 0, 1], [1.0, 0.9, 0.6, 0.8])
-    [1.0, 0.9, 0.09999999999999998, 0.8]
-    """
-    n = len(parents)
-    children: list[list[int]] = [[] for _ in range(n)]
-    for i in range(1, n):
-        children[parents[i]].append(i)
-    out = list(scores)
-    for node in range(n):  # parents come before children: out[node] is final here
-        kids = children[node]
-        if not kids:
-            continue
-        old_parent = scores[node]
-        conds = {k: (scores[k] / old_parent if old_parent > 0 else 0.0) for k in kids}
-        left = 1.0
-        for k in sorted(kids, key=lambda k: (-conds[k], k)):
-            cond = min(conds[k], max(left, 0.0))
-            left -= cond
-            out[k] = out[node] * cond
-    return out
-
-
-def select_top_nodes(parents: Sequence[int], scores: Sequence[float], max_nodes: int) -> list[int]:
-    """Indices of the root and the ``max_nodes`` best nodes, in tree order (ancestors kept).
-
-    Scores must not increase from parent to child, which ``from_drafts`` guarantees; the sort
-    key (score desc, depth asc via index order) then always takes a parent before its child.
-    """
-    n = len(parents)
-    if n - 1 <= max_nodes:
-        return list(range(n))
-    order = sorted(range(1, n), key=lambda i: (-scores[i], i))
-    chosen = set()
-    for i in order:
-        if len(chosen) == max_nodes:
-            break
-        if parents[i] == 0 or parents[i] in chosen:
-            chosen.add(i)
-    return [0] + sorted(chosen)

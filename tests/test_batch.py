@@ -22,6 +22,7 @@ from lookupdec.batch import BatchDecoder, BatchRequest, choose_width
 from lookupdec.budget import CostModel
 from lookupdec.model.cache import BatchStore, SlotStore
 from lookupdec.native import kernels as native_kernels
+from lookupdec.reference import model as reference_model
 from tiny_models import FAMILIES
 
 SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9)
@@ -736,7 +737,7 @@ def test_batch_store_gathers_rows_at_once_as_row_by_row():
 
 def test_slot_writes_equal_indexing_each_layer():
     """``write`` (views made once for every layer of a forward, ``_Spans``) leaves the buffer and
-    hands out the K, V that indexing the buffer per layer (``write_reference``) does, same shape
+    hands out the K, V that indexing the buffer per layer (``reference.model.write``) does, same shape
     and strides, for one sequence and a batch's first rows: through prefills, steps of every
     size (none included), crops and commits between them, the buffer's growth, a buffer swapped
     from outside, and a write after only some layers have theirs; a layer shaped otherwise than
@@ -752,7 +753,7 @@ def test_slot_writes_equal_indexing_each_layer():
             for layer in range(upto):
                 keys = torch.from_numpy(rng.standard_normal((rows, heads, new, dim)).astype(np.float32))
                 values = keys.transpose(1, 2).contiguous().transpose(1, 2) * 2  # (laid out as attention's)
-                got, want = fast.write(layer, keys, values), ref.write_reference(layer, keys, values)
+                got, want = fast.write(layer, keys, values), reference_model.write(ref, layer, keys, values)
                 for a, b in zip(got, want):
                     assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b), (step, layer)
                 assert fast.lengths == ref.lengths, (step, layer)
@@ -774,7 +775,7 @@ def test_slot_writes_equal_indexing_each_layer():
 def test_compiled_slot_gathers_equal_torch_indexing():
     """``SlotStore.gather`` and ``BatchStore.gather_row`` move slots in place in the compiled
     core (``gather_slots``) on a CPU buffer: the same buffer as torch's indexing
-    (``gather_reference``, ``gather_row_reference``) on random increasing slots, overlapping runs
+    (``reference.model.gather``, ``gather_row``) on random increasing slots, overlapping runs
     (a slot read that is another's target), slots already in place, and float16."""
     rng = np.random.default_rng(0)
     for trial in range(60):
@@ -789,14 +790,14 @@ def test_compiled_slot_gathers_equal_torch_indexing():
         single.buffer = torch.randn(3, 2, 1, 2, capacity, 8).to(dtype)
         reference.buffer = single.buffer.clone()
         single.gather(slots, start)
-        reference.gather_reference(slots, start)
+        reference_model.gather(reference, slots, start)
         assert torch.equal(single.buffer, reference.buffer), (slots, start)
         batch, batch_reference = BatchStore(3, max_rows=4), BatchStore(3, max_rows=4)
         batch.buffer = torch.randn(3, 2, 4, 2, capacity, 8).to(dtype)
         batch_reference.buffer = batch.buffer.clone()
         row = trial % 4
         batch.gather_row(row, slots, start)
-        batch_reference.gather_row_reference(row, slots, start)
+        reference_model.gather_row(batch_reference, row, slots, start)
         assert torch.equal(batch.buffer, batch_reference.buffer), (row, slots, start)
     with pytest.raises(ValueError, match="slots must increase"):
         single.gather([5, 4], 2)

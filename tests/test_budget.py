@@ -10,6 +10,7 @@ import pytest
 
 from conftest import cached_references, cached_tiny
 from helpers import FakeTokenizer, SpyProposer
+from references import merged
 from lookupdec import Engine, EngineConfig
 from lookupdec.proposers import build_proposers
 from lookupdec.budget import (COUNT_DECAY, EXPLORE_EVERY, EXPLORE_MIN_COUNT, COST_LEARNING_RATE, COST_SPIKE,
@@ -34,9 +35,9 @@ def test_choose_num_nodes_is_the_best_prefix(seed):
 
 @pytest.mark.parametrize("seed", range(200))
 def test_compiled_chooser_equals_the_reference(seed):
-    """``choose_num_nodes`` (compiled) against ``choose_num_nodes_reference`` (numpy): the same
-    n on random curves, overheads and budgets, tied values and rates included."""
-    from lookupdec.budget import choose_num_nodes_reference
+    """``choose_num_nodes`` (compiled) against its definition, ``reference.budget.choose_num_nodes``
+    (numpy): the same n on random curves, overheads and budgets, tied values and rates included."""
+    from lookupdec.reference import budget as reference_budget
 
     rng = random.Random(seed)
     tied = rng.random() < 0.3
@@ -48,18 +49,19 @@ def test_compiled_chooser_equals_the_reference(seed):
     overhead = rng.choice((0.0, rng.uniform(0, 1)))
     max_nodes = rng.choice((0, 1, 5, 64, 100))
     assert (choose_num_nodes(values, cost, overhead, max_nodes)
-            == choose_num_nodes_reference(values, cost, overhead, max_nodes))
+            == reference_budget.choose_num_nodes(values, cost, overhead, max_nodes))
 
 
 @pytest.mark.parametrize("seed", range(300))
 def test_choose_tree_nodes_equals_the_reference_on_the_trees_gains(seed):
     """``choose_tree_nodes`` (one compiled call on the core's tree: its gains in prune order, the
-    curve made only as far as it is read) against ``choose_num_nodes_reference`` on
+    curve made only as far as it is read) against ``reference.budget.choose_num_nodes`` on
     ``tree.expected_in_prune_order()``: the same n on random merged and pruned trees, random
     estimates (one size or many, all below or above the tree's size, equal neighbours, counts
     under 1), budgets and overheads."""
-    from lookupdec.budget import choose_num_nodes_reference, choose_tree_nodes
+    from lookupdec.budget import choose_tree_nodes
     from lookupdec.native import tree as native_tree
+    from lookupdec.reference import budget as reference_budget
     from lookupdec.tree import TokenTree
     from test_tree import random_drafts
 
@@ -82,7 +84,7 @@ def test_choose_tree_nodes_equals_the_reference_on_the_trees_gains(seed):
     overhead, max_nodes = rng.choice((0.0, rng.uniform(0, 0.05))), rng.choice((0, 1, 5, 64, 64, 100))
     gains = tree.expected_in_prune_order()
     assert len(gains) == tree.num_draft_nodes
-    want = choose_num_nodes_reference(gains, cost, overhead, max_nodes)
+    want = reference_budget.choose_num_nodes(gains, cost, overhead, max_nodes)
     assert choose_tree_nodes(tree, cost, overhead, max_nodes) == want
     assert choose_num_nodes(gains, cost, overhead, max_nodes) == want
 
@@ -94,7 +96,7 @@ def test_choose_tree_nodes_reads_a_python_tree_and_checks_its_arguments():
 
     drafts = [Draft((5, 6, 7), (-1, 0, 1), (0.9, 0.8, 0.05), "a")]
     cost = CostModel([1, 2, 4], [1.0, 1.1, 1.3])
-    reference = TokenTree.from_drafts_reference(1, drafts, max_nodes=8, max_depth=8)
+    reference = merged(1, drafts, max_nodes=8, max_depth=8)
     assert choose_tree_nodes(reference, cost, 0.0, 3) == 2  # the third node is not worth 0.1
     if native_tree is None:
         pytest.skip("compiled core not built")
@@ -106,13 +108,14 @@ def test_choose_tree_nodes_reads_a_python_tree_and_checks_its_arguments():
 
 @pytest.mark.parametrize("seed", range(300))
 def test_compiled_cost_curve_equals_the_reference(seed):
-    """``CostModel.dense`` (one compiled call) against ``dense_reference`` (numpy): the same
+    """``CostModel.dense`` (one compiled call) against ``reference.budget.cost_curve`` (numpy): the same
     float64 bits on random estimates (one size or many, gaps, curves that fall and rise, equal
     neighbours, decayed counts under 1), every ``upto`` below, at and past the last size, all
     both readings."""
     import numpy as np
 
     from lookupdec.native import tree as native_tree
+    from lookupdec.reference import budget as reference_budget
 
     if native_tree is None:
         pytest.skip("compiled core not built")
@@ -130,7 +133,7 @@ def test_compiled_cost_curve_equals_the_reference(seed):
         for padded in (False, True):
             cost._curves.clear()
             fast = cost.dense(upto, padded=padded)
-            ref = cost.dense_reference(upto, padded=padded)
+            ref = reference_budget.cost_curve(cost.sizes, cost.seconds, upto, padded=padded)
             assert fast.dtype == ref.dtype == np.float64 and fast.shape == ref.shape
             assert fast.tobytes() == ref.tobytes(), (upto, padded)
 
@@ -160,8 +163,10 @@ def test_decayed_counts_are_the_per_forward_decay():
 
 
 def test_compiled_cost_curve_reads_a_degenerate_curve_as_the_reference():
+    from lookupdec.reference import budget as reference_budget
+
     below_one = CostModel([0], [0.01])  # no size of 1 token or more: both read it alike, empty
-    assert below_one.dense(0).tobytes() == below_one.dense_reference(0).tobytes() == b""
+    assert below_one.dense(0).tobytes() == reference_budget.cost_curve([0], [0.01], 0).tobytes() == b""
 
 
 def test_choose_num_nodes_respects_max_nodes_and_flat_cost():

@@ -177,17 +177,22 @@ def test_the_step_takes_the_fused_plan(monkeypatch):
         assert recycle._table.num_pairs() >= 2
 
 
-def test_plan_applies_only_where_every_part_is_compiled():
+def test_plan_applies_only_where_every_part_is_compiled(monkeypatch):
+    from lookupdec.proposers import ngram
+    from lookupdec.reference import budget as reference_budget
+
     calibrator = AcceptanceCalibrator()
     context = [1, 2, 3, 1, 2]
-    # a lookup on its reference backend: no fused plan for the request
-    mixture = Mixture([NgramProposer(CONFIG.ngram, backend="reference"), SuffixProposer(CONFIG.suffix)])
-    mixture.start("r", context)
+    # a lookup on its reference (the request's n-gram index made as without the core): no fused plan
+    mixture = Mixture([NgramProposer(CONFIG.ngram), SuffixProposer(CONFIG.suffix)])
+    with monkeypatch.context() as patch:
+        patch.setattr(ngram, "native_drafting", None)
+        mixture.start("r", context)
     assert mixture.plan("r", context, 8, 8, calibrator) is None
-    # the calibrator's reference backend, negative budgets
+    # the reference calibrator, negative budgets
     mixture = Mixture(build_proposers(CONFIG))
     mixture.start("r", context)
-    assert mixture.plan("r", context, 8, 8, AcceptanceCalibrator(backend="reference")) is None
+    assert mixture.plan("r", context, 8, 8, reference_budget.AcceptanceCalibrator()) is None
     assert mixture.plan("r", context, -1, 8, calibrator) is None
     assert mixture.plan("r", context, 8, 8, calibrator) is not None
     # a draft model joins: off for the mixture

@@ -1,5 +1,5 @@
 """What one sequence and a batch's rows share (``lookupdec/request.py``): the recycling proposer's
-successors (compiled ``top_tokens`` against its reference), and the rows a greedy verify forward
+successors (compiled ``top_tokens`` against its definition, ``reference.request.top_tokens``), and the rows a greedy verify forward
 projects (``RequestCore.head_rows``): a small tree every row with its picks, a larger one only the
 likely rows, the output ``transformers``' greedy either way."""
 from __future__ import annotations
@@ -19,7 +19,8 @@ from lookupdec import Engine, EngineConfig
 def test_top_tokens_equal_the_reference(seed):
     """The recycling proposer's successors: compiled top-k vs repeated argmax (ties, NaN, -inf
     rows with fewer than k finite entries, k above the vocabulary)."""
-    from lookupdec.request import top_tokens, top_tokens_reference
+    from lookupdec.reference import request as reference_request
+    from lookupdec.request import top_tokens
 
     rng = random.Random(seed)
     vocab = rng.choice((1, 3, 10, 300, 1031))  # 300, 1031: the compiled scan's blocks of 32 and its tail
@@ -30,7 +31,7 @@ def test_top_tokens_equal_the_reference(seed):
         logits[rng.randrange(6)] = float("-inf")
     rows = [rng.randrange(6) for _ in range(rng.randint(0, 6))]
     k = rng.choice((1, 2, 4, 8, vocab + 2))
-    assert top_tokens(logits, rows, k) == top_tokens_reference(logits, rows, k)
+    assert top_tokens(logits, rows, k) == reference_request.top_tokens(logits, rows, k)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

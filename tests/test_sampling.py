@@ -10,7 +10,8 @@
 The reference for logits processing is ``transformers``' own processors (repetition penalty,
 temperature, top-k, top-p, in that order), not ``lookupdec.sampling.process_row``.
 
-Then the greedy walk's fast forms against ``accept_reference`` (every row's argmax): ``accept``
+Then the greedy walk's fast forms against their definition, ``reference.sampling.accept`` (every
+row's argmax): ``accept``
 over whole logits (ties, NaN, infinities, strided views), over partial logits (``PartialLogits``:
 the rows ``head_rows`` picks computed up front, the rest as the walk reaches them) and over the
 picks a skinny head makes as it writes the rows.
@@ -32,9 +33,9 @@ from helpers import EOS, FakeTokenizer, OracleProposer, RandomTreeProposer, need
 from lookupdec import Engine, EngineConfig
 from lookupdec.proposers import build_proposers
 from lookupdec.proposers.base import Draft
-from lookupdec.request import top_tokens_reference
-from lookupdec.sampling import (PartialLogits, SamplingParams, accept, accept_reference, head_rows, process_row,
-                                target_probs)
+from lookupdec.reference.request import top_tokens as reference_top_tokens
+from lookupdec.reference.sampling import accept as reference_accept
+from lookupdec.sampling import PartialLogits, SamplingParams, accept, head_rows, process_row, target_probs
 from lookupdec.tree import TokenTree
 from random_inputs import random_scored_tree, random_trie
 
@@ -407,10 +408,10 @@ def test_greedy_accept_equals_the_reference(seed):
         logits[node, token] = logits[node].nan_to_num(0.0).max() + 1.0
         node = child
     params = SamplingParams()
-    got, want = accept(tree, logits, params), accept_reference(tree, logits, params)
+    got, want = accept(tree, logits, params), reference_accept(tree, logits, params)
     assert (got.accepted, got.next_token, got.bonus) == (want.accepted, want.next_token, want.bonus)
     view = torch.randn(len(tree), 2 * vocab)[:, ::2]  # a strided view takes the same path
-    got, want = accept(tree, view, params), accept_reference(tree, view, params)
+    got, want = accept(tree, view, params), reference_accept(tree, view, params)
     assert (got.accepted, got.next_token) == (want.accepted, want.next_token)
 
 
@@ -430,13 +431,13 @@ def test_walk_over_partial_rows_equals_the_walk_over_every_row(seed, top_k, pick
     dense = hidden @ weight.T
     project = lambda h: (h @ weight.T, 0.0)  # noqa: E731
     rows = [0] if seed % 2 else head_rows(range(n), tree.expected, min_rows=2)
-    tops = np.asarray(top_tokens_reference(dense, rows, max(top_k, 1)), dtype=np.int32) if picked else None
+    tops = np.asarray(reference_top_tokens(dense, rows, max(top_k, 1)), dtype=np.int32) if picked else None
     partial = PartialLogits(tree, rows, dense[rows], hidden, project, tops=tops)
     got = accept(tree, partial, SamplingParams(), top_k=top_k)
-    want = accept_reference(tree, dense, SamplingParams())
+    want = reference_accept(tree, dense, SamplingParams())
     assert (got.accepted, got.next_token, got.bonus) == (want.accepted, want.next_token, want.bonus)
     if top_k:
-        assert got.tops == top_tokens_reference(dense, [0, *got.accepted], top_k)
+        assert got.tops == reference_top_tokens(dense, [0, *got.accepted], top_k)
     # the path's tokens, across walks resumed after a miss too
     assert got.tokens == [tree.token_ids[u] for u in [0, *got.accepted]]
     computed = partial.row_of >= 0
@@ -446,7 +447,7 @@ def test_walk_over_partial_rows_equals_the_walk_over_every_row(seed, top_k, pick
         assert partial.misses >= 1 and partial.computed < n
     if picked:  # the rows computed on demand got their picks too
         assert partial.tops.shape == (partial.computed, max(top_k, 1))
-        assert partial.tops.tolist() == top_tokens_reference(partial.logits, range(partial.computed), max(top_k, 1))
+        assert partial.tops.tolist() == reference_top_tokens(partial.logits, range(partial.computed), max(top_k, 1))
     # every other path sees every row, in node order
     assert torch.equal(partial.dense(), dense)
 

@@ -1,5 +1,5 @@
 """The compiled tree merge (``TokenTree.from_drafts``, ``csrc/tree/tree.cpp``) and the fast tree
-methods against their pure-Python references, on many random drafts: calibration tables and
+methods against their definitions (``lookupdec/reference/tree.py``), on many random drafts: calibration tables and
 fallback factors, duplicate paths across drafts, draft-model samples, max_depth cuts, every
 budget from 0 to all nodes, and tied scores. Token ids, parents, sources, cells, depths and
 point masses must be equal; scores, expected and conditional probabilities too (the core
@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from lookupdec.native import tree as native_tree
+from lookupdec.reference import tree as reference_tree
 from lookupdec.tree import CELLS_PER_ROW, Calibration, Draft, TokenTree, match_bucket
+from references import merged, pruned
 
 pytestmark = pytest.mark.skipif(native_tree is None, reason="compiled core not built (pip install -e .)")
 
@@ -87,16 +89,15 @@ def assert_same_tree(fast: TokenTree, ref: TokenTree) -> None:
     assert fast.children == ref.children
     assert fast.is_chain == ref.is_chain
     assert fast.expected_in_prune_order() == ref.expected_in_prune_order()
-    assert np.array_equal(fast.ancestor_mask(), ref.ancestor_mask_reference())
+    assert np.array_equal(fast.ancestor_mask(), reference_tree.ancestor_mask(ref.parents))
 
 
 @pytest.mark.parametrize("seed", range(400))
 def test_merge_matches_the_reference(seed):
     rng, drafts, calibration, max_depth = random_case(seed)
-    full = TokenTree.from_drafts_reference(7, drafts, max_nodes=10**6, max_depth=max_depth, calibration=calibration)
+    full = merged(7, drafts, max_nodes=10**6, max_depth=max_depth, calibration=calibration)
     for max_nodes in sorted({0, 1, 2, rng.randint(0, len(full)), len(full) - 1, len(full), 10**6}):
-        ref = TokenTree.from_drafts_reference(7, drafts, max_nodes=max_nodes, max_depth=max_depth,
-                                              calibration=calibration)
+        ref = merged(7, drafts, max_nodes=max_nodes, max_depth=max_depth, calibration=calibration)
         fast = TokenTree.from_drafts(7, drafts, max_nodes=max_nodes, max_depth=max_depth, calibration=calibration)
         assert_same_tree(fast, ref)
 
@@ -105,19 +106,20 @@ def test_merge_matches_the_reference(seed):
 def test_prune_matches_the_reference(seed):
     rng, drafts, calibration, max_depth = random_case(seed)
     fast = TokenTree.from_drafts(3, drafts, max_nodes=10**6, max_depth=max_depth, calibration=calibration)
-    ref = TokenTree.from_drafts_reference(3, drafts, max_nodes=10**6, max_depth=max_depth, calibration=calibration)
+    ref = merged(3, drafts, max_nodes=10**6, max_depth=max_depth, calibration=calibration)
     for n in range(len(fast) + 1):
-        pruned = fast.prune(n)
-        assert_same_tree(pruned, ref.prune_reference(n))
+        cut = fast.prune(n)
+        assert_same_tree(cut, pruned(ref, n))
         for m in (0, n // 2):  # a pruned tree prunes on
-            assert_same_tree(pruned.prune(m), ref.prune_reference(n).prune_reference(m))
+            assert_same_tree(cut.prune(m), pruned(pruned(ref, n), m))
 
 
 @pytest.mark.parametrize("seed", range(100))
 def test_verify_inputs_of_merged_and_pruned_trees_equal_the_reference(seed):
     import torch
 
-    from lookupdec.model import tree_inputs, tree_inputs_reference
+    from lookupdec.model import tree_inputs
+    from lookupdec.reference import model as reference_model
 
     rng, drafts, calibration, max_depth = random_case(seed)
     tree = TokenTree.from_drafts(3, drafts, max_nodes=rng.randint(0, 40), max_depth=max_depth, calibration=calibration)
@@ -125,7 +127,7 @@ def test_verify_inputs_of_merged_and_pruned_trees_equal_the_reference(seed):
         n_cached = rng.choice((0, 5, 200))
         dtype = rng.choice((torch.float32, torch.bfloat16))
         got = tree_inputs(t, n_cached, device="cpu", dtype=dtype)
-        want = tree_inputs_reference(t, n_cached, device="cpu", dtype=dtype)
+        want = reference_model.tree_inputs(t, n_cached, device="cpu", dtype=dtype)
         for g, w in zip(got, want):
             assert (g is None and w is None) or (g.dtype == w.dtype and torch.equal(g, w))
 
@@ -134,7 +136,8 @@ def test_verify_inputs_of_merged_and_pruned_trees_equal_the_reference(seed):
 def test_greedy_walk_of_merged_trees_equals_the_reference(seed):
     import torch
 
-    from lookupdec.sampling import SamplingParams, accept, accept_reference
+    from lookupdec.reference import sampling as reference_sampling
+    from lookupdec.sampling import SamplingParams, accept
 
     rng, drafts, calibration, max_depth = random_case(seed)
     tree = TokenTree.from_drafts(3, drafts, max_nodes=rng.randint(0, 40), max_depth=max_depth, calibration=calibration)
@@ -144,7 +147,8 @@ def test_greedy_walk_of_merged_trees_equals_the_reference(seed):
         token, child = rng.choice(sorted(tree.children[node].items()))
         logits[node, token] = 9.0
         node = child
-    got, want = accept(tree, logits, SamplingParams()), accept_reference(tree, logits[: len(tree)], SamplingParams())
+    got = accept(tree, logits, SamplingParams())
+    want = reference_sampling.accept(tree, logits[: len(tree)], SamplingParams())
     assert (got.accepted, got.next_token, got.bonus) == (want.accepted, want.next_token, want.bonus)
 
 
@@ -152,7 +156,8 @@ def test_hand_made_trees_take_the_reference_paths():
     tree = TokenTree(token_ids=[9, 1, 2, 3], parents=[-1, 0, 0, 1], scores=[1.0, 0.4, 0.4, 0.4])
     assert tree.prune_order() == [1, 2, 3]  # ties: the earlier node
     assert tree.prune(2).token_ids == [9, 1, 2]
-    assert np.array_equal(tree.ancestor_mask(), tree.ancestor_mask_reference())
+    assert np.array_equal(tree.ancestor_mask(), reference_tree.ancestor_mask(tree.parents))
+    assert tree.prune(1).token_ids == pruned(tree, 1).token_ids == [9, 1]
     assert not tree.is_chain and TokenTree(token_ids=[5, 6], parents=[-1, 0]).is_chain
 
 
@@ -162,7 +167,7 @@ def test_scores_that_rise_below_a_parent_prune_by_the_definition():
     drafts = [Draft((1, 2), (-1, 0), (0.2, 0.9), "t"), Draft((3,), (-1,), (0.2,), "u")]
     for n in range(4):
         fast = TokenTree.from_drafts(0, drafts, max_nodes=n, max_depth=8)
-        ref = TokenTree.from_drafts_reference(0, drafts, max_nodes=n, max_depth=8)
+        ref = merged(0, drafts, max_nodes=n, max_depth=8)
         assert_same_tree(fast, ref)
 
 
@@ -178,7 +183,7 @@ def test_bad_drafts_are_rejected_by_the_core():
 def test_observe_draft_matches_the_reference(seed):
     """The calibrator's count of a draft's reached nodes (compiled) vs its Python loop: the same
     cells get the same sums, bit for bit (the same additions in the same order)."""
-    from lookupdec.tree import observe_draft, observe_draft_reference
+    from lookupdec.tree import observe_draft
 
     rng, drafts, _, _ = random_case(seed)
     for draft in drafts:
@@ -194,7 +199,7 @@ def test_observe_draft_matches_the_reference(seed):
         for a, b in zip(*tables):
             b[:] = a
         observe_draft(draft, committed, *(t[row] for t in tables[0]))
-        observe_draft_reference(draft, committed, *(t[row] for t in tables[1]))
+        reference_tree.observe_draft(draft, committed, *(t[row] for t in tables[1]))
         for f, w in zip(*tables):
             assert f.tolist() == w.tolist()
 
@@ -204,7 +209,8 @@ def test_cells_at_the_bucket_bounds_are_the_references():
     across the depth buckets: the compiled merge's and count's cells (buckets counted, not
     searched) are the reference's."""
     from lookupdec.budget import AcceptanceCalibrator
-    from lookupdec.tree import Draft, observe_draft, observe_draft_reference
+    from lookupdec.reference import budget as reference_budget
+    from lookupdec.tree import observe_draft
 
     bounds = [0.0, 0.25, 0.5, 0.75, 0.95, 1.0, 0.2499999999, 0.9500000001, -0.25, 1.5]
     drafts = [Draft(list(range(len(bounds))), [-1] * len(bounds), bounds, "ngram", match_length=3)]
@@ -213,16 +219,16 @@ def test_cells_at_the_bucket_bounds_are_the_references():
             scores = [1.0] * (depth - 1) + [cond]
             drafts.append(Draft(list(range(depth)), list(range(-1, depth - 1)), scores, "suffix", match_length=depth))
     committed = list(range(20))
-    fast, ref = AcceptanceCalibrator(), AcceptanceCalibrator(backend="reference")
+    fast, ref = AcceptanceCalibrator(), reference_budget.AcceptanceCalibrator()
     for calibrator in (fast, ref):
         calibrator.learn(drafts, committed)
     assert fast._reached.tolist() == ref._reached.tolist() and fast._matched.tolist() == ref._matched.tolist()
     for draft in drafts:
         tables = [[np.zeros(CELLS_PER_ROW) for _ in range(3)] for _ in range(2)]
         observe_draft(draft, committed, *tables[0])
-        observe_draft_reference(draft, committed, *tables[1])
+        reference_tree.observe_draft(draft, committed, *tables[1])
         assert [t.tolist() for t in tables[0]] == [t.tolist() for t in tables[1]]
-        want = TokenTree.from_drafts_reference(0, [draft], max_nodes=64, max_depth=64, calibration=ref.calibration())
+        want = merged(0, [draft], max_nodes=64, max_depth=64, calibration=ref.calibration())
         assert_same_tree(TokenTree.from_drafts(0, [draft], max_nodes=64, max_depth=64, calibration=fast), want)
 
 
@@ -232,10 +238,11 @@ def test_a_merge_reading_more_cells_than_its_memo_holds_is_the_reference():
     merge over drafts of every source and match length (hundreds of distinct cells) against the
     merge over the reference's whole table: the same tree, bit for bit."""
     from lookupdec.budget import AcceptanceCalibrator
-    from lookupdec.tree import Draft, calibration_row_key, draft_cells
+    from lookupdec.reference import budget as reference_budget
+    from lookupdec.tree import calibration_row_key
 
     rng = random.Random(5)
-    fast, ref = AcceptanceCalibrator(), AcceptanceCalibrator(backend="reference")
+    fast, ref = AcceptanceCalibrator(), reference_budget.AcceptanceCalibrator()
     drafts = []
     for source in ("ngram", "suffix", "suffix-global", "recycle"):
         for match_length in (0, 1, 2, 3, 5, 9, 17, 33):
@@ -250,7 +257,7 @@ def test_a_merge_reading_more_cells_than_its_memo_holds_is_the_reference():
         committed = [rng.randrange(50) for _ in range(6)]
         for calibrator in (fast, ref):
             calibrator.learn(drafts, committed)
-    assert len({(calibration_row_key(d), c) for d in drafts for c in draft_cells(d)[1]}) > 128
+    assert len({(calibration_row_key(d), c) for d in drafts for c in reference_tree.draft_cells(d)[1]}) > 128
     want = TokenTree.from_drafts(0, drafts, max_nodes=64, max_depth=64, calibration=ref.calibration())
     assert_same_tree(TokenTree.from_drafts(0, drafts, max_nodes=64, max_depth=64, calibration=fast), want)
 
@@ -262,10 +269,11 @@ def test_compiled_calibrator_matches_the_reference(seed):
     the row and source factors bit for bit, and the trees merged with either calibration or with
     the calibrator itself (the compiled merge computing the cells it reads from the counts)."""
     from lookupdec.budget import AcceptanceCalibrator
+    from lookupdec.reference import budget as reference_budget
 
     rng = random.Random(seed)
-    fast, ref = AcceptanceCalibrator(), AcceptanceCalibrator(backend="reference")
-    assert fast.compiled and not ref.compiled
+    fast, ref = AcceptanceCalibrator(), reference_budget.AcceptanceCalibrator()
+    assert type(fast) is AcceptanceCalibrator
     for step in range(30):
         _, drafts, _, max_nodes = random_case(seed * 1000 + step)
         committed = [rng.randrange(3) for _ in range(rng.randint(0, 8))]
@@ -276,8 +284,7 @@ def test_compiled_calibrator_matches_the_reference(seed):
         for calibrator in (fast, ref):
             assert_same_tree(TokenTree.from_drafts(0, drafts, max_nodes=max_nodes, max_depth=8, calibration=calibrator),
                              by_table)
-        assert_same_tree(TokenTree.from_drafts_reference(0, drafts, max_nodes=max_nodes, max_depth=8, calibration=fast),
-                         by_table)
+        assert_same_tree(merged(0, drafts, max_nodes=max_nodes, max_depth=8, calibration=fast), by_table)
         for calibrator in (fast, ref):
             calibrator.learn(drafts, committed)
         for name in ("_reached", "_predicted", "_matched"):
@@ -293,8 +300,12 @@ def test_compiled_calibrator_matches_the_reference(seed):
                          TokenTree.from_drafts(0, drafts, max_nodes=max_nodes, max_depth=8, calibration=b))
 
 
-def test_calibrator_backend_is_checked():
+def test_the_calibrator_is_compiled_where_the_core_is_built():
+    """``AcceptanceCalibrator()`` is the compiled one here; where the extension is not built it is
+    its definition (``tests/system/test_without_native.py`` runs that)."""
     from lookupdec.budget import AcceptanceCalibrator
+    from lookupdec.reference import budget as reference_budget
 
-    with pytest.raises(ValueError, match="backend"):
-        AcceptanceCalibrator(backend="fast")
+    calibrator = AcceptanceCalibrator()
+    assert type(calibrator) is AcceptanceCalibrator and calibrator.merge_counts() is not None
+    assert reference_budget.AcceptanceCalibrator().merge_counts() is None

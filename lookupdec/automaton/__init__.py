@@ -57,10 +57,11 @@ with many edges, the int32 token stream). Not thread-safe: calls hold the GIL, a
 update internal caches.
 
 The compiled automaton (``lookupdec.native.drafting.Automaton``, C++ in ``csrc/drafting/``
-through nanobind, built by ``pip install``) is used by default; ``reference.py`` is a
-pure-Python implementation with the same state numbering that the tests compare against. If
-the extension was not built (a source tree without ``pip install -e .``), ``backend="auto"``
-falls back to the reference with a warning: slow, but correct.
+through nanobind, built by ``pip install``) is the core ``SuffixAutomaton`` wraps;
+``lookupdec.reference.automaton.ReferenceAutomaton`` defines it, a pure-Python core with the same
+interface and state numbering, which the tests hand in (``core=``) to compare the two. If the
+extension was not built (a source tree without ``pip install -e .``), the reference is the
+core, with a warning: slow, but correct.
 """
 from __future__ import annotations
 
@@ -69,10 +70,9 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from lookupdec.automaton.reference import ReferenceAutomaton
 from lookupdec.config import DEFAULT_MAX_MATCH  # context tokens matched by propose_tree (its comment: why)
-
 from lookupdec.native import drafting as native_drafting  # None where not built: see the module docstring
+from lookupdec.reference.automaton import ReferenceAutomaton
 
 __all__ = ["SuffixAutomaton", "TreeArrays", "compiled_available", "DEFAULT_MAX_MATCH"]
 
@@ -119,30 +119,25 @@ def _int32_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def _make_core(backend: str):
-    if backend == "reference":
-        return ReferenceAutomaton()
-    if native_drafting is not None and backend in ("auto", "compiled"):
+def _default_core():
+    if native_drafting is not None:
         return native_drafting.Automaton()
-    if backend == "compiled":
-        raise ImportError("lookupdec's compiled core (lookupdec._native) is not built: run `pip install -e .`")
-    if backend == "auto":
-        warnings.warn("lookupdec.automaton: compiled core not built (run `pip install -e .` in "
-                      "the repository); using the slow pure-Python reference", RuntimeWarning,
-                      stacklevel=3)
-        return ReferenceAutomaton()
-    raise ValueError(f"backend must be 'auto', 'compiled' or 'reference', got {backend!r}")
+    warnings.warn("lookupdec.automaton: compiled core not built (run `pip install -e .` in "
+                  "the repository); using the slow pure-Python reference", RuntimeWarning,
+                  stacklevel=3)
+    return ReferenceAutomaton()
 
 
 class SuffixAutomaton:
     """APPEND-ONLY suffix automaton over int32 token ids (see the module docstring).
 
-    ``backend``: "auto" (compiled, else the reference with a warning), "compiled" (error if not
-    built) or "reference" (pure Python, for tests).
+    ``core``: an empty automaton core to wrap; by default the compiled one, else (the extension
+    not built) the reference with a warning. Tests hand in a
+    ``lookupdec.reference.automaton.ReferenceAutomaton`` to compare the two.
     """
 
-    def __init__(self, tokens: Sequence[int] | np.ndarray = (), *, backend: str = "auto") -> None:
-        self._core = _make_core(backend)
+    def __init__(self, tokens: Sequence[int] | np.ndarray = (), *, core=None) -> None:
+        self._core = _default_core() if core is None else core
         self.backend = "reference" if isinstance(self._core, ReferenceAutomaton) else "compiled"
         self.extend(tokens)
 
@@ -247,13 +242,11 @@ class SuffixAutomaton:
     def suffix_drafts(self, context: Sequence[int] | np.ndarray, *, max_nodes: int, min_match: int, levels: int,
                       shorter_divisor: int, separator: int, empty_confidence: float, match_prior: float,
                       certain_step: float) -> list[tuple]:
-        """The suffix proposer's drafts in one call (compiled core only: see
-        ``lookupdec.proposers.suffix.automaton_drafts``, which documents the arguments): per
-        draft, ``(token_ids, parents, scores, match_length, chain, chain_certain)``: the draft's
-        arrays as bytes (int32, int32, float64); the first draft's best chain as lists (tokens,
-        certain-step flags), None for the others."""
-        if self.backend != "compiled":
-            raise NotImplementedError("suffix_drafts needs the compiled core (the reference: automaton_drafts_reference)")
+        """The suffix proposer's drafts in one call into the core (``lookupdec.proposers.suffix.
+        automaton_drafts``; defined by ``lookupdec.reference.drafting.suffix_drafts``, which
+        documents the arguments): per draft, ``(token_ids, parents, scores, match_length, chain,
+        chain_certain)``: the draft's arrays as bytes (int32, int32, float64); the first draft's
+        best chain as lists (tokens, certain-step flags), None for the others."""
         _check_budget(max_nodes, max_nodes)
         if shorter_divisor < 1:
             raise ValueError(f"shorter_divisor must be >= 1, got {shorter_divisor}")

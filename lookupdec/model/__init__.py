@@ -27,11 +27,9 @@ from lookupdec.model.cache import DraftLM, commit_accepted, crop_cache, gather_c
 from lookupdec.model.load import (ModelLoadError, SentencePieceTokenizer, convert_gguf, default_device, load,
                                   load_tokenizer, resolve_dtype, tokenizer_info)
 from lookupdec.model.threads import release_openmp_threads
-from lookupdec.model.target import (PROBE_REL_TOL, TargetModel, model_max_context, tree_inputs,
-                                    tree_inputs_reference)
+from lookupdec.model.target import PROBE_REL_TOL, TargetModel, model_max_context, tree_inputs
 from lookupdec.tokens import vocab_fingerprint
 
 __all__ = ["DraftLM", "ModelLoadError", "PROBE_REL_TOL", "SentencePieceTokenizer", "TargetModel", "commit_accepted", "convert_gguf",
            "crop_cache", "default_device", "gather_cache", "load", "load_tokenizer", "model_max_context", "new_cache",
-           "release_openmp_threads", "resolve_dtype", "tokenizer_info", "tree_inputs", "tree_inputs_reference",
-           "vocab_fingerprint"]
+           "release_openmp_threads", "resolve_dtype", "tokenizer_info", "tree_inputs", "vocab_fingerprint"]

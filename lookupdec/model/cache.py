@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from lookupdec.native import kernels as native_kernels  # None where not built: the torch gather runs
+from lookupdec.reference import model as reference_model
 
 # -- the KV cache's layout: the only code that knows it ---------------------------------------------
 INITIAL_SLOTS = 256  # slots of a SlotCache's first buffer (it grows by GROWTH, copying once)
@@ -98,8 +99,8 @@ class SlotStore:
         """Append ``keys``/``values`` [batch, heads, new, head dim] to ``layer``; its whole K, V.
         Every layer of a forward appends at the same slots: the views of them (and of each
         layer's whole K, V) are made once for all layers (``_Spans``), where indexing the buffer
-        per layer (``write_reference``) made four a layer, every forward (``bench/overhead_bench.py``
-        times the two)."""
+        per layer (its definition, ``reference.model.write``) made four a layer, every forward
+        (``bench/overhead_bench.py`` times the two)."""
         start = self.lengths[layer]
         end = start + keys.shape[-2]
         spans = self._spans
@@ -112,17 +113,11 @@ class SlotStore:
         self.lengths[layer] = end
         return spans.whole[i], spans.whole[i + 1]
 
-    def write_reference(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``write`` by indexing the buffer for the one layer."""
-        start = self.lengths[layer]
-        end = start + keys.shape[-2]
-        buffer = self.buffer
-        if not _holds(buffer, keys, end):
-            buffer = self._grow(keys, end)
-        buffer[layer, 0, :, :, start:end] = keys
-        buffer[layer, 1, :, :, start:end] = values
-        self.lengths[layer] = end
-        return buffer[layer, 0, :, :, :end], buffer[layer, 1, :, :, :end]
+    def reserve(self, slots: int, like: torch.Tensor) -> None:
+        """Room for ``slots`` slots in K/V shaped like ``like`` [batch, heads, new, head dim]: the
+        buffer grown (or made) where it does not hold them as it is (``_grow``)."""
+        if not _holds(self.buffer, like, slots):
+            self._grow(like, slots)
 
     def _span(self, keys: torch.Tensor, start: int, end: int) -> "_Spans":
         """``write``'s views for slots ``[start, end)`` of K/V shaped like ``keys`` (the buffer
@@ -135,8 +130,8 @@ class SlotStore:
     def copy_prefix(self, length: int) -> torch.Tensor:
         """A copy of every layer's first ``length`` slots, ``[layers, 2, batch, kv heads, length,
         head dim]`` (``PrefixStore``'s entry layout): one allocation and one strided copy, where
-        stacking each layer's K and V (``PrefixStore.copy_reference``) makes two copies and 31
-        allocations."""
+        stacking each layer's K and V (its definition, ``reference.model.copy_prefix``) makes two
+        copies and 31 allocations."""
         if self.buffer is None or min(self.lengths) < length:
             raise ValueError(f"copy_prefix({length}): a layer holds fewer slots ({min(self.lengths)})")
         return self.buffer[:, :, :, :, :length].clone()
@@ -161,20 +156,11 @@ class SlotStore:
     def gather(self, slots: Sequence[int], start: int) -> None:
         """Copy ``slots`` of every layer to ``start, start + 1, ...`` (slots increasing, each at or
         after its target): on a CPU buffer in place by the compiled core (``gather_slots``: no
-        temporary), else ``gather_reference``."""
+        temporary), else (another device, the extension not built) by its definition's torch
+        indexing, ``reference.model.gather``."""
         buffer = self.buffer  # every (layer, K/V, batch row, head)'s row of slots
         if not _gather_in_place(buffer, 0, (buffer.numel() // buffer.stride(3), buffer.stride(3)), (1, 0), slots, start):
-            self.gather_reference(slots, start)
-
-    def gather_reference(self, slots: Sequence[int], start: int) -> None:
-        """``gather`` by torch indexing (any device): one copy of every layer's slots."""
-        rows = self.buffer.view(-1, self.buffer.shape[4], self.buffer.shape[5])  # [layers*2*batch*heads, slots, dim]
-        count, first = len(slots), slots[0]
-        if slots[-1] - first == count - 1 and first >= start + count:  # one run, not overlapping its target
-            rows.narrow(1, start, count).copy_(rows.narrow(1, first, count))
-            return
-        src = torch.from_numpy(np.array(slots, dtype=np.int64)).to(self.buffer.device)
-        rows.narrow(1, start, count).copy_(rows.index_select(1, src))
+            reference_model.gather(self, slots, start)
 
     def crop(self, length: int) -> None:
         lengths = self.lengths
@@ -226,18 +212,6 @@ class BatchStore(SlotStore):
         super().__init__(num_layers)
         self.max_rows = max_rows
         self.rows = 0
-
-    def write_reference(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``write`` (``SlotStore``'s, on the first ``keys.shape[0]`` rows) by indexing the
-        buffer for the one layer."""
-        start = self.lengths[layer]
-        end = start + keys.shape[-2]
-        self.reserve(end, keys)
-        rows = keys.shape[0]
-        self.buffer[layer, 0, :rows, :, start:end] = keys
-        self.buffer[layer, 1, :rows, :, start:end] = values
-        self.lengths[layer] = end
-        return self.buffer[layer, 0, :rows, :, :end], self.buffer[layer, 1, :rows, :, :end]
 
     def _span(self, keys: torch.Tensor, start: int, end: int) -> "_Spans":
         self.reserve(end, keys)
@@ -309,21 +283,13 @@ class BatchStore(SlotStore):
         self.buffer[:, :, index[0], :, index[2]] = self.buffer[:, :, index[0], :, index[1]]
 
     def gather_row(self, row: int, slots: Sequence[int], start: int) -> None:
-        """Copy ``slots`` of ``row`` (every layer) to ``start, start + 1, ...`` (slots >= their targets)."""
+        """Copy ``slots`` of ``row`` (every layer) to ``start, start + 1, ...`` (slots >= their
+        targets): on a CPU buffer in place by the compiled core, else (another device, the
+        extension not built) by its definition's torch indexing, ``reference.model.gather_row``."""
         buffer = self.buffer  # this row's (layer, K/V) x head rows of slots
         if not _gather_in_place(buffer, row * buffer.stride(2), (buffer.shape[0] * buffer.shape[1], buffer.stride(1)),
                                 (buffer.shape[3], buffer.stride(3)), slots, start):
-            self.gather_row_reference(row, slots, start)
-
-    def gather_row_reference(self, row: int, slots: Sequence[int], start: int) -> None:
-        """``gather_row`` by torch indexing (any device)."""
-        skip = _in_place(slots, start)
-        slots, start = slots[skip:], start + skip
-        if not len(slots):
-            return
-        buf = self.buffer[:, :, row]  # [layers, 2, heads, capacity, head dim]
-        src = torch.from_numpy(np.array(slots, dtype=np.int64)).to(buf.device)
-        buf[:, :, :, start:start + len(slots)] = buf.index_select(3, src)
+            reference_model.gather_row(self, row, slots, start)
 
 
 def new_buffer(shape: tuple, dtype, device) -> torch.Tensor:
@@ -367,7 +333,7 @@ def _gather_in_place(buffer: torch.Tensor, offset: int, outer: tuple[int, int], 
     """``SlotStore.gather``'s copy in the compiled core, in place (slots in place are left alone),
     over the rows of slots of a store's ``buffer`` [..., capacity, head dim] at ``offset + o *
     outer[1] + i * inner[1]`` elements, o < outer[0], i < inner[0]; False where the core cannot
-    (not built, not a contiguous CPU buffer): the caller's torch reference then. (Counts and
+    (not built, not a contiguous CPU buffer): the caller's torch definition then (``reference.model``). (Counts and
     strides, not a view: a view's dispatch, cold after a forward, was a large share of a commit.)"""
     if native_kernels is None or buffer.device.type != "cpu" or not buffer.is_contiguous():
         return False
@@ -539,15 +505,9 @@ class PrefixStore:
         store = getattr(cache, "slot_store", None)
         if store is not None and not any(store.lengths):  # one copy into the cache's buffer
             cache.load(kv, length)
-        else:
-            self.restore_reference(kv, length, cache)
+        else:  # (no slot buffer: each layer's update, the definition)
+            reference_model.restore(kv, length, cache)
         self.hits += 1
-
-    @staticmethod
-    def restore_reference(kv: torch.Tensor, length: int, cache) -> None:
-        """``restore``'s copy by each layer's ``update`` (any cache)."""
-        for layer in range(kv.shape[0]):
-            cache.update(kv[layer, 0, :, :, :length], kv[layer, 1, :, :, :length], layer)
 
     def save(self, token_ids: Sequence[int], weights, cache) -> None:
         """Keep a copy of ``cache``'s K/V of ``token_ids`` (its first slots, every layer) unless an
@@ -572,15 +532,9 @@ class PrefixStore:
             n, store = len(token_ids), getattr(cache, "slot_store", None)
             if sum(2 * layer.keys[:, :, :n].numel() * layer.keys.element_size() for layer in cache.layers) <= self.max_bytes:
                 kept.append((token_ids, weights, store.copy_prefix(n) if store is not None
-                             else self.copy_reference(cache, n)))
+                             else reference_model.copy_prefix(cache, n)))  # (no slot buffer: the definition)
         self.entries = kept
         self._evict()
-
-    @staticmethod
-    def copy_reference(cache, length: int) -> torch.Tensor:
-        """``SlotStore.copy_prefix`` of any cache: each layer's K and V stacked."""
-        return torch.stack([torch.stack((layer.keys[:, :, :length], layer.values[:, :, :length]))
-                            for layer in cache.layers])
 
     def report(self) -> dict:
         """``/health``'s view: prompts kept, their MiB, prompts that started from one (safe to

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from lookupdec.native import kernels as native_kernels  # the compiled kernels, None where not built
+from lookupdec.reference import model as reference_model
 
 log = logging.getLogger("lookupdec")
 
@@ -962,12 +963,13 @@ _plan_at = getattr(native_kernels, "attention_plan_at", None) if native_kernels 
 def attention_plan(mask: torch.Tensor) -> AttentionPlan:
     """The plan of an additive float32 mask (a slot is hidden at the dtype's minimum or -inf, as
     ``tree_inputs`` and ``BatchTarget`` fill them) or a boolean one (True: seen), made by the
-    core (``native_kernels.attention_plan_at``, one pass over the mask, where
-    ``attention_plan_reference`` takes a dozen torch calls), its rows ``L`` wide (the slots past
-    ``counts`` unused)."""
+    core (``native_kernels.attention_plan_at``, one pass over the mask, where its definition,
+    ``reference.model.attention_plan``, takes a dozen torch calls), its rows ``L`` wide (the slots
+    past ``counts`` unused); by the definition where the core does not take the mask (another
+    dtype, device or layout, the extension not built)."""
     if (_plan_at is None or mask.dtype not in (torch.float32, torch.bool) or mask.device.type != "cpu"
             or mask.stride(-1) != 1):
-        return attention_plan_reference(mask)
+        return AttentionPlan(*reference_model.attention_plan(mask))
     batch, _, q, slots = mask.shape
     cols = torch.empty((batch, slots), dtype=torch.int32)
     counts, common = torch.empty(batch, dtype=torch.int32), torch.empty(batch, dtype=torch.int32)
@@ -977,31 +979,6 @@ def attention_plan(mask: torch.Tensor) -> AttentionPlan:
              float(torch.finfo(torch.float32).min), slots, cols.data_ptr(), counts.data_ptr(), common.data_ptr(),
              bias.data_ptr(), live.data_ptr())
     return AttentionPlan(cols, counts, common, bias, live)
-
-
-def attention_plan_reference(mask: torch.Tensor) -> AttentionPlan:
-    """``attention_plan`` by definition, in torch calls: the same values, its rows as wide as the
-    largest count."""
-    m = mask[:, 0]
-    if m.dtype == torch.bool:
-        seen = m
-        values = torch.zeros(m.shape, dtype=torch.float32)
-    else:
-        seen = m > torch.finfo(m.dtype).min
-        values = m.float()
-    live = seen.any(-1)  # [B, Q]
-    plain = (seen & (values == 0)) | ~live[:, :, None]
-    common = plain.all(1) & seen.any(1)  # [B, L]
-    tail = seen.any(1) & ~common
-    slots = m.shape[-1]
-    rank = torch.where(common, 0, torch.where(tail, 1, 2)) * slots + torch.arange(slots)
-    counts = (common | tail).sum(1)
-    cmax = int(counts.max()) if counts.numel() else 0
-    cols = torch.argsort(rank, dim=1)[:, :cmax]
-    gathered = cols[:, None, :].expand(m.shape[0], m.shape[1], cmax)
-    bias = torch.where(seen.gather(2, gathered), values.gather(2, gathered), -math.inf)
-    return AttentionPlan(cols.to(torch.int32).contiguous(), counts.to(torch.int32), common.sum(1).to(torch.int32),
-                         bias.contiguous(), live.to(torch.uint8).contiguous())
 
 
 def _plan_of(mask: torch.Tensor) -> AttentionPlan:
@@ -1019,7 +996,8 @@ def core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    scale: float, isa: str | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, H, Q, D] over ``key``/``value`` [B, KVH, L, D] (float32, the
     head dims contiguous) as ``plan`` shows them, into [B, Q, H, D] (transformers' layout after
-    attention); a query that sees no slot gets zeros."""
+    attention); a query that sees no slot gets zeros. (Defined in float64 by
+    ``reference.model.attention``.)"""
     batch, heads, q, dim = query.shape
     out = torch.empty((batch, q, heads, dim), dtype=torch.float32)
     _attention_at(query.data_ptr(), key.data_ptr(), value.data_ptr(), plan.cols.data_ptr(), plan.counts.data_ptr(),
@@ -1028,24 +1006,6 @@ def core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    *value.stride()], float(scale), isa)
     CORE_ATTENTION_CALLS[0] += 1
     return out
-
-
-def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                        scale: float) -> torch.Tensor:
-    """``core_attention`` by definition, in float64: each query head against its K/V head
-    (``h // (H / KVH)``), softmax over the slots its mask row shows (bias added), zeros for a
-    query that sees none; [B, Q, H, D]."""
-    batch, heads, q, dim = query.shape
-    groups = heads // key.shape[1]
-    k = key.double().repeat_interleave(groups, dim=1)
-    v = value.double().repeat_interleave(groups, dim=1)
-    m = mask[:, 0]
-    seen = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min
-    bias = torch.zeros(m.shape, dtype=torch.float64) if m.dtype == torch.bool else m.double()
-    scores = query.double() @ k.transpose(-1, -2) * scale + bias[:, None]
-    scores = scores.masked_fill(~seen[:, None], -math.inf)
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return (weights @ v).transpose(1, 2).float()
 
 
 def _core_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ from lookupdec.model.cache import (PrefixStore, commit_accepted, common_prefix, 
 from lookupdec.model.kernels import (FastHead, fast_head_for, fused_norms_for, fused_rotary_for, grouped_attention,
                                      kernel_forms, packed_linears_for, seed_kernel_forms, skinny_threaded, swapped)
 from lookupdec.model.lean import lean_layers_for
+from lookupdec.reference import model as reference_model
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
@@ -422,8 +423,8 @@ def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict 
     ancestors; the dtype's minimum elsewhere), a dict per layer type with sliding ``windows``
     (``_sliding_windows``). On the CPU without windows, one call into the compiled core writes
     all three (``csrc/tree/tree.cpp``; into ``buffers`` when given: views of them are returned);
-    elsewhere a handful of tensor operations, none per node. ``tree_inputs_reference`` is the
-    same by definition."""
+    elsewhere a handful of tensor operations, none per node. Defined by
+    ``reference.model.tree_inputs``, whose masks it takes with sliding windows (no fast form)."""
     fill = _MASK_FILL.get(dtype)
     if fill is None:
         fill = _MASK_FILL[dtype] = torch.tensor([torch.finfo(dtype).min], dtype=dtype).view(torch.uint8).numpy().tobytes()
@@ -443,47 +444,14 @@ def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict 
     positions = torch.from_numpy(np.array([tree.depth], dtype=np.int64) + n_cached).to(device)
     if not tree_mode or tree.is_chain:
         return ids, positions, None
-    if windows:
-        return ids, positions, tree_mask_reference(tree, n_cached, positions[0], device=device, dtype=dtype,
-                                                   windows=windows)
+    if windows:  # (sliding windows: the definition's masks)
+        return ids, positions, reference_model.tree_mask(tree, n_cached, positions[0], device=device, dtype=dtype,
+                                                         windows=windows)
     n = len(tree)
     mask = torch.zeros((1, 1, n, n_cached + n), dtype=dtype, device=device)
     hidden = torch.from_numpy(~tree.ancestor_mask()).to(device)  # [1+n, 1+n] True: not an ancestor
     mask[0, 0, :, n_cached:].masked_fill_(hidden, torch.finfo(dtype).min)
     return ids, positions, mask
-
-
-def tree_inputs_reference(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict | None = None,
-                          tree_mode: bool = True):
-    """``tree_inputs`` by definition: the boolean mask over every slot, then made additive."""
-    ids = torch.tensor([tree.token_ids], device=device)
-    depth = torch.tensor(tree.depth, device=device)
-    positions = (n_cached + depth)[None]
-    mask = None
-    if tree_mode and not tree.is_chain:
-        mask = tree_mask_reference(tree, n_cached, positions[0], device=device, dtype=dtype, windows=windows)
-    return ids, positions, mask
-
-
-def tree_mask_reference(tree: TokenTree, n_cached: int, positions: torch.Tensor, *, device, dtype,
-                        windows: dict | None = None):
-    """Additive 4D mask(s) [1, 1, 1+n, n_cached+1+n]; a dict per layer type where needed."""
-    allowed = torch.ones((len(tree), n_cached + len(tree)), dtype=torch.bool, device=device)
-    allowed[:, n_cached:] = torch.from_numpy(tree.ancestor_mask_reference()).to(device)
-    if not windows:
-        return _additive(allowed, dtype)
-    key_pos = torch.cat([torch.arange(n_cached, device=device), positions])
-    masks = {}
-    for layer_type, window in windows.items():
-        visible = allowed if window is None else allowed & (positions[:, None] - key_pos[None, :] < window)
-        masks[layer_type] = _additive(visible, dtype)
-    return masks.get(None) if set(masks) == {None} else masks
-
-
-def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
 
 
 def model_max_context(config) -> int | None:

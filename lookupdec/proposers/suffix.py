@@ -14,6 +14,9 @@ a continuation, then grows a best-first subtree from it: a node's score is the p
 its path of empirical next-token frequencies, times a confidence in the match length
 ``L / (L + MATCH_PRIOR)``. A second, shorter match with at least ``RETRY_MIN_COUNT``
 occurrences is tried too when the longest one rests on fewer; both subtrees merge in the trie.
+The drafts are made in one call into the automaton's core (``automaton_drafts``): compiled
+(``csrc/drafting/suffix_drafts.cpp``), else (the extension not built) the reference core, whose
+``lookupdec.reference.drafting.suffix_drafts`` defines them.
 """
 from __future__ import annotations
 
@@ -88,13 +91,8 @@ class CertainStepEstimate:
 class SuffixProposer:
     name = "suffix"
 
-    def __init__(self, config: SuffixConfig | None = None, *, drafting: str = "auto") -> None:
-        """``drafting``: "auto" (``automaton_drafts``: compiled where the automata are) or
-        "reference" (``automaton_drafts_reference``, the pure-Python definition; same drafts)."""
-        if drafting not in ("auto", "reference"):
-            raise ValueError(f"drafting must be 'auto' or 'reference', got {drafting!r}")
+    def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = config or SuffixConfig()
-        self.drafting = drafting
         self._requests = RequestRegistry("SuffixProposer")
         self._outputs: deque[np.ndarray] = deque()  # earlier outputs in the global cache, oldest first
         self._global_tokens = 0
@@ -132,12 +130,11 @@ class SuffixProposer:
         if max_nodes <= 0:
             return []
         ctx = list(context[-self.config.max_match :])
-        drafts = automaton_drafts if self.drafting == "auto" else automaton_drafts_reference
-        out = drafts(request.automaton, ctx, max_nodes, self.config.min_match, "suffix", self.certain_step["suffix"],
-                     request.pending)
+        out = automaton_drafts(request.automaton, ctx, max_nodes, self.config.min_match, "suffix",
+                               self.certain_step["suffix"], request.pending)
         if self._global_tokens:
-            out += drafts(self.global_automaton, ctx, max_nodes, self.config.global_min_match, "suffix-global",
-                          self.certain_step["suffix-global"], request.pending)
+            out += automaton_drafts(self.global_automaton, ctx, max_nodes, self.config.global_min_match,
+                                    "suffix-global", self.certain_step["suffix-global"], request.pending)
         return out
 
     # -- Mixture.plan: the drafts and their merge in one compiled call ---------------------------
@@ -148,11 +145,10 @@ class SuffixProposer:
         (``min_match``, ``global_min_match``, then ``suffix_drafts``' levels, divisor, separator,
         empty confidence and match prior), ``max_match`` and the certain-step estimates' table
         (the core reads each value and settles each pending chain into it, as ``observe`` does
-        with ``settle_pending``); None where drafting is not compiled (``drafting="reference"``,
-        or automata without the core)."""
+        with ``settle_pending``); None where the automata's cores are not compiled (the extension
+        not built)."""
         request: _Request = self._requests.get(request_id)
-        if self.drafting != "auto" or request.automaton.backend != "compiled" or \
-                self.global_automaton.backend != "compiled":
+        if request.automaton.backend != "compiled" or self.global_automaton.backend != "compiled":
             return None
         config = self.config
         return request.automaton._core, (config.min_match, config.global_min_match, MATCH_LEVELS,
@@ -219,12 +215,12 @@ _SUFFIX_DRAFTS_KWARGS = ("max_nodes", "min_match", "levels", "shorter_divisor", 
 
 def automaton_drafts(automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: int, min_match: int, source: str,
                      certain_step: CertainStepEstimate, pending: dict) -> list[Draft]:
-    """``automaton_drafts_reference``'s drafts, made by the compiled core in one call
-    (``csrc/drafting/suffix_drafts.cpp``) when the automaton is compiled; each draft comes with its
-    arrays (the merge and the calibrator read them as they are), the first with its best chain
-    and certain-step flags for ``pending``."""
-    if automaton.backend != "compiled":
-        return automaton_drafts_reference(automaton, ctx, max_nodes, min_match, source, certain_step, pending)
+    """Drafts from the longest match of ``ctx`` in ``automaton`` and up to ``MATCH_LEVELS - 1``
+    shorter ones (suffix links), made by its core in one call (``suffix_drafts``: compiled, or the
+    reference core, ``lookupdec.reference.drafting.suffix_drafts``, which defines them); each
+    draft comes with its arrays (the merge and the calibrator read them as they are), the first
+    with its best chain and certain-step flags, which go into ``pending[source]`` for
+    ``CertainStepEstimate.update`` once the step's tokens are known."""
     # SuffixAutomaton.suffix_drafts's arguments in its core's order
     args = (max_nodes, min_match, MATCH_LEVELS, SHORTER_MATCH_NODES_DIVISOR, SEPARATOR, EMPTY_MATCH_CONFIDENCE,
             MATCH_PRIOR, certain_step.value)
@@ -244,90 +240,9 @@ def automaton_drafts(automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: 
     return out
 
 
-def automaton_drafts_reference(automaton: SuffixAutomaton, ctx: Sequence[int], max_nodes: int, min_match: int,
-                               source: str, certain_step: CertainStepEstimate, pending: dict) -> list[Draft]:
-    """Drafts from the longest match of ``ctx`` in ``automaton`` and up to ``MATCH_LEVELS - 1``
-    shorter ones (suffix links: fewer context tokens, more occurrences, more varied
-    continuations). The longest match's best chain goes into ``pending[source]`` with its
-    certain-step flags, for ``CertainStepEstimate.update`` once the step's tokens are known."""
-    state, length = automaton.match(ctx)
-    out = []
-    while state >= 0 and length >= min_match and len(out) < MATCH_LEVELS:
-        if automaton.continuation_count(state):
-            level_nodes = max_nodes if not out else max(1, max_nodes // SHORTER_MATCH_NODES_DIVISOR)
-            # no depth cap of its own: n nodes are at most n deep (the step's merge caps the depth)
-            tree = automaton.expand_tree(state, max_nodes=level_nodes, max_depth=level_nodes)
-            tokens, parents, raw = without_separator(tree.token_ids, tree.parents, tree.scores)
-            if tokens:
-                confidence = (length + EMPTY_MATCH_CONFIDENCE) / (length + EMPTY_MATCH_CONFIDENCE + MATCH_PRIOR)
-                scores, certain = decay_certain_steps(parents, raw, confidence, certain_step.value)
-                draft = Draft(tuple(tokens), tuple(parents), tuple(scores), source, length)
-                if source not in pending:
-                    chain, _ = draft.best_chain()
-                    pending[source] = (chain, _chain_flags(draft, chain, certain))
-                out.append(draft)
-        state = automaton.suffix_link(state)
-        length = automaton.state_len(state) if state >= 0 else -1
-    return out
-
-
 def settle_pending(pending: dict, estimates: dict[str, CertainStepEstimate], committed: Sequence[int]) -> None:
     """After a step: check each source's pending best chain (left by ``automaton_drafts``)
     against the committed tokens in that source's estimate, then forget the chains."""
     for source, (chain, certain) in pending.items():
         estimates[source].update(chain, certain, committed)
     pending.clear()
-
-
-def decay_certain_steps(parents: Sequence[int], scores: Sequence[float], scale: float,
-                        certain_step: float) -> tuple[list[float], list[bool]]:
-    """Scores times ``scale``, where a step every earlier occurrence agreed on (conditional
-    frequency 1, often a single occurrence) counts ``certain_step`` instead of 1: copying goes
-    on with high but not total probability, learnt per workload. Also returns which nodes are
-    such certain steps.
-
-    >>> s, c = decay_certain_steps([-1, 0, 1], [1.0, 1.0, 0.5], 0.5, 0.9)
-    >>> [round(x, 3) for x in s], c
-    ([0.45, 0.405, 0.203], [True, True, False])
-    """
-    out: list[float] = []
-    certain: list[bool] = []
-    for i, p in enumerate(parents):
-        parent_raw = 1.0 if p < 0 else scores[p]
-        parent_new = scale if p < 0 else out[p]
-        cond = scores[i] / parent_raw if parent_raw > 0 else 0.0
-        certain.append(cond >= 1.0 - 1e-9)
-        out.append(parent_new * (certain_step if certain[-1] else cond))
-    return out, certain
-
-
-def _chain_flags(draft: Draft, chain: Sequence[int], certain: Sequence[bool]) -> list[bool]:
-    """``certain`` flags of the nodes along ``chain`` (the draft's best path)."""
-    flags, node, children = [], -1, {}
-    for i, p in enumerate(draft.parents):
-        children.setdefault((p, draft.token_ids[i]), i)
-    for token in chain:
-        node = children[(node, token)]
-        flags.append(certain[node])
-    return flags
-
-
-def without_separator(token_ids, parents, scores) -> tuple[list[int], list[int], list[float]]:
-    """Drop separator nodes and their descendants; renumber parents.
-
-    >>> without_separator([5, SEPARATOR, 7, 8], [-1, -1, 1, 0], [.9, .5, .5, .8])
-    ([5, 8], [-1, 0], [0.9, 0.8])
-    """
-    token_ids, parents = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids), list(parents)
-    scores = scores.tolist() if hasattr(scores, "tolist") else list(scores)
-    if SEPARATOR not in token_ids:
-        return token_ids, [int(p) for p in parents], scores
-    new_index, out_t, out_p, out_s = {}, [], [], []
-    for i, (tok, par) in enumerate(zip(token_ids, parents)):
-        if tok == SEPARATOR or (par >= 0 and par not in new_index):
-            continue
-        new_index[i] = len(out_t)
-        out_t.append(tok)
-        out_p.append(-1 if par < 0 else new_index[par])
-        out_s.append(scores[i])
-    return out_t, out_p, out_s

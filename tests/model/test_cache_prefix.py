@@ -203,15 +203,17 @@ def test_kv_restored_from_an_earlier_prompt_is_a_fresh_prefills():
 
 def test_prefix_copy_and_restore_match_their_references():
     """``SlotStore.copy_prefix``/``load`` (one copy of every layer) against each layer's K and V
-    stacked and restored one layer at a time (``PrefixStore.copy_reference``/``restore_reference``):
+    stacked and restored one layer at a time (their definitions, ``reference.model.copy_prefix`` and
+    ``reference.model.restore``, which ``PrefixStore`` takes for a cache without the slot buffer):
     the same values, bit for bit, also restored into a plain ``DynamicCache``."""
     from lookupdec.model.cache import PrefixStore, new_cache
+    from lookupdec.reference import model as reference_model
 
     engine = Engine(cached_tiny("qwen2"), FakeTokenizer())
     target = engine.target
     target.prefill(list(range(3, 60)))
     store = target.cache.slot_store
-    fast, reference = store.copy_prefix(41), PrefixStore.copy_reference(target.cache, 41)
+    fast, reference = store.copy_prefix(41), reference_model.copy_prefix(target.cache, 41)
     assert fast.shape == reference.shape and torch.equal(fast, reference)
     with pytest.raises(ValueError, match="fewer slots"):
         store.copy_prefix(58)
@@ -224,7 +226,7 @@ def test_prefix_copy_and_restore_match_their_references():
         raise AssertionError("a slot cache took the per-layer path")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(PrefixStore, "restore_reference", staticmethod(refused))
+        mp.setattr(reference_model, "restore", refused)
         prefixes.restore(0, 30, slots)  # one copy into the slot buffer
         assert slots.get_seq_length() == plain.get_seq_length() == 30 and prefixes.hits == 2
         for layer in range(target._num_layers):

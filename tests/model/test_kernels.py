@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from conftest import cached_tiny
 from helpers import FakeTokenizer, greedy_alone_and_batched
 from lookupdec import Engine, EngineConfig
+from lookupdec.reference import model as reference_model
 from lookupdec.model.kernels import (BODY_FORMS, FORM_TRIALS, FORMS, GQA_SWITCH, INHERITED_CHECK, FastHead,
                                      PackedLinears, fast_head_for, packed_available, packed_linears_for, skinny_available,
                                      swapped)
@@ -169,13 +170,13 @@ def test_skinny_outputs_and_picks_do_not_depend_on_the_thread_count(rows, out_fe
 @pytest.mark.parametrize("top_k", [1, 4])
 def test_skinny_tops_are_the_top_tokens_of_the_rows_it_writes(rows, top_k, threads):
     """``skinny_linear(tops=...)`` offers each block of outputs to its row's picks as the kernel
-    stores it, and gives each row's ``top_k`` best column ids as ``engine.top_tokens_reference``
+    stores it, and gives each row's ``top_k`` best column ids as ``reference.request.top_tokens``
     reads them from the finished row: ties to the earlier id (duplicate weight rows, in
     different panels and panel groups), a NaN row's first ids (a row not known finite by
     ``weight_bound`` is scanned once written; without a bound every row is); the rows
     themselves are bit for bit those without ``tops``, on every kernel; on two threads each
     thread's picks among its panels are merged (the ties above lie on both sides of the split)."""
-    from lookupdec.engine import top_tokens_reference
+    from lookupdec.reference import request as reference_request
     from lookupdec.model.kernels import skinny_linear, skinny_pack
     from lookupdec.native import kernels as native_kernels
 
@@ -194,7 +195,7 @@ def test_skinny_tops_are_the_top_tokens_of_the_rows_it_writes(rows, top_k, threa
         tops = np.full((rows, top_k), -1, dtype=np.int32)
         got = skinny_linear(x, panels, n, None, isa=isa, tops=tops, weight_bound=bound)
         assert torch.equal(got.isnan(), plain.isnan()) and torch.equal(got.nan_to_num(), plain.nan_to_num()), isa
-        assert tops.tolist() == top_tokens_reference(got, range(rows), top_k), (isa, bound)
+        assert tops.tolist() == reference_request.top_tokens(got, range(rows), top_k), (isa, bound)
         assert tops[0].tolist() == [2500, 3, 17, 4000][:top_k]
     with pytest.raises(ValueError, match="tops"):
         native_kernels.skinny_linear(x, panels, torch.empty(rows, n), None, np.empty((rows + 1, 2), dtype=np.int32))
@@ -204,7 +205,7 @@ def test_skinny_tops_are_the_top_tokens_of_the_rows_it_writes(rows, top_k, threa
 def test_the_head_picks_top_tokens_only_in_the_skinny_form():
     """``FastHead.project(picks=k)``: the logits of every form, and the rows' k best ids where
     the form is the skinny product (else None: the walk reads the rows)."""
-    from lookupdec.engine import top_tokens_reference
+    from lookupdec.reference import request as reference_request
 
     head = torch.nn.Linear(24, 300, bias=False)
     fast = FastHead(head)
@@ -215,7 +216,7 @@ def test_the_head_picks_top_tokens_only_in_the_skinny_form():
         logits, tops = fast.project(x, 3)
         assert torch.allclose(logits, head(x), rtol=1e-5, atol=1e-5)
         if form == "skinny":
-            assert tops.tolist() == top_tokens_reference(logits, range(5), 3)
+            assert tops.tolist() == reference_request.top_tokens(logits, range(5), 3)
         else:
             assert tops is None, form
 
@@ -1039,7 +1040,7 @@ def _tree_attention_inputs(batch, heads, kv_heads, q, kv, dim, seed=0, dtype=tor
                                                            (8, 9, 3, 1, 200, 64), (2, 4, 4, 1, 30, 32)])
 def test_core_attention_matches_its_float64_definition(batch, heads, kv_heads, q, kv, dim):
     """``kernels.core_attention`` (the compiled tree attention) in every instruction set this CPU
-    runs against ``reference_attention`` (float64 by definition): each query's softmax over the
+    runs against ``reference.model.attention`` (float64 by definition): each query's softmax over the
     slots its mask row shows, bias added, zeros for one that sees nothing; and against torch's
     SDPA where a query sees something. Rounding apart, the same; the builds agree with each other
     as closely."""
@@ -1048,7 +1049,7 @@ def test_core_attention_matches_its_float64_definition(batch, heads, kv_heads, q
 
     query, key, value, mask, allowed = _tree_attention_inputs(batch, heads, kv_heads, q, kv, dim)
     plan = kernels.attention_plan(mask)
-    want = kernels.reference_attention(query, key, value, mask, dim ** -0.5)
+    want = reference_model.attention(query, key, value, mask, dim ** -0.5)
     groups = heads // kv_heads
     sdpa = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
                                           attn_mask=mask).transpose(1, 2)
@@ -1072,12 +1073,13 @@ def test_attention_plan_lists_the_slots_each_row_shows(made_by):
     first (the prefix), then the rest ascending (the tree, and a slot seen with another bias);
     each query's bias at them (-inf: hidden); a query that sees nothing not live and not
     deciding what is common. A boolean mask plans as its additive twin. The core's plan
-    (``attention_plan``) and the torch definition (``attention_plan_reference``) alike."""
+    (``attention_plan``) and the torch definition (``reference.model.attention_plan``) alike."""
     from lookupdec.model import kernels
 
     if made_by == "core" and not kernels_core_attention():
         pytest.skip("compiled core without tree attention")
-    plan_of = kernels.attention_plan if made_by == "core" else kernels.attention_plan_reference
+    plan_of = (kernels.attention_plan if made_by == "core"
+               else lambda mask: kernels.AttentionPlan(*reference_model.attention_plan(mask)))
 
     def used(plan):  # each row's entries up to its count (the core's rows are L wide)
         return ([row[:n] for row, n in zip(plan.cols.tolist(), plan.counts.tolist())],
@@ -1108,14 +1110,14 @@ def test_attention_plan_lists_the_slots_each_row_shows(made_by):
 def test_the_cores_attention_plan_is_the_references(shape):
     """The core's plan (``native_kernels.attention_plan_at``) of ragged tree masks -- holes, a padded
     query, biased slots; additive, boolean, and a strided view of a wider buffer -- holds the
-    values ``attention_plan_reference`` computes, entry for entry up to each row's count."""
+    values ``reference.model.attention_plan`` computes, entry for entry up to each row's count."""
     from lookupdec.model import kernels
 
     mask = _tree_attention_inputs(*shape)[3]
     wide = torch.full((*mask.shape[:3], mask.shape[3] + 5), 7.0)
     wide[..., : mask.shape[3]] = mask
     for m in (mask, mask > torch.finfo(torch.float32).min, wide[..., : mask.shape[3]]):
-        got, want = kernels.attention_plan(m), kernels.attention_plan_reference(m)
+        got, want = kernels.attention_plan(m), kernels.AttentionPlan(*reference_model.attention_plan(m))
         assert got.cols.shape[1] == m.shape[3]
         for name in ("counts", "common", "live"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -1,9 +1,9 @@
-"""The target's forwards (``model/target.py``, ``TargetModel``) against their reference paths:
+"""The target's forwards (``model/target.py``, ``TargetModel``) against their definitions:
 
 - one tree forward over a 4D mask == each root-to-node path run through the model on its own;
 - KV commit (gather the accepted nodes into contiguous slots, crop the rest) == a fresh prefill of
   the committed tokens == feeding those tokens one at a time; and the next logits agree;
-- ``tree_inputs`` (and into the engine's kept ``InputBuffers``) == ``tree_inputs_reference``
+- ``tree_inputs`` (and into the engine's kept ``InputBuffers``) == ``reference.model.tree_inputs``
   (ids, positions, additive 4D masks);
 - ``verify(rows=...)`` (partial logits: only the likely nodes projected) gives the full forward's
   rows, and models that change their logits after the output projection never take that path.
@@ -20,9 +20,10 @@ import torch
 import transformers
 
 from conftest import cached_tiny
-from lookupdec.model import TargetModel, tree_inputs, tree_inputs_reference
+from lookupdec.model import TargetModel, tree_inputs
 from lookupdec.model.kernels import _bucket
-from lookupdec.request import top_tokens_reference
+from lookupdec.reference import model as reference_model
+from lookupdec.reference import request as reference_request
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 from random_inputs import random_scored_tree, random_trie
@@ -193,7 +194,7 @@ def test_tree_inputs_equal_the_reference(seed):
     windows = rng.choice(({}, {None: 4}, {"full_attention": None, "sliding_attention": 3}))
     tree_mode = rng.random() < 0.9
     got = tree_inputs(tree, n_cached, device="cpu", dtype=dtype, windows=windows, tree_mode=tree_mode)
-    want = tree_inputs_reference(tree, n_cached, device="cpu", dtype=dtype, windows=windows, tree_mode=tree_mode)
+    want = reference_model.tree_inputs(tree, n_cached, device="cpu", dtype=dtype, windows=windows, tree_mode=tree_mode)
     for g, w in zip(got[:2], want[:2]):
         assert g.dtype == w.dtype and torch.equal(g, w)
     if want[2] is None:
@@ -208,7 +209,7 @@ def test_tree_inputs_equal_the_reference(seed):
 def test_tree_inputs_into_kept_buffers_equal_the_reference_step_after_step(seed):
     """``InputBuffers`` (the engine's: a mask buffer kept across steps, each step clearing the last
     step's tree block and writing its own) gives every step of a sequence of trees, chains, growing
-    contexts and dtypes what ``tree_inputs_reference`` builds from nothing; each step's views are
+    contexts and dtypes what ``reference.model.tree_inputs`` builds from nothing; each step's views are
     compared before the next step writes."""
     from lookupdec.model.target import InputBuffers
 
@@ -222,7 +223,7 @@ def test_tree_inputs_into_kept_buffers_equal_the_reference_step_after_step(seed)
         tree = random_trie(rng, rng.choice((0, 1, rng.randint(2, 90))), rng.choice((1, 2, 5, 100)))
         n_cached = max(0, n_cached + rng.choice((-3, 0, 1, 4, 40, 700)))
         got = tree_inputs(tree, n_cached, device="cpu", dtype=dtype, buffers=buffers)
-        want = tree_inputs_reference(tree, n_cached, device="cpu", dtype=dtype)
+        want = reference_model.tree_inputs(tree, n_cached, device="cpu", dtype=dtype)
         for g, w in zip(got[:2], want[:2]):
             assert g.dtype == w.dtype and torch.equal(g, w)
         if want[2] is None:
@@ -260,7 +261,7 @@ def test_verify_rows_gives_the_full_forward_rows(family):
         every = target.verify(tree, list(range(len(tree))), picks=4)
         assert isinstance(every, PartialLogits) and every.computed == len(tree)
         torch.testing.assert_close(every.logits, full, rtol=1e-5, atol=1e-5)
-        assert every.tops.tolist() == top_tokens_reference(every.logits, range(len(tree)), 4)
+        assert every.tops.tolist() == reference_request.top_tokens(every.logits, range(len(tree)), 4)
     if target.fast_head is not None and "skinny" in target.fast_head.forms:  # the head picks as it writes
         key = (3, torch.get_num_threads())
         # (the head is the model's, shared with earlier tests that timed this bucket: with a best
@@ -270,7 +271,7 @@ def test_verify_rows_gives_the_full_forward_rows(family):
         target.prefill(prompt)
         picked = target.verify(tree, rows, picks=4)
         torch.testing.assert_close(picked.logits, full[rows], rtol=1e-5, atol=1e-5)
-        assert picked.tops.tolist() == top_tokens_reference(picked.logits, range(3), 4)
+        assert picked.tops.tolist() == reference_request.top_tokens(picked.logits, range(3), 4)
 
 
 class _ScaledLogits(transformers.LlamaForCausalLM):

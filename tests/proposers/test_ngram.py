@@ -1,7 +1,8 @@
 """Prompt n-gram lookup: the docstring's worked example with hand-written arrays (comments on the
 ties, as in vLLM's test_ngram.py), periodic continuation, budget splitting, scores, a brute-force
-reference over random contexts, loud lifecycle misuse, and the compiled proposer against its
-pure-Python reference (drafts, and budget shares for any decays)."""
+reference over random contexts, loud lifecycle misuse, and the compiled index against its
+definition, ``lookupdec.reference.drafting.NgramIndex`` (drafts bit for bit, and budget shares for
+any decays)."""
 from __future__ import annotations
 
 import random
@@ -10,10 +11,11 @@ import pytest
 
 from helpers import needs_core
 from lookupdec.config import NgramConfig
-from lookupdec.proposers.ngram import (BRANCH_DECAY, CONTINUE_PROB, NgramProposer, lengths_within_budget,
-                                       periodic_continuation)
+from lookupdec.proposers.ngram import BRANCH_DECAY, CONTINUE_PROB, NgramProposer
+from lookupdec.reference import drafting as reference_drafting
+from lookupdec.reference.drafting import periodic_continuation
 from lookupdec.tokens import SEPARATOR
-from random_inputs import comparable_drafts, random_stream
+from random_inputs import random_stream
 
 BIG = 1000  # a node budget that cuts nothing
 
@@ -67,11 +69,12 @@ def test_draft_length_is_capped_by_max_draft_tokens_and_budget():
 
 
 def test_lengths_within_budget():
-    assert lengths_within_budget([0.9, 0.3], length=10, max_nodes=12) == [10, 2]  # the docstring's example
-    assert lengths_within_budget([0.9, 0.3], length=5, max_nodes=12) == [5, 5]  # everything fits
+    lengths_within_budget = reference_drafting.lengths_within_budget
+    assert lengths_within_budget([0.9, 0.3], 10, 12, CONTINUE_PROB) == [10, 2]  # the docstring's example
+    assert lengths_within_budget([0.9, 0.3], 5, 12, CONTINUE_PROB) == [5, 5]  # everything fits
     # 0.5 * 0.95**7 = 0.35 > 0.3: every token of branch 0 beats branch 1's first
-    assert lengths_within_budget([0.5, 0.5 * BRANCH_DECAY], length=8, max_nodes=8) == [8, 0]
-    lengths = lengths_within_budget([0.8, 0.48, 0.288], length=20, max_nodes=17)
+    assert lengths_within_budget([0.5, 0.5 * BRANCH_DECAY], 8, 8, CONTINUE_PROB) == [8, 0]
+    lengths = lengths_within_budget([0.8, 0.48, 0.288], 20, 17, CONTINUE_PROB)
     assert sum(lengths) == 17 and lengths[0] >= lengths[1] >= lengths[2]
 
 
@@ -97,7 +100,7 @@ def brute_force(tokens, config: NgramConfig, budget: int) -> list[list[int]]:
                 break
         if len(found) == config.max_branches:
             break
-    lengths = lengths_within_budget([f for f, _ in found], length, budget)
+    lengths = reference_drafting.lengths_within_budget([f for f, _ in found], length, budget, CONTINUE_PROB)
     return [periodic_continuation(tokens, end, k) for (_, end), k in zip(found, lengths) if k]
 
 
@@ -155,10 +158,14 @@ def test_branches_are_distinct_continuations():
     assert len(chains[0]) == 24
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("bad", [-1, 2**31])
-def test_a_token_id_outside_int32_is_a_value_error_and_keeps_nothing(backend, bad):
-    proposer = NgramProposer(backend=backend)
+def test_a_token_id_outside_int32_is_a_value_error_and_keeps_nothing(bad):
+    index = reference_drafting.NgramIndex(1, 3)  # the reference index alike (the proposer's where not built)
+    index.extend([1, 2])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        index.extend([3, bad])
+    assert index.size() == 2
+    proposer = NgramProposer()
     with pytest.raises(ValueError, match="token ids must be in"):
         proposer.start("r", [1, 2, bad])
     proposer.start("r", [1, 2])  # the rejected start left no request behind
@@ -169,54 +176,64 @@ def test_a_token_id_outside_int32_is_a_value_error_and_keeps_nothing(backend, ba
     assert [list(d.token_ids[:3]) for d in proposer.propose("s", [1, 2, 3, 1, 2], 8)][0] == [3, 1, 2]
 
 
-# -- the compiled proposer against its reference ---------------------------------------------------
+# -- the compiled index against its definition ------------------------------------------------------
 @needs_core
 @pytest.mark.parametrize("seed", range(60))
 def test_compiled_ngram_drafts_equal_the_reference(seed):
+    """The compiled index (the proposer's) and ``reference.drafting.NgramIndex`` extended alike
+    draft the same arrays, bit for bit, for every budget."""
+    from lookupdec.native import drafting as native_drafting
+
     rng = random.Random(seed)
     min_ngram = rng.randint(1, 3)
     config = NgramConfig(min_ngram=min_ngram, max_ngram=rng.randint(min_ngram, 6),
                          max_draft_tokens=rng.choice((1, 3, 10, 48, 60)), max_branches=rng.randint(1, 5))
-    fast, ref = NgramProposer(config), NgramProposer(config, backend="reference")
-    assert fast.backend == "compiled"
+    fast = native_drafting.NgramIndex(config.min_ngram, config.max_ngram)
+    ref = reference_drafting.NgramIndex(config.min_ngram, config.max_ngram)
+    proposer = NgramProposer(config)
     vocab = rng.choice((2, 4, 20))
     context = random_stream(rng, rng.randint(1, 200), vocab)
     context = [t if t != SEPARATOR else 0 for t in context]
-    for p in (fast, ref):
-        p.start("r", context)
+    proposer.start("r", context)
+    for index in (fast, ref):
+        index.extend(context)
     for _ in range(rng.randint(1, 20)):
-        max_nodes = rng.choice((0, 1, 2, 5, 17, 64, 100))
-        assert comparable_drafts(fast.propose("r", context, max_nodes)) == comparable_drafts(ref.propose("r", context, max_nodes))
+        max_nodes = rng.choice((1, 2, 5, 17, 64, 100))
+        args = (config.max_draft_tokens, config.max_branches, max_nodes, BRANCH_DECAY, CONTINUE_PROB)
+        want = ref.propose(*args)
+        assert fast.propose(*args) == want
+        assert [(*d.packed(), d.match_length) for d in proposer.propose("r", context, max_nodes)] == want
         new = [t if t != SEPARATOR else 1 for t in random_stream(rng, rng.randint(1, 8), vocab)]
-        for p in (fast, ref):
-            p.observe("r", new)
+        proposer.observe("r", new)
+        for index in (fast, ref):
+            index.extend(new)
         context += new
+    assert fast.size() == ref.size() == len(context)
     with pytest.raises(ValueError, match="observe"):
-        fast.propose("r", context[:-1], 8)
+        proposer.propose("r", context[:-1], 8)
 
 
 @needs_core
 @pytest.mark.parametrize("branch_decay,continue_prob", [(0.6, 0.95), (0.6, 1.0), (1.0, 1.0), (0.6, 1.05),
                                                         (-0.6, 0.95), (0.6, 0.0), (0.6, 0.5), (0.6, -0.9)])
-def test_compiled_ngram_budget_shares_equal_the_reference_for_any_decays(monkeypatch, branch_decay, continue_prob):
-    """Where the branches' tokens outnumber the budget, the compiled proposer takes each branch's
+def test_compiled_ngram_budget_shares_equal_the_reference_for_any_decays(branch_decay, continue_prob):
+    """Where the branches' tokens outnumber the budget, the compiled index takes each branch's
     best tokens one by one while its scores never rise (else it sorts them all, as the
     reference does): the same lengths for ties (equal decays), rising scores (a continue
     probability past 1) and negative ones."""
-    from lookupdec.proposers import ngram
+    from lookupdec.native import drafting as native_drafting
 
-    monkeypatch.setattr(ngram, "BRANCH_DECAY", branch_decay)
-    monkeypatch.setattr(ngram, "CONTINUE_PROB", continue_prob)
     rng = random.Random(int(1000 * (branch_decay + 3 * continue_prob)))
-    config = NgramConfig(min_ngram=1, max_ngram=3, max_draft_tokens=rng.choice((10, 48)), max_branches=5)
-    fast, ref = NgramProposer(config), NgramProposer(config, backend="reference")
+    max_draft_tokens = rng.choice((10, 48))
+    fast, ref = native_drafting.NgramIndex(1, 3), reference_drafting.NgramIndex(1, 3)
     context = [rng.randrange(3) for _ in range(120)]
-    for p in (fast, ref):
-        p.start("r", context)
+    for index in (fast, ref):
+        index.extend(context)
     binding, branched = 0, 0
     for max_nodes in (1, 2, 5, 9, 17, 33, 64, 100):
-        got, want = fast.propose("r", context, max_nodes), ref.propose("r", context, max_nodes)
-        assert comparable_drafts(got) == comparable_drafts(want), max_nodes
-        binding += sum(len(d.token_ids) for d in want) == max_nodes
+        args = (max_draft_tokens, 5, max_nodes, branch_decay, continue_prob)
+        want = ref.propose(*args)
+        assert fast.propose(*args) == want, max_nodes
+        binding += sum(len(tokens) // 4 for tokens, _, _, _ in want) == max_nodes
         branched += len(want) > 1
     assert binding >= 4 and branched >= 2  # budgets the branches had to share

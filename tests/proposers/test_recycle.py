@@ -1,5 +1,6 @@
 """Token recycling (``proposers/recycle.py``): the table it keeps from the target's top tokens,
-the best-first draft it grows from it, and, through the engine, exact greedy output with it."""
+the best-first draft it grows from it, the compiled table against its definition
+(``lookupdec.reference.drafting.RecycleTable``), and, through the engine, exact greedy output with it."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +14,29 @@ from lookupdec.automaton import compiled_available
 from lookupdec.config import RecycleConfig
 from lookupdec.engine import top_tokens
 from lookupdec.proposers.recycle import PAIR_MATCH, RANK_PRIOR, TOKEN_MATCH, RecycleProposer
+from lookupdec.reference import drafting as reference_drafting
+
+
+def tables(config: RecycleConfig) -> tuple:
+    """The compiled table and its definition, made alike."""
+    from lookupdec.native import drafting as native_drafting
+
+    args = (config.successors, config.max_entries, list(RANK_PRIOR))
+    return native_drafting.RecycleTable(*args), reference_drafting.RecycleTable(*args)
+
+
+def observe(table, visits) -> None:
+    """``RecycleProposer.observe_successors``' call of the table."""
+    previous, tokens, successors = zip(*visits) if visits else ((), (), ())
+    table.observe(previous, tokens, successors)
+
+
+def draft_of(table, config: RecycleConfig, context, budget: int):
+    """``RecycleProposer.propose``'s call of the table (its arrays as bytes), None where it calls none."""
+    limit = min(budget, config.max_nodes)
+    if limit <= 0 or not context:
+        return None
+    return table.propose(context[-2] if len(context) > 1 else -1, context[-1], limit, config.max_depth)
 
 
 def test_nothing_recorded_nothing_drafted():
@@ -41,13 +65,16 @@ def test_token_table_is_the_fallback_and_limits_hold():
     assert len(p.propose("r", [4, 2], 2)[0].token_ids) == 2
 
 
-@pytest.mark.parametrize("backend", ["reference", "auto"])
-def test_pair_table_is_bounded(backend):
-    p = RecycleProposer(RecycleConfig(max_entries=3), backend=backend)
+def test_pair_table_is_bounded():
+    config = RecycleConfig(max_entries=3)
+    p = RecycleProposer(config)
+    ref = reference_drafting.RecycleTable(config.successors, config.max_entries, RANK_PRIOR)  # the definition alike
     for i in range(10):
         p.observe_successors([(i, i + 1, [1])])
-        assert p.num_pairs <= 4
+        observe(ref, [(i, i + 1, [1])])
+        assert p.num_pairs == ref.num_pairs() <= 4
     assert p.num_pairs < 4 or p.propose("r", [0, 1], 8) == []  # (0, 1) went with the first clear
+    assert ref.num_pairs() < 4 or ref.lookup(0, 1)[1] != PAIR_MATCH
 
 
 @pytest.mark.skipif(not compiled_available(), reason="compiled core not built")
@@ -55,26 +82,26 @@ def test_compiled_table_keeps_the_pair_whose_key_marks_empty_slots():
     """The pair (-1, -1) packs to a key with every bit set, the compiled table's mark of an
     empty slot: it is kept apart, found, overwritten and counted like any other."""
     config = RecycleConfig(successors=2, max_nodes=8, max_depth=3)
-    ref, fast = RecycleProposer(config, backend="reference"), RecycleProposer(config, backend="compiled")
+    fast, ref = tables(config)
     for visits in ([(-1, -1, [4, 5]), (3, -1, [6])], [(-1, -1, [7])], [(-1, 4, [-1, 2])]):
-        ref.observe_successors(visits)
-        fast.observe_successors(visits)
-        assert fast.num_pairs == ref.num_pairs
+        observe(ref, visits)
+        observe(fast, visits)
+        assert fast.num_pairs() == ref.num_pairs()
         for context in ([-1], [-1, -1], [3, -1], [-1, 4], [9, 9]):
-            want, got = ref.propose("r", context, 8), fast.propose("r", context, 8)
-            assert [(d.token_ids, d.parents, d.scores, d.match_length) for d in got] == \
-                   [(d.token_ids, d.parents, d.scores, d.match_length) for d in want]
+            assert draft_of(fast, config, context, 8) == draft_of(ref, config, context, 8)
 
 
 @pytest.mark.skipif(not compiled_available(), reason="compiled core not built")
 @pytest.mark.parametrize("seed", range(6))
 def test_compiled_table_drafts_equal_the_reference(seed):
     """Random visits (small vocabulary: pairs and tokens recur, entries are overwritten, the pair
-    table is cleared) and random configs: every draft identical, scores bit for bit."""
+    table is cleared) and random configs: every draft identical, its arrays bit for bit; the
+    proposer's drafts are the compiled table's."""
     rng = np.random.default_rng(seed)
     config = RecycleConfig(successors=int(rng.integers(1, 6)), max_nodes=int(rng.integers(1, 40)),
                            max_depth=int(rng.integers(1, 10)), max_entries=int(rng.integers(1, 60)))
-    ref, fast = RecycleProposer(config, backend="reference"), RecycleProposer(config, backend="compiled")
+    fast, ref = tables(config)
+    proposer = RecycleProposer(config)
     vocab = int(rng.integers(3, 30))
     for _ in range(80):
         visits = [(int(rng.integers(-1, vocab)), int(rng.integers(0, vocab)),
@@ -82,18 +109,21 @@ def test_compiled_table_drafts_equal_the_reference(seed):
                   for _ in range(int(rng.integers(0, 6)))]
         if visits and rng.random() < 0.5:  # a walked path (RequestCore.accept's hand-off): each token's previous is the one before
             prev, tokens, tops = visits[0][0], [v[1] for v in visits], [v[2] for v in visits]
-            ref.observe_path(prev, tokens, tops)
-            fast.observe_path(prev, tokens, tops)
+            for table in (fast, ref):
+                table.observe_path(prev, tokens, tops)
+            proposer.observe_path(prev, tokens, tops)
         else:
-            ref.observe_successors(visits)
-            fast.observe_successors(visits)
-        assert fast.num_pairs == ref.num_pairs
+            for table in (fast, ref):
+                observe(table, visits)
+            proposer.observe_successors(visits)
+        assert fast.num_pairs() == ref.num_pairs() == proposer.num_pairs
         context = [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(1, 4)))]
         budget = int(rng.integers(0, 48))
-        want, got = ref.propose("r", context, budget), fast.propose("r", context, budget)
-        assert [(d.token_ids, d.parents, d.scores, d.match_length, d.source) for d in got] == \
-               [(d.token_ids, d.parents, d.scores, d.match_length, d.source) for d in want]
-        assert all(d.packed() == w.packed() for d, w in zip(got, want))
+        want = draft_of(ref, config, context, budget)
+        assert draft_of(fast, config, context, budget) == want
+        drafts = proposer.propose("r", context, budget)
+        assert [(*d.packed(), d.match_length) for d in drafts] == ([want] if want and want[0] else [])
+        assert all(d.source == "recycle" for d in drafts)
 
 
 @pytest.mark.parametrize("rows", [[0], [0, 2, 3]])
@@ -108,10 +138,11 @@ def test_top_tokens_equal_topk(rows):
 @pytest.mark.parametrize("seed", range(4))
 def test_greedy_walk_top_k_is_the_walk_and_top_tokens_of_its_rows(seed):
     """``accept(top_k=k)``: the walk's one pass over each visited row gives the same accepted
-    nodes as ``accept_reference`` and the same top tokens as ``top_tokens_reference`` (ties,
-    NaN and -inf rows included)."""
-    from lookupdec.engine import top_tokens_reference
-    from lookupdec.sampling import SamplingParams, accept, accept_reference
+    nodes as ``reference.sampling.accept`` and the same top tokens as ``reference.request.top_tokens``
+    (ties, NaN and -inf rows included)."""
+    from lookupdec.reference import request as reference_request
+    from lookupdec.reference import sampling as reference_sampling
+    from lookupdec.sampling import SamplingParams, accept
     from lookupdec.tree import TokenTree
 
     rng = np.random.default_rng(seed)
@@ -127,9 +158,9 @@ def test_greedy_walk_top_k_is_the_walk_and_top_tokens_of_its_rows(seed):
         logits[0] = float("-inf")
     for k in (1, 3, 4):
         got = accept(tree, logits, SamplingParams(), top_k=k)
-        want = accept_reference(tree, logits, SamplingParams())
+        want = reference_sampling.accept(tree, logits, SamplingParams())
         assert (got.accepted, got.next_token, got.bonus) == (want.accepted, want.next_token, want.bonus)
-        assert got.tops == top_tokens_reference(logits, [0, *got.accepted], k)
+        assert got.tops == reference_request.top_tokens(logits, [0, *got.accepted], k)
         assert got.tokens == [tree.token_ids[u] for u in [0, *got.accepted]]  # the dense walk's path too
     assert accept(tree, logits, SamplingParams()).tops is None
 
@@ -147,13 +178,19 @@ def test_engine_with_recycling_is_exact_and_uses_it():
 
 def test_observe_path_is_observe_successors_of_the_path():
     """``observe_path(prev, tokens, tops)`` records (prev, t0), (t0, t1), ...: the same table as
-    ``observe_successors`` of those entries, on both backends."""
-    for backend in (["reference", "compiled"] if compiled_available() else ["reference"]):
-        by_path, by_entries = RecycleProposer(backend=backend), RecycleProposer(backend=backend)
-        tokens, tops = [5, 6, 7], [[6, 1], [7, 2], [8, 3]]
-        by_path.observe_path(4, tokens, tops)
-        by_entries.observe_successors([(4, 5, [6, 1]), (5, 6, [7, 2]), (6, 7, [8, 3])])
-        for context in ([4, 5], [5, 6], [6, 7], [9, 7]):
-            want = by_entries.propose("r", context, 8)
-            assert [(d.token_ids, d.scores, d.match_length) for d in by_path.propose("r", context, 8)] == \
-                   [(d.token_ids, d.scores, d.match_length) for d in want] and want
+    ``observe_successors`` of those entries, in the proposer and in the reference table."""
+    config = RecycleConfig()
+    by_path, by_entries = RecycleProposer(config), RecycleProposer(config)
+    tokens, tops = [5, 6, 7], [[6, 1], [7, 2], [8, 3]]
+    by_path.observe_path(4, tokens, tops)
+    by_entries.observe_successors([(4, 5, [6, 1]), (5, 6, [7, 2]), (6, 7, [8, 3])])
+    ref_path, ref_entries = (reference_drafting.RecycleTable(config.successors, config.max_entries, RANK_PRIOR)
+                             for _ in range(2))
+    ref_path.observe_path(4, tokens, tops)
+    observe(ref_entries, [(4, 5, [6, 1]), (5, 6, [7, 2]), (6, 7, [8, 3])])
+    for context in ([4, 5], [5, 6], [6, 7], [9, 7]):
+        want = by_entries.propose("r", context, 8)
+        assert [(d.token_ids, d.scores, d.match_length) for d in by_path.propose("r", context, 8)] == \
+               [(d.token_ids, d.scores, d.match_length) for d in want] and want
+        assert draft_of(ref_path, config, context, 8) == draft_of(ref_entries, config, context, 8) == \
+               (*want[0].packed(), want[0].match_length)

@@ -1,16 +1,21 @@
 """The suffix-automaton proposer: drafts, lifecycle, the global cache's capacity and persistence;
-its compiled drafts (``automaton_drafts``) against ``automaton_drafts_reference``: the same drafts
-(tokens, parents, bit-identical scores, match lengths), best chains and certain-step bookkeeping,
-over random streams with separators, request and global automata."""
+its compiled drafts (``automaton_drafts``' one call into the core) against their definition,
+``lookupdec.reference.drafting.suffix_drafts`` over the reference core: the same drafts (tokens,
+parents, bit-identical scores, match lengths), best chains and certain-step flags, over random
+streams with separators, contexts and parameters."""
 import random
 
 import numpy as np
 import pytest
 
 from helpers import draft_paths, needs_core
+from lookupdec.automaton import SuffixAutomaton
 from lookupdec.config import SuffixConfig
-from lookupdec.proposers.suffix import SEPARATOR, SuffixProposer, without_separator
-from random_inputs import comparable_drafts, random_stream
+from lookupdec.proposers.suffix import (EMPTY_MATCH_CONFIDENCE, MATCH_LEVELS, MATCH_PRIOR, SEPARATOR,
+                                        SHORTER_MATCH_NODES_DIVISOR, SuffixProposer)
+from lookupdec.reference.drafting import without_separator
+from random_inputs import random_stream
+from references import reference_automaton
 
 
 def test_request_automaton_drafts_what_followed_the_context():
@@ -101,7 +106,7 @@ def test_save_load_round_trip_and_checks(tmp_path):
 
 
 def test_without_separator_drops_descendants():
-    tokens, parents, scores = without_separator([5, SEPARATOR, 7, 8], [-1, -1, 1, 0], [.9, .5, .5, .8])
+    tokens, parents, scores = without_separator([5, SEPARATOR, 7, 8], [-1, -1, 1, 0], [.9, .5, .5, .8], SEPARATOR)
     assert tokens == [5, 8] and parents == [-1, 0] and scores == [.9, .8]
 
 
@@ -112,34 +117,38 @@ def test_config_validation_names_the_field():
         SuffixConfig(global_capacity=-1)
 
 
-# -- the compiled drafts against the reference ------------------------------------------------------
+# -- the compiled drafts against their definition ---------------------------------------------------
 @needs_core
 @pytest.mark.parametrize("seed", range(40))
 def test_compiled_suffix_drafts_equal_the_reference(seed):
+    """``SuffixAutomaton.suffix_drafts`` over the compiled core and over the reference core
+    (``ReferenceAutomaton``, whose drafts ``reference.drafting.suffix_drafts`` defines), extended
+    alike: per draft the same arrays bit for bit, match length, best chain and certain-step flags,
+    for contexts copied from the stream and random ones, budgets, and parameters around the
+    proposer's own."""
     rng = random.Random(seed)
     vocab = rng.choice((3, 8, 30))
-    config = SuffixConfig(global_min_match=rng.choice((0, 1, 2)), min_match=rng.choice((1, 2)))
-    fast, ref = SuffixProposer(config), SuffixProposer(config, drafting="reference")
-    for request in range(3):
-        prompt = [t for t in random_stream(rng, rng.randint(1, 80), vocab) if t != SEPARATOR] or [1]
-        context = list(prompt)
-        for p in (fast, ref):
-            p.start(f"r{request}", prompt)
-        for _ in range(rng.randint(1, 25)):
-            max_nodes = rng.choice((0, 1, 2, 5, 16, 64))
-            got = fast.propose(f"r{request}", context, max_nodes)
-            want = ref.propose(f"r{request}", context, max_nodes)
-            assert comparable_drafts(got) == comparable_drafts(want)
-            assert fast._requests.get(f"r{request}").pending == ref._requests.get(f"r{request}").pending
-            new = random_stream(rng, rng.randint(1, 6), vocab)
-            new = [t for t in new if t != SEPARATOR] or [0]
-            for p in (fast, ref):
-                p.observe(f"r{request}", new)
-            context += new
-            for source in fast.certain_step:
-                assert fast.certain_step[source].value == ref.certain_step[source].value
-        for p in (fast, ref):
-            p.stop(f"r{request}")
+    fast, ref = SuffixAutomaton(), reference_automaton()
+    for _ in range(rng.randint(1, 6)):
+        chunk = random_stream(rng, rng.randint(1, 80), vocab)
+        for automaton in (fast, ref):
+            automaton.extend(chunk)
+        tokens = fast.tokens.tolist()
+        for _ in range(6):
+            if rng.random() < 0.7:
+                end = rng.randint(1, len(tokens))
+                ctx = tokens[max(0, end - rng.randint(1, 64)):end]
+            else:
+                ctx = random_stream(rng, rng.randint(1, 20), vocab)
+            proposer = rng.random() < 0.5  # the proposer's own parameters
+            kwargs = dict(max_nodes=rng.choice((0, 1, 2, 5, 16, 64)), min_match=rng.choice((0, 1, 2)),
+                          levels=MATCH_LEVELS if proposer else rng.choice((1, 2, 3)),
+                          shorter_divisor=SHORTER_MATCH_NODES_DIVISOR if proposer else rng.choice((1, 3)),
+                          separator=SEPARATOR,
+                          empty_confidence=EMPTY_MATCH_CONFIDENCE if proposer else rng.choice((0.0, 0.5)),
+                          match_prior=MATCH_PRIOR if proposer else 0.5, certain_step=rng.choice((0.5, 0.9, 1.0)))
+            got, want = fast.suffix_drafts(ctx, **kwargs), ref.suffix_drafts(ctx, **kwargs)
+            assert got == want, (ctx, kwargs)
 
 
 def test_packed_arrays_and_pending_chain_are_the_drafts_own():

@@ -18,17 +18,22 @@ PACKAGE = os.path.join(REPO, "lookupdec")
 
 # Bottom first. A module belongs to the entry with the longest matching prefix.
 LAYERS = [
-    # lookupdec.native hands out the compiled extension lookupdec._native (csrc/), which imports nothing
+    # lookupdec.native hands out the compiled extension lookupdec._native (csrc/), which imports nothing;
+    # lookupdec.reference holds the definition of every fast path, each module in (or below) the layer
+    # of the production module that falls back on it: the tree's, the automaton's and the drafting's
+    # need only numpy
     ("base", ["lookupdec.native", "lookupdec._native", "lookupdec.tree", "lookupdec.tokens", "lookupdec.config",
               "lookupdec.version", "lookupdec.automaton", "lookupdec.stops", "lookupdec.workloads",
-              "lookupdec.model_files", "lookupdec.validate", "lookupdec.demo", "lookupdec.cache_file"]),
+              "lookupdec.model_files", "lookupdec.validate", "lookupdec.demo", "lookupdec.cache_file",
+              "lookupdec.reference"]),
     ("index", ["lookupdec.index"]),
-    ("model", ["lookupdec.model", "lookupdec.sampling"]),
+    ("model", ["lookupdec.model", "lookupdec.sampling", "lookupdec.reference.model", "lookupdec.reference.sampling"]),
     ("proposers", ["lookupdec.proposers"]),
     ("engine", ["lookupdec.budget", "lookupdec.cost_cache", "lookupdec.mixture", "lookupdec.step", "lookupdec.request",
                 "lookupdec.engine", "lookupdec.batch", "lookupdec.simulate",
                 # the kernels' forms, kept in the cost cache's file (cost_cache.py): above it
-                "lookupdec.model.kernel_forms"]),
+                "lookupdec.model.kernel_forms",
+                "lookupdec.reference.budget", "lookupdec.reference.request"]),
     ("faces", ["lookupdec", "lookupdec.cli", "lookupdec.server", "lookupdec.pipelines", "lookupdec.demo.data",
                "lookupdec.demo.train"]),
 ]
@@ -286,7 +291,8 @@ def test_only_the_model_package_imports_transformers():
 
 
 @pytest.mark.parametrize("module", ["lookupdec", "lookupdec.native", "lookupdec.automaton", "lookupdec.config",
-                                    "lookupdec.tree", "lookupdec.tokens", "lookupdec.workloads"])
+                                    "lookupdec.tree", "lookupdec.tokens", "lookupdec.workloads",
+                                    "lookupdec.reference.drafting"])
 def test_low_modules_import_without_torch(module):
     """The package's face is lazy: importing it (or a low layer) must not import torch."""
     code = f"import sys; sys.modules['torch'] = None; import {module}; assert 'transformers' not in sys.modules"

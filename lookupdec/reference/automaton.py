@@ -1,12 +1,15 @@
-"""Pure-Python suffix automaton: the reference the compiled core is tested against.
+"""The definition of the compiled suffix automaton (``csrc/drafting/automaton.cpp``,
+``lookupdec.native.drafting.Automaton``): a pure-Python automaton core.
 
 APPEND-ONLY, like the compiled core: a change in the middle needs a rebuild.
 
-It has the compiled core's interface (``lookupdec.native.drafting.Automaton``) and builds the
-same states in the same order (the classic online construction: the new state first, then a
-clone), so state ids agree between the two. It favours obviousness over speed: transitions are
-dicts, and counts and end positions are recomputed from scratch after every extend (by sorting
-the states by length), never maintained. Use it for tests and small inputs only.
+It has the compiled core's interface, so ``lookupdec.automaton.SuffixAutomaton`` wraps either
+(this one where the extension is absent; ``tests/automaton/test_automaton.py`` hands one in to
+compare them), and builds the same states in the same order (the classic online construction:
+the new state first, then a clone), so state ids agree between the two. It favours obviousness
+over speed: transitions are dicts, and counts and end positions are recomputed from scratch
+after every extend (by sorting the states by length), never maintained. Use it for tests and
+small inputs only.
 """
 from __future__ import annotations
 
@@ -16,10 +19,15 @@ from typing import Sequence
 
 import numpy as np
 
+from lookupdec.reference import drafting
+
 ROOT = 0
 
 
 class ReferenceAutomaton:
+    """Defines ``native.drafting.Automaton`` (its states, counts, end positions, best-first
+    trees and the suffix proposer's drafts)."""
+
     def __init__(self) -> None:
         self._tokens: list[int] = []
         self._len: list[int] = [0]  # [num_states] length of the longest string of each state
@@ -210,6 +218,14 @@ class ReferenceAutomaton:
         if length < min_match:
             return self.expand_tree(state, 0, 0)  # empty arrays
         return self.expand_tree(state, max_nodes, max_depth)
+
+    def suffix_drafts(self, context: Sequence[int], max_nodes: int, min_match: int, levels: int,
+                      shorter_divisor: int, separator: int, empty_confidence: float, match_prior: float,
+                      certain_step: float) -> list[tuple]:
+        """The suffix proposer's drafts in one call: ``reference.drafting.suffix_drafts`` over
+        this automaton."""
+        return drafting.suffix_drafts(self, context, max_nodes, min_match, levels, shorter_divisor, separator,
+                                      empty_confidence, match_prior, certain_step)
 
     # ------------------------------------------------------------ checks
 
