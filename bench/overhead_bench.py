@@ -49,9 +49,10 @@ tokens makes into the engine's cache, 30 layers (``SlotStore.write``), against i
 buffer per layer (its definition, ``reference.model.write``), in turn (``kv_writes``).
 
 Two sets of code paths run the same steps, record by record in turn: ``reference`` (the
-definition of every fast path, ``lookupdec.reference``: its functions called by name, and the
-lookups' index, table and automata made as where the extension is not built, ``without_core``)
-and ``fast`` (what the engine runs); every step's tree and
+definition of every fast path, ``lookupdec.reference``: its functions called by name, the n-gram
+index and the recycling table made as where the extension is not built, and the suffix drafts by
+their definition over the compiled automata: ``reference_lookups``) and ``fast`` (what the engine
+runs); every step's tree and
 accepted nodes must be identical between them (checked). The verify forward is replaced by
 the recorded response, so greedy acceptance accepts what the real model would; the recycling
 proposer's successors come from those synthetic logits (their argmax is the recorded token,
@@ -73,7 +74,6 @@ import hashlib
 import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -86,22 +86,22 @@ from common import RESULTS_DIR, SHARED_DIR, format_table, run_metadata, write_re
 
 import torch  # noqa: E402
 
-from lookupdec import automaton  # noqa: E402
 from lookupdec.budget import AcceptanceCalibrator, CostModel, choose_tree_nodes  # noqa: E402
 from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.engine import top_tokens  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
 from lookupdec.model import commit_accepted, load_tokenizer, new_cache, tree_inputs  # noqa: E402
 from lookupdec.model.target import InputBuffers  # noqa: E402
-from lookupdec.proposers import build_proposers, ngram, recycle  # noqa: E402
+from lookupdec.proposers import build_proposers, ngram, recycle, suffix  # noqa: E402
 from lookupdec.reference import budget as reference_budget  # noqa: E402
+from lookupdec.reference import drafting as reference_drafting  # noqa: E402
 from lookupdec.reference import model as reference_model  # noqa: E402
 from lookupdec.reference import request as reference_request  # noqa: E402
 from lookupdec.reference import sampling as reference_sampling  # noqa: E402
 from lookupdec.reference import tree as reference_tree  # noqa: E402
 from lookupdec.sampling import PartialLogits, SamplingParams, accept, head_rows  # noqa: E402
 from lookupdec.simulate import accepted_path, tokenize_record  # noqa: E402
-from lookupdec.tree import TokenTree  # noqa: E402
+from lookupdec.tree import Draft, TokenTree  # noqa: E402
 from lookupdec.workloads import WORKLOADS  # noqa: E402
 
 PHASES = ("propose", "merge", "choose", "inputs", "accept", "recycle", "commit", "observe", "learn")
@@ -126,7 +126,7 @@ class Paths:
     """The code one set of paths runs per phase."""
 
     name: str
-    lookups: Callable  # () -> a context in which the lookups' index, table and automata are made (and run)
+    lookups: Callable  # () -> a context in which the lookups' index and table are made and their drafts run
     calibrator: Callable  # () -> the calibrator (budget.AcceptanceCalibrator or its reference)
     merge: Callable  # (root, drafts, max_nodes=, max_depth=, calibration=) -> TokenTree
     prune: Callable  # (tree, n) -> TokenTree
@@ -140,22 +140,35 @@ class Paths:
     picked: bool = False  # ... with each row's best ids made by the output projection (FastHead.project)
 
 
+def reference_automaton_drafts(automaton, ctx, max_nodes, min_match, source, certain_step, pending) -> list:
+    """``suffix.automaton_drafts`` with the drafts made by their definition,
+    ``reference.drafting.suffix_drafts``, over the automaton's queries (compiled: the reference
+    automaton core scores a match of no token otherwise, ``tests/automaton/test_automaton.py``)."""
+    out = []
+    for tokens, parents, scores, length, chain, chain_certain in reference_drafting.suffix_drafts(
+            automaton, ctx, max_nodes, min_match, suffix.MATCH_LEVELS, suffix.SHORTER_MATCH_NODES_DIVISOR,
+            suffix.SEPARATOR, suffix.EMPTY_MATCH_CONFIDENCE, suffix.MATCH_PRIOR, certain_step.value):
+        out.append(Draft._trusted(None, None, None, source, length, packed=(tokens, parents, scores)))
+        if chain is not None and source not in pending:
+            pending[source] = (chain, chain_certain)
+    return out
+
+
 @contextlib.contextmanager
-def without_core():
-    """The lookups as where the extension is not built: the modules that make the n-gram index,
-    the recycling table and the suffix automata see no compiled drafting, so those made (and run)
-    meanwhile are their definitions (``reference.drafting.NgramIndex``, ``RecycleTable``,
-    ``reference.automaton.ReferenceAutomaton``)."""
-    saved = [(module, module.native_drafting) for module in (automaton, ngram, recycle)]
+def reference_lookups():
+    """The lookups on their definitions: the n-gram and recycling modules see no compiled drafting,
+    so the index and the table made (and run) meanwhile are ``reference.drafting.NgramIndex`` and
+    ``RecycleTable``, as where the extension is not built; the suffix proposer's drafts are
+    ``reference_automaton_drafts``."""
+    saved = [(module, name, getattr(module, name)) for module, name in
+             ((ngram, "native_drafting"), (recycle, "native_drafting"), (suffix, "automaton_drafts"))]
     try:
-        for module, _ in saved:
-            module.native_drafting = None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # (the automaton's "compiled core not built")
-            yield
+        ngram.native_drafting = recycle.native_drafting = None
+        suffix.automaton_drafts = reference_automaton_drafts
+        yield
     finally:
-        for module, core in saved:
-            module.native_drafting = core
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def reference_merge(root_token, drafts, *, max_nodes, max_depth, calibration) -> TokenTree:
@@ -164,7 +177,7 @@ def reference_merge(root_token, drafts, *, max_nodes, max_depth, calibration) ->
 
 
 def reference_paths() -> Paths:
-    return Paths("reference", without_core, reference_budget.AcceptanceCalibrator, reference_merge,
+    return Paths("reference", reference_lookups, reference_budget.AcceptanceCalibrator, reference_merge,
                  lambda tree, n: TokenTree(**reference_tree.prune(tree, n)), reference_model.tree_inputs,
                  reference_sampling.accept, slot_cache=False, top_tokens=reference_request.top_tokens,
                  choose=lambda tree, cost, overhead_s, max_nodes, scale=1.0: reference_budget.choose_num_nodes(
@@ -194,7 +207,7 @@ class Mode:
 
     @classmethod
     def make(cls, paths: Paths) -> "Mode":
-        with paths.lookups():  # (the recycling table and the global suffix automaton are made here)
+        with paths.lookups():  # (the recycling table is made here)
             proposers = build_proposers(EngineConfig())
         return cls(paths, Mixture(proposers), paths.calibrator())
 
@@ -276,7 +289,7 @@ def _now() -> tuple[int, int]:
 def run_record(mode: Mode, rid: str, prompt: list[int], response: list[int], kv: KVBuffer, walk: WalkLogits,
                timed: bool, max_steps: int) -> None:
     """One record through ``mode``'s paths, step by step as ``StepCore.run`` orders them."""
-    with mode.paths.lookups():  # (the request's n-gram index and suffix automaton are made here)
+    with mode.paths.lookups():  # (the request's n-gram index is made here, its drafts run)
         run_steps(mode, rid, prompt, response, kv, walk, timed, max_steps)
 
 

@@ -192,13 +192,15 @@ def suffix_drafts(automaton, context: Sequence[int], max_nodes: int, min_match: 
                   shorter_divisor: int, separator: int, empty_confidence: float, match_prior: float,
                   certain_step: float) -> list[tuple]:
     """Defines ``native.drafting.Automaton.suffix_drafts`` (``csrc/drafting/suffix_drafts.cpp``),
-    the suffix proposer's drafts (``proposers.suffix.automaton_drafts``), over ``automaton``, an
-    automaton core (``ReferenceAutomaton``): drafts from the longest match of ``context`` and up
-    to ``levels - 1`` shorter ones along suffix links (fewer context tokens, more occurrences,
-    more varied continuations), a shorter one of ``max_nodes // shorter_divisor`` nodes (at
-    least 1). A match of length ``L`` scales its subtree by ``(L + empty_confidence) / (L +
-    empty_confidence + match_prior)``; a step every occurrence agreed on counts ``certain_step``
-    (``decay_certain_steps``); separator nodes are dropped with their descendants. Per draft,
+    the suffix proposer's drafts (``proposers.suffix.automaton_drafts``), over the queries of
+    ``automaton`` (``match``, ``continuation_count``, ``expand_tree``, ``suffix_link``,
+    ``state_len``: a ``ReferenceAutomaton`` core, or a ``SuffixAutomaton`` over either core):
+    drafts from the longest match of ``context`` and up to ``levels - 1`` shorter ones along
+    suffix links (fewer context tokens, more occurrences, more varied continuations), a shorter
+    one of ``max_nodes // shorter_divisor`` nodes (at least 1). A match of length ``L`` scales
+    its subtree by ``(L + empty_confidence) / (L + empty_confidence + match_prior)``; a step every
+    occurrence agreed on counts ``certain_step`` (``decay_certain_steps``); separator nodes are
+    dropped with their descendants. Per draft,
     ``(token_ids, parents, scores, match_length, chain, chain_certain)``: the arrays as bytes; the
     first draft's best chain (the best-scored child from the root, the first of equals) and its
     certain-step flags as lists, None for the others. (As the compiled call: an id past int32 is
@@ -214,7 +216,7 @@ def suffix_drafts(automaton, context: Sequence[int], max_nodes: int, min_match: 
         if automaton.continuation_count(state):
             level_nodes = max_nodes if not out else max(1, max_nodes // shorter_divisor)
             # no depth cap of its own: n nodes are at most n deep (the step's merge caps the depth)
-            token_ids, parents, raw = automaton.expand_tree(state, level_nodes, level_nodes)
+            token_ids, parents, raw = automaton.expand_tree(state, max_nodes=level_nodes, max_depth=level_nodes)
             tokens, parents, raw = without_separator(token_ids, parents, raw, separator)
             if tokens:
                 confidence = (length + empty_confidence) / (length + empty_confidence + match_prior)

@@ -370,6 +370,20 @@ def test_invalid_input_is_loud():
         automaton.count(automaton.num_states)
 
 
+@pytest.mark.xfail(strict=True, reason="the compiled core divides the root's children's counts by the root's "
+                                      "continuation count (csrc/drafting/automaton.cpp, continuation_total), one "
+                                      "fewer than their sum, which the reference divides by")
+def test_the_roots_children_score_their_share_of_every_position():
+    """A match of no token (the root: ``SuffixConfig.global_min_match`` 0 drafts from it) expands
+    into each token's share of the stream's tokens, ``count / sum of the counts`` as everywhere
+    else, in the reference and the compiled core alike."""
+    stream = [7, 2, 7, 2, 3, 7]
+    compiled, reference = both(stream)
+    want = [3 / 6, 2 / 6, 1 / 6]  # 7, 2, 3
+    assert reference.expand_tree(0, max_nodes=3, max_depth=1).scores.tolist() == want
+    assert compiled.expand_tree(0, max_nodes=3, max_depth=1).scores.tolist() == want
+
+
 def test_check_invariants_raises_assertion_error_on_a_broken_automaton():
     automaton = reference_automaton([1, 2, 1, 2, 3])
     automaton.check_invariants()
