@@ -21,6 +21,7 @@
 
 #include "common/bindings.hpp"
 #include "kernels/attention.hpp"
+#include "kernels/forward.hpp"
 #include "kernels/norm.hpp"
 #include "kernels/rotary.hpp"
 #include "kernels/skinny.hpp"
@@ -173,6 +174,34 @@ int64_t attention_plan_at(uintptr_t mask, bool boolean, int64_t B, int64_t Q, in
                                    reinterpret_cast<float*>(bias), reinterpret_cast<uint8_t*>(live));
 }
 
+// forward.hpp's decoder forward from addresses the caller has checked (model/native_forward.py):
+// `shape` layers, hidden, heads, kv heads, head dim, intermediate; `weights` layers x 12
+// addresses (0: no bias); `kv` the K/V buffer with its layer, kind and head strides and
+// capacity (in floats); cos, sin [m, head dim]; out [m, hidden] contiguous.
+void decoder_forward_at(const std::vector<int64_t>& shape, double eps, double scaling,
+                        const std::vector<uintptr_t>& weights, uintptr_t embed, uintptr_t final_norm, uintptr_t kv,
+                        const std::vector<int64_t>& kv_strides, const std::vector<int64_t>& ids,
+                        const std::vector<int64_t>& parents, int64_t n_cached, uintptr_t cos, uintptr_t sin,
+                        uintptr_t out) {
+  if (shape.size() != 6 || kv_strides.size() != 4) throw std::invalid_argument("decoder_forward_at: shape holds 6 sizes, kv_strides 4");
+  lookupdec::DecoderShape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], static_cast<float>(eps),
+                            static_cast<float>(scaling)};
+  if (s.layers < 1 || s.hidden < 1 || s.kv_heads < 1 || s.heads % s.kv_heads || s.intermediate < 1 ||
+      s.head_dim < 16 || s.head_dim > 128 || s.head_dim % 16)
+    throw std::invalid_argument("decoder_forward_at: bad sizes");
+  if (static_cast<int64_t>(weights.size()) != s.layers * lookupdec::kLayerPointers)
+    throw std::invalid_argument("decoder_forward_at: 12 addresses per layer");
+  if (ids.size() != parents.size() || ids.empty()) throw std::invalid_argument("decoder_forward_at: one parent per id");
+  std::vector<const float*> w(weights.size());
+  for (size_t i = 0; i < weights.size(); ++i) w[i] = reinterpret_cast<const float*>(weights[i]);
+  lookupdec::KVBuffer cache{reinterpret_cast<float*>(kv), kv_strides[0], kv_strides[1], kv_strides[2], kv_strides[3]};
+  nb::gil_scoped_release release;
+  lookupdec::decoder_forward(s, w.data(), reinterpret_cast<const float*>(embed), reinterpret_cast<const float*>(final_norm),
+                             cache, ids.data(), parents.data(), static_cast<int64_t>(ids.size()), n_cached,
+                             reinterpret_cast<const float*>(cos), reinterpret_cast<const float*>(sin),
+                             reinterpret_cast<float*>(out));
+}
+
 }  // namespace
 
 void bind_kernels(nb::module_& m) {
@@ -186,6 +215,7 @@ void bind_kernels(nb::module_& m) {
   m.def("tree_attention_at", &tree_attention_at, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cols"),
         nb::arg("counts"), nb::arg("common"), nb::arg("bias"), nb::arg("live"), nb::arg("out"), nb::arg("sizes"),
         nb::arg("scale"), nb::arg("isa") = nb::none());
+  m.def("decoder_forward_at", &decoder_forward_at);
   m.def("attention_isas", &lookupdec::attention_isas);
   m.def("attention_plan_at", &attention_plan_at);
   m.def("skinny_isa", &lookupdec::skinny_isa);

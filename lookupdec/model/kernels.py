@@ -558,6 +558,7 @@ class PackedLinears:
         self.choice: dict[tuple[int, int], str] = self._chooser.choice  # (token bucket, threads) -> form
         self._trials: dict[tuple[int, int], dict[str, list[float]]] = self._chooser.trials  # while trying
         self.excess_s = 0.0  # seconds trial forwards took beyond the best form tried (``take_excess``)
+        self.generation = 0  # copies made so far: a holder of their addresses makes them again when it moves
 
     def take_excess(self) -> float:
         """Seconds the trial forwards since the last call took beyond the faster form tried for
@@ -637,6 +638,21 @@ class PackedLinears:
                     known = copies.get(m)
                     if known is None or known[0] is not w or known[1] != w._version:
                         copies[m] = (w, w._version, pack(w) if f == "packed" else skinny_pack(w))
+                        self.generation += 1
+
+    def make_copies(self, form: str) -> None:
+        """Every layer's copy in ``form`` made where missing (weights changed since are packed
+        again by ``refresh``, once per request)."""
+        if len(self._copies[form]) != len(self.modules):
+            self.refresh(form)
+
+    def panels(self, m: torch.nn.Linear) -> torch.Tensor:
+        """``m``'s skinny panels, packed again first where its weight changed (``refresh``)."""
+        copies = self._copies["skinny"]
+        known = copies.get(m)
+        if known is None or known[0] is not m.weight or known[1] != m.weight._version:
+            self.refresh("skinny")
+        return copies[m][2]
 
     def _forward_of(self, m: torch.nn.Linear, form: str):
         copies = self._copies[form]

@@ -13,6 +13,7 @@ from lookupdec.model.cache import (PrefixStore, commit_accepted, common_prefix, 
 from lookupdec.model.kernels import (FastHead, fast_head_for, fused_norms_for, fused_rotary_for, grouped_attention,
                                      kernel_forms, packed_linears_for, seed_kernel_forms, skinny_threaded, swapped)
 from lookupdec.model.lean import lean_layers_for
+from lookupdec.model.native_forward import NATIVE_MAX_NODES, native_forward_for
 from lookupdec.reference import model as reference_model
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
@@ -90,6 +91,9 @@ class TargetModel:
         body_forms = [skinny if f == "skinny" else f for f in self.body.forms if f != "linear"] if self.body is not None else []
         head = [f"head-{skinny}" if "skinny" in self.fast_head.forms else "head"] if self.fast_head is not None else []
         lean = ["lean"] if self.layers else []  # (the lean layers make every forward cheaper: another curve)
+        # trees of up to NATIVE_MAX_NODES nodes through the compiled decoder (model/native_forward.py)
+        self.native = native_forward_for(model, self.body) if fast_head and self.layers else None
+        lean += ["native"] if self.native is not None else []
         self.kernels = "+".join(head + body_forms + lean) or "plain"  # the forms on offer: the cost and form caches' keys
         self.config = model.config
         self.device = next(model.parameters()).device
@@ -183,6 +187,8 @@ class TargetModel:
         packed again first. Returns the last token's logits [vocab] (float32; None: no tokens)."""
         if self.body is not None:
             self.body.refresh()
+        if self.native is not None:
+            self.native.refresh()
         if not len(token_ids):
             return None
         ids = torch.tensor([list(token_ids)], device=self.device)
@@ -223,6 +229,9 @@ class TargetModel:
         # best tokens as it writes them)
         partial = rows is not None and self.partial_head and (len(rows) < n or picks > 0)
         self.last_prepare_s = self.prepare(len(rows) if partial else n)
+        store = getattr(self.cache, "slot_store", None)
+        if self.native is not None and n <= NATIVE_MAX_NODES and store is not None and store.lengths[0] == self.n_cached:
+            return self._verify_native(tree, rows if partial else None, picks, store)
         # A chain gets no custom mask (tree_inputs): the model's own causal mask, and its fastest
         # attention path, the one plain decoding takes, is exactly the tree mask then.
         ids, positions, mask = tree_inputs(tree, self.n_cached, device=self.device, dtype=self.dtype,
@@ -236,6 +245,28 @@ class TargetModel:
         if partial:
             return PartialLogits(tree, list(rows), out.logits[0].float(), head.hidden[0], self._project, tops=head.tops)
         return out.logits[0].float()
+
+    def _verify_native(self, tree: TokenTree, rows: Sequence[int] | None, picks: int, store):
+        """``verify`` through the compiled decoder (``NativeForward``): the final hidden states,
+        then the output projection as the eager forward's (``_RowsHead``): the ``rows`` only
+        where given, with their picks."""
+        positions = torch.from_numpy(np.asarray(tree.depth, dtype=np.int64) + self.n_cached)
+        hidden = self.native.hidden(tree.token_ids, tree.parents, positions, store)
+        self.n_cached += len(tree)
+        compute = self.fast_head or self._head
+        if rows is None:
+            logits = compute(hidden[None])[0].float()
+        else:
+            picked = hidden[torch.tensor(list(rows), dtype=torch.long)]
+            tops = None
+            if picks and isinstance(compute, FastHead):
+                logits, tops = compute.project(picked, picks)
+            else:
+                logits = compute(picked[None])[0]
+        self.last_prepare_s += self.take_excess()
+        if rows is None:
+            return logits
+        return PartialLogits(tree, list(rows), logits.float(), hidden, self._project, tops=tops)
 
     @torch.inference_mode()
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -1180,5 +1180,6 @@ def test_the_engine_verifies_with_the_core_attention():
         vocab_size=96, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
     assert model.config.hidden_size // model.config.num_attention_heads == 16
     engine = Engine(model, FakeTokenizer(), EngineConfig(budget="fixed", max_nodes=8))
+    engine.target.native = None  # the eager forward's attention (the compiled decoder calls it from C++)
     prompts = [[5, 6, 7, 5, 6, 8, 5, 6, 9, 5, 6], [11, 12, 13, 11, 12, 14, 11, 12], [20, 21, 22, 20, 21, 23, 20]]
     greedy_alone_and_batched(engine, model, prompts, kernels.CORE_ATTENTION_CALLS)
