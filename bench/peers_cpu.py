@@ -22,6 +22,7 @@ lookupdec's. Also ``llama-bench`` tg/pp on both files at each thread count.
     python bench/peers_cpu.py build                  # once: about 10 minutes on 2 cores
     python bench/peers_cpu.py run --threads 1 2 --prompts 4
     python bench/peers_cpu.py run --workloads log_to_json code_edit --prompts 10
+    python bench/peers_cpu.py decode --threads 1 2   # plain decoding against llama-bench tg128
 
 The build goes to ``$LOOKUPDEC_BENCH_CACHE`` (default ``~/.cache/lookupdec-bench``). Writes
 ``bench/results/peers_cpu.json`` and ``.png`` (``--out``).
@@ -130,9 +131,11 @@ class Server:
         self.log.close()
 
 
-def llama_bench(model: Path, threads: int) -> dict:
-    out = subprocess.run([str(BUILD / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "128", "-n", "128",
-                          "-r", "3", "-o", "json"], capture_output=True, text=True, check=True).stdout
+def llama_bench(model: Path, threads: int, prompt: int = 128, repeats: int = 3) -> dict:
+    """``llama-bench``'s tokens/s: ``tg128`` (128 tokens generated) and, with ``prompt``, ``pp128``."""
+    out = subprocess.run([str(BUILD / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", str(prompt),
+                          "-n", "128", "-r", str(repeats), "-o", "json"], capture_output=True, text=True,
+                         check=True).stdout
     return {f"{'pp' if t['n_prompt'] else 'tg'}128": round(t["avg_ts"], 2) for t in json.loads(out)}
 
 
@@ -207,6 +210,65 @@ def run(args) -> int:
                 s.close()
         infos.append(info)
         report(args, meta, infos, runs)
+    return 0
+
+
+DECODE_PROMPT = "Write a long story about a lighthouse keeper and a storm."
+
+
+def decode(args) -> int:
+    """Plain decoding side by side with ``llama-bench`` tg128 on the F32 GGUF: per thread count,
+    ``--rounds`` rounds in rotated order of llama-bench (``-p 0 -n 128 -r 1``: 128 tokens from
+    an empty context), lookupdec's plain decoding (``EngineConfig(proposers=())``: every step
+    one token through the compiled decoder) and the same engine with its eager forward
+    (``TargetModel.native`` off), each decoding 128 tokens after a short chat prompt; the decode
+    phase's tokens/s (prefill left out). Medians per method, and ours over llama.cpp's."""
+    import torch
+
+    from lookupdec import Engine, EngineConfig
+
+    for need in (BUILD / "llama-bench", F32_GGUF):
+        if not need.exists():
+            raise SystemExit(f"{need} missing: run 'python bench/peers_cpu.py build' first")
+    meta = run_metadata(threads_set_by_benchmark=True)
+    plain = Engine.from_pretrained("smollm2", dtype="float32", config=EngineConfig(proposers=()))
+    eager = Engine(plain.target.model, plain.tokenizer, EngineConfig(proposers=()))
+    eager.target.native = None
+    prompt = plain.chat_prompt(DECODE_PROMPT)
+
+    def ours(engine) -> float:
+        start = time.perf_counter()
+        gen = engine.generate(prompt, max_new_tokens=args.max_new_tokens)
+        seconds = time.perf_counter() - start - gen.stats.prefill_ms / 1e3
+        return (len(gen.token_ids) - 1) / seconds
+
+    methods = {"llama.cpp F32 tg128": lambda t: llama_bench(F32_GGUF, t, prompt=0, repeats=1)["tg128"],
+               "lookupdec plain": lambda t: ours(plain), "lookupdec plain, eager forward": lambda t: ours(eager)}
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for e in (plain, eager):
+            e.generate(prompt, max_new_tokens=16)
+        rates = {m: [] for m in methods}
+        names = list(methods)
+        for r in range(args.rounds):
+            for k in range(len(names)):
+                name = names[(r + k) % len(names)]
+                gc.collect()
+                rates[name].append(methods[name](threads))
+            print(f"  {threads} thread(s) round {r}: " + "  ".join(f"{m} {v[-1]:.1f}" for m, v in rates.items()),
+                  flush=True)
+        row = {"threads": threads, **{m: round(statistics.median(v), 2) for m, v in rates.items()},
+               "rates": {m: [round(x, 2) for x in v] for m, v in rates.items()}}
+        row["plain / llama.cpp"] = round(row["lookupdec plain"] / row["llama.cpp F32 tg128"], 3)
+        row["eager / llama.cpp"] = round(row["lookupdec plain, eager forward"] / row["llama.cpp F32 tg128"], 3)
+        rows.append(row)
+    print(format_table(rows, [("threads", "threads", "d"), ("llama.cpp F32 tg128", "llama.cpp tg128", ".1f"),
+                              ("lookupdec plain", "plain", ".1f"), ("lookupdec plain, eager forward", "eager", ".1f"),
+                              ("plain / llama.cpp", "plain/llama", ".3f"), ("eager / llama.cpp", "eager/llama", ".3f")]))
+    write_result(args.out, "decode_vs_llama_cpp",
+                 {"threads": args.threads, "rounds": args.rounds, "max_new_tokens": args.max_new_tokens,
+                  "prompt": DECODE_PROMPT}, rows, threads_set_by_benchmark=True, meta=meta)
     return 0
 
 
@@ -295,8 +357,13 @@ def main(argv=None) -> int:
     r.add_argument("--workloads", nargs="+", default=None, help="only these workloads (default: all eight)")
     r.add_argument("--q4", action="store_true", help="also the registry's 4-bit file (not a bar: 4x fewer bytes)")
     r.add_argument("--out", type=Path, default=RESULTS_DIR / "peers_cpu.json", help="result JSON")
+    d = sub.add_parser("decode", help="plain decoding against llama-bench tg128, side by side")
+    d.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts (1 2)")
+    d.add_argument("--rounds", type=int, default=5, help="rotated rounds per thread count (5)")
+    d.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens per run (128)")
+    d.add_argument("--out", type=Path, default=RESULTS_DIR / "decode_vs_llama_cpp.json", help="result JSON")
     args = p.parse_args(argv)
-    return build(args) if args.command == "build" else run(args)
+    return {"build": build, "run": run, "decode": decode}[args.command](args)
 
 
 if __name__ == "__main__":
