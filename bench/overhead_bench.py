@@ -14,8 +14,11 @@ the verify forward, in µs per step:
     choose   ``choose_tree_nodes`` (``CostModel``: a measured 150M-parameter curve,
              one per set of paths, observed every step) + ``prune`` (timed; the verified tree stays the fixed
              budget's, as with ``budget="fixed"``)
-    inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]; the
-             fast paths write them into the ``InputBuffers`` kept across steps, as ``TargetModel``
+    inputs   ``model.tree_inputs``: input ids, position ids, additive 4D mask [1,1,1+n,ctx+1+n]; on
+             the fast paths, as ``TargetModel.verify`` with the compiled decoder
+             (``model/native_forward.py``, trees of up to 64 nodes), the positions only (its
+             mask is made inside the forward, from the parents); without it, the mask written
+             into the ``InputBuffers`` kept across steps
     accept   ``sampling.accept`` (greedy) on logits [1+n, 49152] (SmolLM2's vocabulary) whose
              argmax follows the recorded response along the tree: the walk the target makes; on
              the fast paths as the engine calls it: with ``top_k``, so each visited row is read
@@ -91,7 +94,9 @@ from lookupdec.config import EngineConfig  # noqa: E402
 from lookupdec.engine import top_tokens  # noqa: E402
 from lookupdec.mixture import Mixture  # noqa: E402
 from lookupdec.model import commit_accepted, load_tokenizer, new_cache, tree_inputs  # noqa: E402
+from lookupdec.model.native_forward import NATIVE_MAX_NODES  # noqa: E402
 from lookupdec.model.target import InputBuffers  # noqa: E402
+from lookupdec.native import kernels as native_kernels  # noqa: E402
 from lookupdec.proposers import build_proposers, ngram, recycle, suffix  # noqa: E402
 from lookupdec.reference import budget as reference_budget  # noqa: E402
 from lookupdec.reference import drafting as reference_drafting  # noqa: E402
@@ -106,6 +111,9 @@ from lookupdec.workloads import WORKLOADS  # noqa: E402
 
 PHASES = ("propose", "merge", "choose", "inputs", "accept", "recycle", "commit", "observe", "learn")
 MAX_NODES = 64
+# SmolLM2's trees of up to NATIVE_MAX_NODES nodes go through the compiled decoder, which builds its
+# attention plan from the parents inside the forward
+NATIVE = native_kernels is not None and hasattr(native_kernels, "decoder_forward_at") and MAX_NODES <= NATIVE_MAX_NODES
 MAX_DEPTH = 64
 # SmolLM2-135M-Instruct's shapes: what the KV cache and the logits of a real step hold
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 30, 3, 64, 49152
@@ -184,8 +192,15 @@ def reference_paths() -> Paths:
                      tree.expected_in_prune_order(), cost, overhead_s, max_nodes, scale))
 
 
+def native_inputs(tree, n_cached, **_) -> torch.Tensor:
+    """The compiled decoder's inputs (``TargetModel._verify_native``): the nodes' positions; its
+    mask is made inside the call, from the parents, and counts as the forward's."""
+    return torch.from_numpy(np.asarray(tree.depth, dtype=np.int64) + n_cached)
+
+
 def fast_paths() -> Paths:
-    inputs = functools.partial(tree_inputs, buffers=InputBuffers())  # as TargetModel.verify
+    # as TargetModel.verify: trees the compiled decoder takes need their positions only
+    inputs = native_inputs if NATIVE else functools.partial(tree_inputs, buffers=InputBuffers())
     return Paths("fast", contextlib.nullcontext, AcceptanceCalibrator, TokenTree.from_drafts, TokenTree.prune, inputs,
                  accept, slot_cache=True, top_tokens=top_tokens, choose=choose_tree_nodes,
                  partial=True, picked=True, fused=True)
