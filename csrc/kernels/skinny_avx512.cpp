@@ -12,6 +12,8 @@ namespace lookupdec::skinny_avx512 {
 #if defined(LOOKUPDEC_SKINNY_X86)
 namespace {
 
+constexpr int64_t kPrefetchAhead = 256;  // floats: 16 panel rows (a prefetch never faults past the end)
+
 // Picks: each row's maximum over the block compared with its floor (floors[r]) in registers,
 // without a branch per row (a deferred row's floor is +inf); the rows whose block may beat it
 // are offered from memory after the stores (offer_rows: rare once the floors are high).
@@ -24,6 +26,8 @@ inline void block(const float* x, int64_t ldx, const float* panels, int64_t k, f
   const float* p[G];
   for (int g = 0; g < G; ++g) p[g] = panels + g * k * 16;
   for (int64_t i = 0; i < k; ++i) {
+    if ((i & 3) == 0)  // each panel's line 1 KB ahead: the hardware prefetcher alone kept too few reads in flight
+      for (int g = 0; g < G; ++g) _mm_prefetch(reinterpret_cast<const char*>(p[g] + i * 16 + kPrefetchAhead), _MM_HINT_T0);
     __m512 w[G];
     for (int g = 0; g < G; ++g) w[g] = _mm512_loadu_ps(p[g] + i * 16);
     for (int r = 0; r < R; ++r) {
