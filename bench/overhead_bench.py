@@ -113,7 +113,7 @@ PHASES = ("propose", "merge", "choose", "inputs", "accept", "recycle", "commit",
 MAX_NODES = 64
 # SmolLM2's trees of up to NATIVE_MAX_NODES nodes go through the compiled decoder, which builds its
 # attention plan from the parents inside the forward
-NATIVE = native_kernels is not None and hasattr(native_kernels, "decoder_forward_at") and MAX_NODES <= NATIVE_MAX_NODES
+NATIVE = native_kernels is not None and hasattr(native_kernels, "decoder_forward_at") and MAX_NODES + 1 <= NATIVE_MAX_NODES
 MAX_DEPTH = 64
 # SmolLM2-135M-Instruct's shapes: what the KV cache and the logits of a real step hold
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 30, 3, 64, 49152

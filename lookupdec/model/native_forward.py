@@ -22,7 +22,7 @@ import torch
 from lookupdec.native import kernels as native_kernels
 
 _FAMILIES = ("llama", "qwen2", "mistral")
-NATIVE_MAX_NODES = 64  # trees of at most this many nodes (the skinny product's range, SKINNY_MAX_ROWS)
+NATIVE_MAX_NODES = 65  # trees of at most this many nodes: a root and the default budget (max_nodes 64)
 CALLS = [0]  # forwards run by the compiled decoder (the tests see which path ran)
 _SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> NativeForward | None
 
