@@ -580,8 +580,8 @@ class PackedLinears:
         form = self._chooser.pick(key)  # the chosen form, or one being tried or checked (FormChooser)
         chosen = self.choice.get(key)
         for f in {form, chosen}:  # (the copies are made before the clock)
-            if f in self._copies and len(self._copies[f]) != len(self.modules):
-                self.refresh(f)
+            if f in self._copies:
+                self.make_copies(f)
         if chosen is None:
             head_excess, start = _TRIAL_EXCESS[0], time.perf_counter()
             with self.active(form):
@@ -647,12 +647,8 @@ class PackedLinears:
             self.refresh(form)
 
     def panels(self, m: torch.nn.Linear) -> torch.Tensor:
-        """``m``'s skinny panels, packed again first where its weight changed (``refresh``)."""
-        copies = self._copies["skinny"]
-        known = copies.get(m)
-        if known is None or known[0] is not m.weight or known[1] != m.weight._version:
-            self.refresh("skinny")
-        return copies[m][2]
+        """``m``'s skinny panels as the last ``refresh`` or ``make_copies("skinny")`` left them."""
+        return self._copies["skinny"][m][2]
 
     def _forward_of(self, m: torch.nn.Linear, form: str):
         copies = self._copies[form]
@@ -680,8 +676,8 @@ class PackedLinears:
         """Every layer in ``form`` (None: ``default``; "linear": as it is) inside the block."""
         form = self.default if form is None else form
         forwards = self._forwards.get(form)
-        if forwards is not None and len(self._copies[form]) != len(self.modules):
-            self.refresh(form)
+        if forwards is not None:
+            self.make_copies(form)
         for m, forward in (forwards or {}).items():
             m.__dict__["forward"] = forward  # an instance attribute: nn.Module.__call__ takes it
         try:

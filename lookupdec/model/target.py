@@ -248,25 +248,20 @@ class TargetModel:
 
     def _verify_native(self, tree: TokenTree, rows: Sequence[int] | None, picks: int, store):
         """``verify`` through the compiled decoder (``NativeForward``): the final hidden states,
-        then the output projection as the eager forward's (``_RowsHead``): the ``rows`` only
-        where given, with their picks."""
+        then the output projection the eager forward would make of them (``_RowsHead`` where
+        ``rows`` are given)."""
         positions = torch.from_numpy(np.asarray(tree.depth, dtype=np.int64) + self.n_cached)
         hidden = self.native.hidden(tree.token_ids, tree.parents, positions, store)
         self.n_cached += len(tree)
         compute = self.fast_head or self._head
         if rows is None:
             logits = compute(hidden[None])[0].float()
-        else:
-            picked = hidden[torch.tensor(list(rows), dtype=torch.long)]
-            tops = None
-            if picks and isinstance(compute, FastHead):
-                logits, tops = compute.project(picked, picks)
-            else:
-                logits = compute(picked[None])[0]
-        self.last_prepare_s += self.take_excess()
-        if rows is None:
+            self.last_prepare_s += self.take_excess()
             return logits
-        return PartialLogits(tree, list(rows), logits.float(), hidden, self._project, tops=tops)
+        head = _RowsHead(self._head, compute, rows, picks)
+        logits = head.forward(hidden[None])[0]
+        self.last_prepare_s += self.take_excess()
+        return PartialLogits(tree, list(rows), logits.float(), hidden, self._project, tops=head.tops)
 
     @torch.inference_mode()
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, float]:
