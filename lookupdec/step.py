@@ -9,7 +9,8 @@
     choose   with a cost model (``EngineConfig.budget == "auto"``): keep the node count that
              maximises expected tokens per second (``budget.choose_tree_nodes``), the gains
              corrected by what recent trees accepted (``StepCore.scale``) and by what this
-             request's trees accepted (``StepCore.request_factor``), and prune to it
+             request's trees accepted (``StepCore.request_factor``), and prune to it; a
+             request's tree is at most as large as its accepted drafts earned (``StepCore.room``)
     verdict  the caller's: the engine verifies the tree with the target and accepts exactly
              (``sampling.accept``); the simulator walks the recorded response. Either returns
              the accepted nodes and the step's new tokens (accepted + one bonus or recovered
@@ -47,6 +48,10 @@ SCALE_MIN, SCALE_MAX = 0.2, 1.5
 REQUEST_PRIOR = 2.0
 REQUEST_DECAY = 0.95
 REQUEST_MIN = 0.02  # the lowest step correction a request's record can bring (shared x its own)
+# a request's trees earn their size (``StepCore.room``): at most EARN_BASE draft nodes until its
+# drafts are accepted, then EARN_PER more per draft token they accepted (the request's whole count)
+EARN_BASE = 1
+EARN_PER = 4
 
 @dataclass
 class Verdict:
@@ -121,7 +126,7 @@ class StepCore:
 
     def start(self, request_id: str, prompt_ids: Sequence[int], params=None, seed=None) -> None:
         self.mixture.start(request_id, prompt_ids, params, seed)
-        self._requests[request_id] = [0.0, 0.0]
+        self._requests[request_id] = [0.0, 0.0, 0]
 
     def stop(self, request_id: str) -> None:
         self.mixture.stop(request_id)
@@ -150,6 +155,10 @@ class StepCore:
         scale = min(SCALE_MAX, max(REQUEST_MIN, shared * self.request_factor(request_id)))
         if max_nodes is None:
             max_nodes = self.draft_budget.nodes(self.max_nodes) if cost is not None else self.max_nodes
+            if cost is not None:
+                max_nodes = min(max_nodes, self.room(request_id))
+        elif cost is None:  # the batched step's own budget: the same room per request
+            max_nodes = min(max_nodes, self.room(request_id))
         fused = (self.mixture.plan(request_id, context, max_nodes, max_depth, self.calibrator)
                  if self.calibrator is not None and self.mixture.fused else None)
         if fused is not None:  # drafts and merge in one compiled call: propose_s counts both
@@ -178,6 +187,7 @@ class StepCore:
             if record is not None:
                 record[0] = REQUEST_DECAY * record[0] + promised * plan.shared
                 record[1] = REQUEST_DECAY * record[1] + accepted
+                record[2] += accepted
         else:  # nothing verified, nothing learnt: drift back towards 1, or a low scale would stick
             self._promised = SCALE_DECAY * self._promised + (1 - SCALE_DECAY) * SCALE_PRIOR
             self._accepted = SCALE_DECAY * self._accepted + (1 - SCALE_DECAY) * SCALE_PRIOR
@@ -207,6 +217,20 @@ class StepCore:
         if record is None:
             return 1.0
         return (record[1] + REQUEST_PRIOR) / (record[0] + REQUEST_PRIOR)
+
+    def room(self, request_id: str) -> int:
+        """The most draft nodes the request's next tree may keep when a cost model chooses (or the
+        batched step's joint budget): ``EARN_BASE`` plus ``EARN_PER`` per draft token its trees
+        have accepted so far (the step's cap for a request not started). A request's first trees
+        are predicted from other requests' records alone, and an answer that copies nothing (a
+        translation, a short reply) pays for every node it verifies: a 15-node tree that accepts
+        nothing costs most of a token on this CPU's curve, a large share of a 13-token answer.
+        Trees grow as fast as their drafts are accepted, so a copying request reaches full size
+        within a few steps."""
+        record = self._requests.get(request_id)
+        if record is None:
+            return self.max_nodes
+        return min(self.max_nodes, EARN_BASE + EARN_PER * record[2])
 
     def select(self, tree: TokenTree, *, max_nodes: int, cost: CostModel | None, overhead_s: float,
                scale: float = 1.0) -> TokenTree:

@@ -275,13 +275,16 @@ def test_batched_verify_picks_each_selected_rows_best_tokens_as_alone(monkeypatc
     assert seen and all(p >= 1 and tops and all(tops) for p, tops in seen), seen
 
 
-def test_batch_asks_proposers_for_about_the_width_it_keeps():
+def test_batch_asks_proposers_for_about_the_width_it_keeps(monkeypatch):
     """The joint budget keeps W - 1 nodes per row: its proposers are asked for the power of 2 at
     or above twice the nodes kept lately (``BATCH_DRAFT_MIN`` at least), not the engine's cap,
     then a row with a wider tree for exactly W - 1; the output is unchanged."""
     from lookupdec.batch import BATCH_DRAFT_MIN
     from lookupdec.proposers import build_proposers
 
+    from lookupdec import step
+
+    monkeypatch.setattr(step, "EARN_BASE", 64)  # the joint budget's asks alone, not what requests earned
     model = cached_tiny("llama")
     refs = cached_references("llama")[:6]
     config = EngineConfig(max_nodes=64)

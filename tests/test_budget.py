@@ -13,6 +13,7 @@ from helpers import FakeTokenizer, SpyProposer
 from references import merged
 from lookupdec import Engine, EngineConfig
 from lookupdec.proposers import build_proposers
+from lookupdec.step import EARN_BASE
 from lookupdec.budget import (COUNT_DECAY, EXPLORE_EVERY, EXPLORE_MIN_COUNT, COST_LEARNING_RATE, COST_SPIKE,
                               DRAFT_BUDGET_MIN, CostModel, DraftBudget, choose_num_nodes)
 
@@ -195,8 +196,9 @@ def test_engine_asks_the_adapted_budget_and_output_is_unchanged():
     for prompt, n, expected in itertools.islice(cached_references("llama"), 6):
         assert engine.generate(prompt, max_new_tokens=n).token_ids == expected
     asked = [b for p in counting for b in p.asked]
-    assert asked[0] == 128  # the first step asks for everything
-    assert all(DRAFT_BUDGET_MIN <= b <= 128 for b in asked)
+    assert asked[0] == EARN_BASE  # a request's first tree asks what it has earned: nothing yet
+    assert max(asked) > EARN_BASE  # trees that accepted earned more
+    assert all(1 <= b <= 128 for b in asked)
     assert engine.draft_budget.mean_kept is not None
 
 
@@ -294,16 +296,17 @@ def _interleaved_requests(steps: int):
 
 def test_a_request_whose_drafts_fail_stops_drafting_while_another_keeps_its_trees():
     """The shared correction and the cells learn from every request: where one request copies and
-    another never does, both alike, the second verifies a tree every step (SmolLM2, a translation
-    whose answer never copies its prompt: 0.09 accepted a step where 0.9 were predicted). Its own
-    record (``StepCore.request_factor``) brings it to the root alone within a few steps, with a
-    retry now and then as the record fades, and leaves the first request its trees."""
+    another never does, both alike, the second would verify a tree every step (SmolLM2, a
+    translation whose answer never copies its prompt: 0.09 accepted a step where 0.9 were
+    predicted). Its trees stay as small as it earned (``StepCore.room``) and its own record
+    (``StepCore.request_factor``) brings it to the root alone now and then, and leaves the
+    first request its trees."""
     from lookupdec import step
 
-    nodes, core = _interleaved_requests(40)
+    nodes, core = _interleaved_requests(60)
     assert nodes["never"][0] > 0 and nodes["copies"][0] > 0  # the drafts' scores are believed at first
-    assert nodes["never"].index(0) <= 6  # within a few steps: the root alone
-    assert sum(n > 0 for n in nodes["never"][10:]) <= 15  # then a tree in at most every second step
+    assert max(nodes["never"]) == step.EARN_BASE
+    assert 0 in nodes["never"][:20]  # the root alone within 20 steps
     assert min(nodes["copies"][10:]) >= 7  # the copying request keeps its chain (7: the cost's exploration)
     assert core.request_factor("never") < 0.2 < 1.0 < core.request_factor("copies")
     assert core.request_factor("other") == 1.0  # a request not started: no correction of its own
@@ -311,14 +314,40 @@ def test_a_request_whose_drafts_fail_stops_drafting_while_another_keeps_its_tree
     assert core.request_factor("never") == 1.0  # nothing kept after the request
 
     # without the requests' own records (a prior too large to move), the failing request verifies
-    # a tree every step: what the record is there for
+    # a tree in more steps: what the record is there for
     original = step.REQUEST_PRIOR
     step.REQUEST_PRIOR = 1e12
     try:
-        nodes, _ = _interleaved_requests(40)
+        without, _ = _interleaved_requests(60)
     finally:
         step.REQUEST_PRIOR = original
-    assert min(nodes["never"]) > 0
+    assert sum(n > 0 for n in without["never"]) > sum(n > 0 for n in nodes["never"])
+
+
+def test_a_request_tree_is_as_large_as_its_accepted_drafts_earned():
+    """``StepCore.room``: a request that never accepts a draft verifies at most ``EARN_BASE``
+    draft nodes a tree for its whole length (its first trees are predicted from others' records
+    alone); one that copies grows by ``EARN_PER`` nodes per accepted draft token, to the cap."""
+    from lookupdec import step
+
+    nodes, core = _interleaved_requests(40)
+    assert max(nodes["never"]) == step.EARN_BASE
+    assert nodes["copies"][0] == step.EARN_BASE
+    for k in range(1, 4):  # each tree accepts all of its chain: room for 1 + 4 x (all accepted so far)
+        assert 1 < nodes["copies"][k] <= step.EARN_BASE + step.EARN_PER * sum(nodes["copies"][:k])
+    assert nodes["copies"][2] == 8  # the drafts' whole chain by the third tree
+    assert core.room("copies") == 64 and core.room("never") == step.EARN_BASE
+    assert core.room("other") == 64  # a request not started: the step's cap
+
+    # without the rule (a request's first tree as large as the cost model likes), the failing
+    # request's first tree is the drafts' whole chain: what the rule is there for
+    original = step.EARN_BASE
+    step.EARN_BASE = 64
+    try:
+        nodes, _ = _interleaved_requests(4)
+    finally:
+        step.EARN_BASE = original
+    assert nodes["never"][0] == 8
 
 
 def _replay_calibration(workload: str, limit: int, calibrated: bool):
