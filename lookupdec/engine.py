@@ -375,7 +375,9 @@ class Engine:
             stats.prefix_reused = target.prefill(context, reuse=self.config.prefix_cache, last_logits=True)
             stats.prefill_ms = (time.perf_counter() - t) * 1e3
             cost = None
-            if self.config.budget == "auto":  # cached, seeded from another bucket, or a few forwards here
+            # cached, seeded from another bucket, or a few forwards here; nothing to choose where
+            # nothing proposes (every tree the root alone)
+            if self.config.budget == "auto" and self.step_core.drafts:
                 bucket = core.cost_bucket(len(context) + max_new_tokens // 2)
                 cost = self.cost_model(bucket, in_place=True)
             produced, seen = 0, set(context)  # seen: distinct ids so far (repetition penalty)
@@ -423,6 +425,10 @@ class Engine:
         acceptance, KV commit; the new tokens cut to ``limit`` and after the first EOS."""
         t = time.perf_counter()
         core = self.request_core
+        if len(tree) == 1 and params.greedy and not params.uses_prefix:  # the root alone: no walk to make
+            verdict = self._root_verdict(tree.token_ids[0], limit, timer, cost, prev, t)
+            if verdict is not None:
+                return verdict
         rows = core.head_rows(tree, params)
         # with rows, the output projection picks each row's best tokens as it writes it: the
         # argmax the walk needs, and the top tokens recycling keeps
@@ -444,6 +450,26 @@ class Engine:
             cost.observe(len(tree), seconds)
         self.target.commit(tree, accepted)
         return Verdict(accepted, new, successors)
+
+    def _root_verdict(self, root: int, limit: int, timer, cost: CostModel | None, prev: int, t: float) -> Verdict | None:
+        """``_verdict`` of a tree of the root alone, greedy without a repetition penalty, where the
+        target makes it through the compiled decoder (``TargetModel.verify_root``): the root's
+        best token is the step's, its K/V stay (nothing to commit), and token recycling gets the
+        root's top tokens as the walk would hand them over. None where the target does not take
+        it (nothing run)."""
+        recycle = self.request_core.recycle_successors()
+        tops = self.target.verify_root(root, max(recycle, 1))
+        if tops is None:
+            return None
+        prepared = self.target.last_prepare_s
+        seconds = time.perf_counter() - t - prepared
+        timer.prepare += prepared
+        timer.head_rows += 1
+        timer.forward += seconds
+        if cost is not None:
+            cost.observe(1, seconds)
+        successors = (prev, [root], [tops[:recycle].tolist()]) if recycle else None
+        return Verdict([], self.request_core.clip([int(tops[0])], limit), successors)
 
     def cost_model(self, context_tokens: int = MIN_CALIBRATION_CONTEXT, *, in_place: bool = False) -> CostModel:
         """t(n) at about this context length, learnt online from every verify forward (the

@@ -123,6 +123,8 @@ class StepCore:
         # per request: decayed sums of the accepted draft tokens the shared correction predicted
         # for its trees and those accepted (``request_factor``)
         self._requests: dict[str, list[float]] = {}
+        # whether anything proposes (``EngineConfig(proposers=())``: plain decoding, every tree the root)
+        self.drafts = bool(mixture.proposers)
 
     def start(self, request_id: str, prompt_ids: Sequence[int], params=None, seed=None) -> None:
         self.mixture.start(request_id, prompt_ids, params, seed)
@@ -151,6 +153,8 @@ class StepCore:
         keeps up to ``max_nodes`` nodes (default: the step's cap), for a caller that chooses
         itself (the batched step's joint budget, ``batch.py``)."""
         t0 = time.perf_counter()
+        if not self.drafts:  # nothing proposes: the root alone, nothing merged or chosen
+            return Plan(TokenTree([context[-1]], [-1]), [], 1.0, propose_s=0.0, tree_s=0.0)
         shared = self.scale
         scale = min(SCALE_MAX, max(REQUEST_MIN, shared * self.request_factor(request_id)))
         if max_nodes is None:
@@ -177,6 +181,8 @@ class StepCore:
         """After the verdict on ``plan.tree``: every proposer observes the new tokens, the
         calibrator learns, the scale and the request's record move."""
         tree = plan.tree
+        if not self.drafts:  # nothing proposes, so nothing observes or learns
+            return StepResult(tree, [], [], judged.new_tokens, propose_s=0.0, tree_s=0.0)
         self.mixture.finish(request_id, judged.new_tokens, judged.successors, plan.drafts, self.calibrator)
         promised = tree.expected_total() if tree.num_draft_nodes else 0.0
         record = self._requests.get(request_id)

@@ -355,15 +355,18 @@ def test_a_lone_row_is_chosen_for_as_alone(monkeypatch):
             assert any(k[1] == 1 for k in engine.batch_costs)
 
 
-def test_a_batchs_first_curve_times_its_probe_widths_then_hands_on():
+def test_a_batchs_first_curve_times_its_probe_widths_then_hands_on(monkeypatch):
     """An engine's first batch curve starts from one row's curve of as many tokens (which prices
     wide batches badly: ``BatchDecoder._cost``), so its first steps verify each of
     ``PROBE_WIDTHS`` (up to the widest tree) once on the batch's own trees, a curve of the next
     context bucket taking over what is left; outputs unchanged. A batch of other rows, in a
     later decoder of the same engine, starts from the curve learnt (its sizes observed lately)
     with the widths that curve has still to time, not from one row's."""
+    from lookupdec import step
     from lookupdec.batch import PROBE_WIDTHS
 
+    # the probes reach as wide as the widest tree: trees as wide as the drafts, not as requests earned
+    monkeypatch.setattr(step, "EARN_BASE", 64)
     model = cached_tiny("llama")
     refs = [cached_references("llama")[i] for i in (1, 5, 7, 9)]  # prompts of 39-55 tokens, 47-64 new
     engine = Engine(model, FakeTokenizer(), EngineConfig(max_nodes=16))

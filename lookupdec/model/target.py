@@ -15,7 +15,7 @@ from lookupdec.model.kernels import (FastHead, fast_head_for, fused_norms_for, f
 from lookupdec.model.lean import lean_layers_for
 from lookupdec.model.native_forward import NATIVE_MAX_NODES, native_forward_for
 from lookupdec.reference import model as reference_model
-from lookupdec.sampling import PartialLogits
+from lookupdec.sampling import PartialLogits, top_tokens_compiled
 from lookupdec.tree import TokenTree
 
 log = logging.getLogger("lookupdec")
@@ -264,6 +264,28 @@ class TargetModel:
         return PartialLogits(tree, list(rows), logits.float(), hidden, self._project, tops=head.tops)
 
     @torch.inference_mode()
+    def verify_root(self, token: int, picks: int) -> np.ndarray | None:
+        """``verify`` of a tree of the root alone (``token``) for greedy acceptance, through the
+        compiled decoder: the root's ``picks`` best token ids (int32, best first: the first of
+        equal values, as the greedy walk reads them), its K/V appended, nothing else made (no
+        tree, no logits object); the same forward and projection as ``verify(tree, rows=[0],
+        picks=picks)``. None, with nothing run, where that forward is not the compiled decoder's or
+        the output projection is not a ``FastHead`` (the caller verifies the tree as any other)."""
+        store = getattr(self.cache, "slot_store", None)
+        head = self.fast_head
+        if (self.native is None or head is None or not self.partial_head or store is None
+                or store.lengths[0] != self.n_cached):
+            return None
+        self.last_prepare_s = self.prepare(1)
+        hidden = self.native.hidden((token,), _ROOT_PARENTS, torch.tensor([self.n_cached]), store)
+        self.n_cached += 1
+        logits, tops = head.project(hidden, picks)
+        if tops is None:  # the form chosen for one row is not the skinny product: the row's own picks
+            tops = np.asarray(top_tokens_compiled(logits, (0,), picks), dtype=np.int32)
+        self.last_prepare_s += self.take_excess()
+        return tops[0]
+
+    @torch.inference_mode()
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Logits [m, vocab] of final hidden states [m, d] (``PartialLogits.fill``), and the
         seconds of them spent in ``prepare``."""
@@ -369,6 +391,9 @@ class TargetModel:
 
 # config attributes of models that change the logits after the output projection
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+_ROOT_PARENTS = (-1,)
 
 
 class _RowsHead(torch.nn.Module):

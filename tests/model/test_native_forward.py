@@ -144,3 +144,48 @@ def test_bad_trees_are_refused_by_the_kernel():
     with pytest.raises(ValueError, match="parents"):
         target.native.hidden([5, 6], [0, 0], positions, store)
     assert store.lengths[0] == 3  # nothing appended
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_root_alone_gives_what_its_tree_verify_gives(family):
+    """``TargetModel.verify_root``: a tree of the root alone's best tokens and K/V, as
+    ``verify(tree, rows=[0], picks=k)`` makes them, with no tree, walk or logits object."""
+    from lookupdec.request import top_tokens
+    from lookupdec.tree import TokenTree
+
+    model = head16(family, 3)
+    fast, general = engine_of(model).target, engine_of(model).target
+    prompt = [5, 9, 14, 3, 22, 41, 7]
+    token = 17
+    for target in (fast, general):
+        target.prefill(prompt)
+    calls = native_forward.CALLS[0]
+    tops = fast.verify_root(token, 4)
+    assert native_forward.CALLS[0] == calls + 1 and fast.n_cached == len(prompt) + 1
+    got = general.verify(TokenTree([token], [-1]), rows=[0], picks=4)
+    # (the picks the projection made, or where its form for one row makes none, the row's own)
+    want = got.tops[0].tolist() if got.tops is not None else top_tokens(got.logits, [0], 4)[0]
+    assert tops.tolist() == want
+    assert int(tops[0]) == int(got.logits[0].argmax())
+    n = len(prompt) + 1
+    assert torch.equal(fast.cache.slot_store.buffer[:, :, :, :, :n], general.cache.slot_store.buffer[:, :, :, :, :n])
+    assert fast.cache.slot_store.lengths == general.cache.slot_store.lengths == [n] * model.config.num_hidden_layers
+
+
+def test_plain_decoding_takes_the_root_path_and_equals_transformers(monkeypatch):
+    """``EngineConfig(proposers=())``: every step verifies the root alone, through
+    ``TargetModel.verify_root`` (no tree merged, no walk, no commit) and no cost curve (nothing to
+    choose); the output is ``transformers``' greedy one. Sampling keeps the general path."""
+    model = head16("llama", 5)
+    engine = engine_of(model, proposers=())
+    taken = []
+    verify_root = engine.target.verify_root
+    monkeypatch.setattr(engine.target, "verify_root", lambda *a: taken.append(1) or verify_root(*a))
+    prompt = [5, 6, 7, 5, 6, 8, 5, 6, 9]
+    out = engine.generate(prompt, max_new_tokens=30)
+    assert out.token_ids == hf_greedy(model, prompt, 30)
+    assert len(taken) == out.stats.steps == len(out.token_ids) - 1 > 10  # every step: all but the prefill's token
+    assert engine._costs == {}  # no curve seeded or learnt
+    taken.clear()
+    sampled = engine.generate(prompt, max_new_tokens=10, temperature=0.8, seed=3)
+    assert taken == [] and sampled.stats.steps > 0

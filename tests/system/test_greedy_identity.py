@@ -16,6 +16,7 @@ from conftest import cached_references, cached_tiny, load_stories
 from helpers import (AdversarialProposer, FakeTokenizer, OracleProposer, RandomTreeProposer, TreeMaskRejectingModel,
                      first_difference, hf_greedy, oracle_expectation)
 from lookupdec import Engine, EngineConfig
+from lookupdec.budget import CostModel
 from tiny_models import FAMILIES
 
 # Oracle runs: small trees so that a generation takes several steps with an exact step count.
@@ -26,10 +27,21 @@ ORACLE_K = min(ORACLE_MAX_NODES, ORACLE_MAX_DEPTH)  # draft tokens accepted per 
 SETTINGS = ["none", "ngram", "oracle", "oracle_behind_distractors", "adversarial", "random_tree"]
 
 
+class FlatCost(CostModel):
+    def observe(self, n, seconds):
+        pass
+
+
 def make_engine(family: str, setting: str, truths: dict) -> Engine:
     model = cached_tiny(family)
-    if setting == "ngram":  # the default configuration: budget chosen per step from measured cost
-        return Engine(model, FakeTokenizer(), EngineConfig())
+    if setting == "ngram":  # the default configuration: budget chosen per step by the cost model
+        engine = Engine(model, FakeTokenizer(), EngineConfig())
+        # ... a flat curve that learns nothing: on a tiny model a forward's time is Python's, and
+        # a measured curve (or one an earlier test cached) may keep every root alone, so that
+        # the drafts this test means to exercise never run
+        flat = FlatCost([1, 2, 4, 8, 16, 32, 64, 128], [1.0] * 8, [100.0] * 8)
+        engine.cost_model = lambda bucket, **kwargs: engine._costs.setdefault(bucket, flat)
+        return engine
     # a fixed budget: up to max_nodes nodes every step, so that step counts are exact
     if setting.startswith("oracle"):
         config = EngineConfig(proposers=(), budget="fixed", max_nodes=ORACLE_MAX_NODES, max_depth=ORACLE_MAX_DEPTH)
