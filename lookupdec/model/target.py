@@ -229,8 +229,8 @@ class TargetModel:
         # best tokens as it writes them)
         partial = rows is not None and self.partial_head and (len(rows) < n or picks > 0)
         self.last_prepare_s = self.prepare(len(rows) if partial else n)
-        store = getattr(self.cache, "slot_store", None)
-        if self.native is not None and n <= NATIVE_MAX_NODES and store is not None and store.lengths[0] == self.n_cached:
+        store = self._native_store() if n <= NATIVE_MAX_NODES else None
+        if store is not None:
             return self._verify_native(tree, rows if partial else None, picks, store)
         # A chain gets no custom mask (tree_inputs): the model's own causal mask, and its fastest
         # attention path, the one plain decoding takes, is exactly the tree mask then.
@@ -245,6 +245,14 @@ class TargetModel:
         if partial:
             return PartialLogits(tree, list(rows), out.logits[0].float(), head.hidden[0], self._project, tops=head.tops)
         return out.logits[0].float()
+
+    def _native_store(self):
+        """The slot store the compiled decoder appends a forward's K/V to, where it takes the
+        forward (built for this model, the cache a slot cache holding ``n_cached`` slots); else None."""
+        store = getattr(self.cache, "slot_store", None)
+        if self.native is None or store is None or store.lengths[0] != self.n_cached:
+            return None
+        return store
 
     def _verify_native(self, tree: TokenTree, rows: Sequence[int] | None, picks: int, store):
         """``verify`` through the compiled decoder (``NativeForward``): the final hidden states,
@@ -271,10 +279,8 @@ class TargetModel:
         tree, no logits object); the same forward and projection as ``verify(tree, rows=[0],
         picks=picks)``. None, with nothing run, where that forward is not the compiled decoder's or
         the output projection is not a ``FastHead`` (the caller verifies the tree as any other)."""
-        store = getattr(self.cache, "slot_store", None)
-        head = self.fast_head
-        if (self.native is None or head is None or not self.partial_head or store is None
-                or store.lengths[0] != self.n_cached):
+        store, head = self._native_store(), self.fast_head
+        if store is None or head is None or not self.partial_head:
             return None
         self.last_prepare_s = self.prepare(1)
         hidden = self.native.hidden((token,), _ROOT_PARENTS, torch.tensor([self.n_cached]), store)
