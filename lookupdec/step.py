@@ -48,11 +48,10 @@ SCALE_MIN, SCALE_MAX = 0.2, 1.5
 REQUEST_PRIOR = 2.0
 REQUEST_DECAY = 0.95
 REQUEST_MIN = 0.02  # the lowest step correction a request's record can bring (shared x its own)
-# a request's trees earn their size (``StepCore.room``): EARN_BASE draft nodes, plus what is left
-# of EARN_PER per draft token its trees accepted once each draft node they verified and rejected is
-# paid out of it
+# a request's trees earn their size (``StepCore.room``): at most EARN_BASE draft nodes until its
+# drafts are accepted, then EARN_PER more per draft token they accepted (the request's whole count)
 EARN_BASE = 1
-EARN_PER = 8
+EARN_PER = 4
 
 @dataclass
 class Verdict:
@@ -122,15 +121,14 @@ class StepCore:
         # decayed sums of the accepted draft tokens trees promised and those accepted (whole steps)
         self._promised = self._accepted = SCALE_PRIOR
         # per request: decayed sums of the accepted draft tokens the shared correction predicted
-        # for its trees and those accepted (``request_factor``), then the draft tokens its trees
-        # accepted and the draft nodes they rejected, whole counts (``room``)
+        # for its trees and those accepted (``request_factor``)
         self._requests: dict[str, list[float]] = {}
         # whether anything proposes (``EngineConfig(proposers=())``: plain decoding, every tree the root)
         self.drafts = bool(mixture.proposers)
 
     def start(self, request_id: str, prompt_ids: Sequence[int], params=None, seed=None) -> None:
         self.mixture.start(request_id, prompt_ids, params, seed)
-        self._requests[request_id] = [0.0, 0.0, 0, 0]
+        self._requests[request_id] = [0.0, 0.0, 0]
 
     def stop(self, request_id: str) -> None:
         self.mixture.stop(request_id)
@@ -196,7 +194,6 @@ class StepCore:
                 record[0] = REQUEST_DECAY * record[0] + promised * plan.shared
                 record[1] = REQUEST_DECAY * record[1] + accepted
                 record[2] += accepted
-                record[3] += tree.num_draft_nodes - accepted
         else:  # nothing verified, nothing learnt: drift back towards 1, or a low scale would stick
             self._promised = SCALE_DECAY * self._promised + (1 - SCALE_DECAY) * SCALE_PRIOR
             self._accepted = SCALE_DECAY * self._accepted + (1 - SCALE_DECAY) * SCALE_PRIOR
@@ -229,20 +226,17 @@ class StepCore:
 
     def room(self, request_id: str) -> int:
         """The most draft nodes the request's next tree may keep when a cost model chooses (or the
-        batched step's joint budget): ``EARN_BASE``, plus ``EARN_PER`` per draft token its trees
-        have accepted less one per draft node they verified and rejected (never below 0; the
-        step's cap for a request not started). So the draft nodes a request verifies in vain are
-        at most ``EARN_PER`` per token its drafts gained, besides ``EARN_BASE`` a step. A request's
-        first trees are predicted from other requests' records alone, and an answer that copies
-        nothing (a translation, a short reply) pays for every node it verifies: a 15-node tree
-        that accepts nothing costs most of a token on this CPU's curve, a large share of a
-        13-token answer; and one draft accepted early must not buy large trees for the rest of
-        such an answer. Trees grow as fast as their drafts are accepted, so a copying request
-        reaches full size within a few steps."""
+        batched step's joint budget): ``EARN_BASE`` plus ``EARN_PER`` per draft token its trees
+        have accepted so far (the step's cap for a request not started). A request's first trees
+        are predicted from other requests' records alone, and an answer that copies nothing (a
+        translation, a short reply) pays for every node it verifies: a 15-node tree that accepts
+        nothing costs most of a token on this CPU's curve, a large share of a 13-token answer.
+        Trees grow as fast as their drafts are accepted, so a copying request reaches full size
+        within a few steps."""
         record = self._requests.get(request_id)
         if record is None:
             return self.max_nodes
-        return min(self.max_nodes, EARN_BASE + max(0, EARN_PER * record[2] - record[3]))
+        return min(self.max_nodes, EARN_BASE + EARN_PER * record[2])
 
     def select(self, tree: TokenTree, *, max_nodes: int, cost: CostModel | None, overhead_s: float,
                scale: float = 1.0) -> TokenTree:

@@ -255,11 +255,10 @@ def test_chooser_picks_the_root_alone_when_drafts_never_match():
     assert nodes[-20:] == [0] * 20  # then the root alone, step after step
 
 
-def _interleaved_requests(steps: int, once: bool = False):
+def _interleaved_requests(steps: int):
     """Two requests on one ``StepCore`` whose drafts look the same to the calibrator (one source,
-    one match length): request "copies" accepts every chain, request "never" none; with ``once``
-    a third, "once", accepts the first draft node of its first tree that has one, then none.
-    Returns each request's draft nodes per step, the core and its cost."""
+    one match length): request "copies" accepts every chain, request "never" none. Returns each
+    request's draft nodes per step, the core and its cost."""
     from lookupdec.mixture import Mixture
     from lookupdec.step import StepCore, Verdict
     from lookupdec.budget import AcceptanceCalibrator
@@ -279,15 +278,14 @@ def _interleaved_requests(steps: int, once: bool = False):
     calibrator = AcceptanceCalibrator()
     core = StepCore(Mixture([Same()], calibrator=calibrator), max_nodes=64, calibrator=calibrator)
     cost = CostModel([1, 2, 4, 8, 16, 64], [1.0, 1.1, 1.2, 1.3, 1.55, 3.5])  # SmolLM2, one thread, smoothed
-    nodes = {"copies": [], "never": [], **({"once": []} if once else {})}
+    nodes = {"copies": [], "never": []}
     contexts = {rid: [1, 2, 3] for rid in nodes}
     for rid in nodes:
         core.start(rid, contexts[rid])
     for _ in range(steps):
         for rid in nodes:
-            if rid == "copies" or (rid == "once" and not any(nodes["once"])):
-                verdict = lambda tree: Verdict(list(range(1, min(len(tree), 2 if rid == "once" else 65))),  # noqa: E731
-                                               [5] * min(len(tree), 2 if rid == "once" else 65))
+            if rid == "copies":
+                verdict = lambda tree: Verdict(list(range(1, len(tree))), [5] * len(tree))  # noqa: E731
             else:
                 verdict = lambda tree: Verdict([], [7])  # noqa: E731
             result = core.run(rid, contexts[rid], verdict, max_depth=48, cost=cost)
@@ -329,26 +327,17 @@ def test_a_request_whose_drafts_fail_stops_drafting_while_another_keeps_its_tree
 def test_a_request_tree_is_as_large_as_its_accepted_drafts_earned():
     """``StepCore.room``: a request that never accepts a draft verifies at most ``EARN_BASE``
     draft nodes a tree for its whole length (its first trees are predicted from others' records
-    alone); one that copies grows by ``EARN_PER`` nodes per accepted draft token, to the cap; one
-    that accepts a draft once pays for the nodes its later trees reject out of what that earned,
-    then goes back to ``EARN_BASE``."""
+    alone); one that copies grows by ``EARN_PER`` nodes per accepted draft token, to the cap."""
     from lookupdec import step
 
-    nodes, core = _interleaved_requests(40, once=True)
+    nodes, core = _interleaved_requests(40)
     assert max(nodes["never"]) == step.EARN_BASE
     assert nodes["copies"][0] == step.EARN_BASE
-    for k in range(1, 4):  # each tree accepts all of its chain: room for 1 + EARN_PER x (all accepted so far)
+    for k in range(1, 4):  # each tree accepts all of its chain: room for 1 + 4 x (all accepted so far)
         assert 1 < nodes["copies"][k] <= step.EARN_BASE + step.EARN_PER * sum(nodes["copies"][:k])
     assert nodes["copies"][2] == 8  # the drafts' whole chain by the third tree
     assert core.room("copies") == 64 and core.room("never") == step.EARN_BASE
     assert core.room("other") == 64  # a request not started: the step's cap
-
-    once = nodes["once"]
-    first = next(k for k, n in enumerate(once) if n)  # the tree whose first node it accepted
-    assert max(once[first + 1 :]) > step.EARN_BASE  # what it earned bought larger trees...
-    rejected = sum(once) - 1
-    assert rejected <= step.EARN_PER * 1 + step.EARN_BASE * len(once)  # ...paid out of it
-    assert max(once[-10:]) <= step.EARN_BASE and core.room("once") == step.EARN_BASE
 
     # without the rule (a request's first tree as large as the cost model likes), the failing
     # request's first tree is the drafts' whole chain: what the rule is there for
