@@ -15,7 +15,9 @@ the server and batch benchmarks (why batching gives rewrites about 2x, not more)
   ``--batch`` rows, greedy, ``--max-tokens`` each: the wall time split into prefill forwards
   (``BatchTarget.add``/``add_many``), verify forwards (``BatchTarget.verify``) and the rest
   (of it: drafting and merging, acceptance, KV commit, observe and learn), with the verified
-  slots (nodes and padding) against the tokens produced; ``--cprofile PATH`` writes its
+  slots (nodes and padding) against the tokens produced; and the host work of each step whose
+  batch is full (the step less its forward's model call: the forward's inputs and mask count
+  as host work), with its parts; ``--cprofile PATH`` writes its
   Python profile. ``--clients N``: the prompts arrive as ``server_batch_bench.py``'s N
   clients send them (each the next prompt nobody has taken as its last one ends), and they
   also run one at a time on a fresh engine: the batching server's ratio in one process,
@@ -194,6 +196,34 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
         return run
 
     verify = timed("verify", decoder.target.verify, sync=True)
+    # host work of the steps whose batch is full (every one of ``batch`` rows active): the step's
+    # wall time but its verify forward's model call (the forward's inputs, mask included, are host
+    # work), each part's share besides
+    full = {"steps": 0, "seconds": 0.0, "forward": 0.0, "inputs": 0.0, "plan": 0.0, "choose": 0.0,
+            "accept": 0.0, "commit": 0.0, "finish": 0.0, "emit": 0.0}
+    now = {}
+
+    def counting(kind, call):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                now[kind] = now.get(kind, 0.0) + time.perf_counter() - start
+        return run
+
+    decoder.target.inputs = counting("inputs", decoder.target.inputs)
+    choose = decoder._choose
+
+    def choosing(*args, **kwargs):  # the joint choice but the plans of rows drafted again (in plan)
+        start, planned = time.perf_counter(), now.get("plan", 0.0)
+        try:
+            return choose(*args, **kwargs)
+        finally:
+            now["choose"] = now.get("choose", 0.0) + time.perf_counter() - start - (now.get("plan", 0.0) - planned)
+
+    decoder._choose = choosing
+    decoder._emit = counting("emit", decoder._emit)
 
     attention = AttentionTimer(engine.target.sync)
 
@@ -205,16 +235,20 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
         slots["kv_read"] += len(trees) * decoder.target.store.lengths[0]
         slots["kv_prefix"] += sum(decoder.target.lengths)
         with attention:
-            return verify(trees, rows, picks)
+            start = time.perf_counter()
+            try:
+                return verify(trees, rows, picks)
+            finally:
+                now["verify"] = now.get("verify", 0.0) + time.perf_counter() - start
 
     decoder.target.add = timed("prefill", decoder.target.add, sync=True)
     decoder.target.add_many = timed("prefill", decoder.target.add_many, sync=True)
     decoder.target.verify = counted
-    decoder.target.commit = timed("commit", decoder.target.commit, sync=True)
-    decoder._accept = timed("accept", decoder._accept)
+    decoder.target.commit = counting("commit", timed("commit", decoder.target.commit, sync=True))
+    decoder._accept = counting("accept", timed("accept", decoder._accept))
     core = engine.step_core
     plan, finish = core.plan, core.finish
-    core.plan, core.finish = timed("plan", plan), timed("finish", finish)
+    core.plan, core.finish = counting("plan", timed("plan", plan)), counting("finish", timed("finish", finish))
     # with clients: each sends the next prompt nobody has taken as its last one ends
     # (server_batch_bench.py's shared queue)
     waiting = list(prompts)
@@ -235,10 +269,19 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
     try:
         generations = []
         while not decoder.idle:
+            now.clear()
+            filled = len(decoder.active) == batch and not decoder.waiting
+            started = time.perf_counter()
             for seq in decoder.step():
                 generations.append(decoder.generation(seq))
                 if clients:
                     send()
+            if filled and "verify" in now:  # (a full batch admits nothing: no prefill in its step)
+                full["steps"] += 1
+                full["seconds"] += time.perf_counter() - started
+                full["forward"] += now["verify"] - now.get("inputs", 0.0)
+                for kind in ("inputs", "plan", "choose", "accept", "commit", "finish", "emit"):
+                    full[kind] += now.get(kind, 0.0)
     finally:
         core.plan, core.finish = plan, finish
         if profiler is not None:
@@ -266,6 +309,14 @@ def split(engine, prompts, batch: int, max_tokens: int, cprofile: Path | None = 
             # attention's share of the verify forwards (each SDPA call timed), and the share of the
             # prefix slots it reads that are holes (a row shorter than the longest)
             "attention_s": attention.seconds,
+            # per step of a full batch, ms: host work (the step but its forward's model call) and
+            # its parts (plan: every row's drafts and merge, a row drafted again twice; choose: the
+            # joint budget's width; emit: the text and stop strings); the rest is the step's own
+            # bookkeeping (stats, the cost curve)
+            "full_steps": full["steps"],
+            "host_ms_per_full_step": ((full["seconds"] - full["forward"]) * 1e3 / full["steps"]) if full["steps"] else None,
+            "host_parts_ms": {kind: full[kind] * 1e3 / full["steps"] for kind in
+                              ("inputs", "plan", "choose", "accept", "commit", "finish", "emit")} if full["steps"] else None,
             "hole_share": 1 - slots["kv_prefix"] / slots["kv_read"] if slots["kv_read"] else 0.0}
 
 
@@ -371,6 +422,10 @@ def main(argv=None) -> int:
               f"{summary['mean_width']:.2f}, padding {100 * summary['padding_share']:.1f}% of verified slots; "
               f"attention {summary['attention_s']:.1f} s of verify, holes {100 * summary['hole_share']:.0f}% "
               f"of the prefix slots it reads")
+        if summary["full_steps"]:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in summary["host_parts_ms"].items())
+            print(f"host work per step of a full batch ({summary['full_steps']} steps): "
+                  f"{summary['host_ms_per_full_step']:.2f} ms ({parts})")
         if args.clients:
             del engine  # (a fresh engine: this one's suffix cache has seen every answer)
             fresh = Engine.from_pretrained(args.model, device=args.device, dtype="float32")

@@ -22,6 +22,7 @@ from lookupdec.batch import BatchDecoder, BatchRequest, choose_width
 from lookupdec.budget import CostModel
 from lookupdec.model.cache import BatchStore, SlotStore
 from lookupdec.native import kernels as native_kernels
+from lookupdec.native import tree as native_tree
 from lookupdec.reference import model as reference_model
 from tiny_models import FAMILIES
 
@@ -618,6 +619,56 @@ def test_stop_strings_and_cancel_are_per_request():
     assert outs[0].finish_reason == "stop" and outs[0].text == alone.text[: alone.text.index(stop_at)]
     assert outs[1].finish_reason == "cancelled" and outs[1].token_ids == []
     assert outs[2].token_ids == alone.token_ids and "".join(pieces) == alone.text
+
+
+@pytest.mark.skipif(native_tree is None, reason="compiled core not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", range(4))
+def test_batch_inputs_are_their_definitions(dtype, seed):
+    """``BatchTarget.inputs``' compiled form (``native.tree.batch_tree_inputs_at``) writes what
+    ``reference.model.batch_inputs`` defines, bit for bit: random trees (chains, bushes, the root
+    alone) padded to the widest, rows of different lengths (holes), every dtype's fill."""
+    from types import SimpleNamespace
+
+    from lookupdec.model.batch import BatchTarget
+    from lookupdec.tree import TokenTree
+
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(2, 7))
+    trees = []
+    for _ in range(rows):
+        n = int(rng.integers(1, 9))
+        parents = [-1] + [int(rng.integers(0, i)) if rng.random() < 0.5 else i - 1 for i in range(1, n)]
+        tokens = [int(t) for t in rng.permutation(1000)[:n]]  # distinct: no two siblings share a token
+        trees.append(TokenTree(tokens, parents))
+    width = max(len(t) for t in trees) + int(rng.integers(0, 3))
+    lengths = [int(x) for x in rng.integers(0, 40, size=rows)]
+    slots = max(lengths) + int(rng.integers(0, 3))
+    batch = BatchTarget.__new__(BatchTarget)
+    batch.target = SimpleNamespace(device=torch.device("cpu"), dtype=dtype)
+    batch.lengths = lengths
+    batch.store = SimpleNamespace(lengths=[slots] * rows)
+    batch.max_rows = rows
+    got = batch.inputs(trees, width)
+    want = reference_model.batch_inputs(trees, lengths, slots, width, device="cpu", dtype=dtype)
+    assert batch._base == slots
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert torch.equal(g.view(torch.uint8) if g.is_floating_point() else g,
+                           w.view(torch.uint8) if w.is_floating_point() else w)
+
+
+def test_batch_inputs_refuse_a_tree_wider_than_the_width():
+    if native_tree is None:
+        pytest.skip("compiled core not built")
+    ids, positions, mask = torch.empty(1, 2, dtype=torch.int64), torch.empty(1, 2, dtype=torch.int64), torch.empty(1, 1, 2, 5)
+    fill = b"\xff\xff\x7f\xff"
+    with pytest.raises(ValueError, match="row 0"):
+        native_tree.batch_tree_inputs_at([[1, 2, 3]], [[-1, 0, 1]], [3], 3, 2, fill, ids.data_ptr(),
+                                         positions.data_ptr(), mask.data_ptr())
+    with pytest.raises(ValueError, match="row 0"):  # a length past the slots
+        native_tree.batch_tree_inputs_at([[1]], [[-1]], [4], 3, 2, fill, ids.data_ptr(), positions.data_ptr(),
+                                         mask.data_ptr())
 
 
 def test_batch_store_rows():

@@ -255,6 +255,59 @@ bool tree_inputs_at(const std::vector<Token>& token_ids, const std::vector<int32
   return true;
 }
 
+// A batched verify forward's inputs (model.batch.BatchTarget.inputs) into buffers given by
+// address: input ids and positions, int64 [rows, width], and the additive mask [rows, width,
+// slots + width] of len(fill)-byte elements. Row b's tree (token_ids[b], parents[b]: n <= width
+// nodes) follows `slots` prefix columns of which its first lengths[b] hold its own K/V (the rest
+// are holes: hidden); its nodes sit at columns slots + i. Node i sees its own prefix, itself and
+// its ancestors; padding nodes (i >= n) repeat the root's token at the root's position and see
+// their prefix and themselves alone. Every element of the three buffers is written.
+void batch_tree_inputs_at(const std::vector<std::vector<int64_t>>& token_ids,
+                          const std::vector<std::vector<int32_t>>& parents, const std::vector<int64_t>& lengths,
+                          int64_t slots, int64_t width, nb::bytes fill, uintptr_t ids, uintptr_t positions,
+                          uintptr_t mask) {
+  size_t rows = token_ids.size();
+  int64_t elem = static_cast<int64_t>(fill.size());
+  if (parents.size() != rows || lengths.size() != rows || width < 1 || slots < 0 || !ids || !positions || !mask ||
+      (elem != 2 && elem != 4 && elem != 8))
+    throw std::invalid_argument("batch_tree_inputs_at: one tree and length per row, width >= 1, buffers, "
+                                "elements of 2, 4 or 8 bytes");
+  int64_t cols = slots + width, row_bytes = cols * elem;
+  const uint8_t* hidden = reinterpret_cast<const uint8_t*>(fill.c_str());
+  std::vector<uint8_t> seen, hiddens(static_cast<size_t>(row_bytes));  // a row of hidden entries
+  for (int64_t j = 0; j < cols; ++j) std::memcpy(hiddens.data() + j * elem, hidden, static_cast<size_t>(elem));
+  for (size_t b = 0; b < rows; ++b) {
+    const std::vector<int64_t>& tokens = token_ids[b];
+    const std::vector<int32_t>& tree = parents[b];
+    int64_t n = static_cast<int64_t>(tree.size()), length = lengths[b];
+    if (static_cast<int64_t>(tokens.size()) != n || n < 1 || n > width || tree[0] != -1 || length < 0 ||
+        length > slots)
+      throw std::invalid_argument("batch_tree_inputs_at: row " + std::to_string(b) +
+                                  ": need 1..width nodes, parents[0] == -1, one token per node, its length <= slots");
+    int64_t* id = reinterpret_cast<int64_t*>(ids) + static_cast<int64_t>(b) * width;
+    int64_t* position = reinterpret_cast<int64_t*>(positions) + static_cast<int64_t>(b) * width;
+    write_ids_positions(tokens, tree, length, id, position, "batch_tree_inputs_at");
+    for (int64_t i = n; i < width; ++i) {
+      id[i] = tokens[0];
+      position[i] = length;
+    }
+    seen.resize(static_cast<size_t>(n * n));
+    lookupdec::ancestor_mask(tree.data(), n, seen.data());
+    uint8_t* block = reinterpret_cast<uint8_t*>(mask) + static_cast<int64_t>(b) * width * row_bytes;
+    for (int64_t i = 0; i < width; ++i) {
+      uint8_t* row = block + i * row_bytes;
+      std::memset(row, 0, static_cast<size_t>(length * elem));  // its own prefix
+      std::memcpy(row + length * elem, hiddens.data() + length * elem, static_cast<size_t>((cols - length) * elem));
+      if (i < n) {
+        for (int64_t j = 0; j < n; ++j)
+          if (seen[static_cast<size_t>(i * n + j)]) std::memset(row + (slots + j) * elem, 0, static_cast<size_t>(elem));
+      } else {
+        std::memset(row + (slots + i) * elem, 0, static_cast<size_t>(elem));
+      }
+    }
+  }
+}
+
 using LogitsIn = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>;
 using CellsOut = nb::ndarray<double, nb::ndim<1>, nb::device::cpu>;
 
@@ -481,6 +534,7 @@ void bind_tree(nb::module_& m) {
   m.def("ancestor_mask", &ancestor_mask);
   m.def("tree_inputs", &tree_inputs<int64_t>);
   m.def("tree_inputs_at", &tree_inputs_at<int64_t>);
+  m.def("batch_tree_inputs_at", &batch_tree_inputs_at);
   m.def("greedy_walk", &greedy_walk, nb::arg("logits").none(), nb::arg("token_ids"), nb::arg("parents"),
         nb::arg("top_k") = 0, nb::arg("row_of") = nb::none(), nb::arg("start") = 0, nb::arg("choices") = nb::none());
   m.def("observe_draft", &observe_draft);

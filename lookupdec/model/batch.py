@@ -26,7 +26,9 @@ import numpy as np
 import torch
 
 from lookupdec.model.cache import emptied_cache, new_batch_cache
-from lookupdec.model.target import TargetModel, _RowsHead, start_from_prefix, tree_inputs
+from lookupdec.model.target import TargetModel, _RowsHead, mask_fill, start_from_prefix, tree_inputs
+from lookupdec.native import tree as native_tree  # None where not built: the definition runs
+from lookupdec.reference import model as reference_model
 from lookupdec.sampling import PartialLogits
 from lookupdec.tree import TokenTree
 
@@ -258,29 +260,26 @@ class BatchTarget:
 
     def inputs(self, trees: Sequence[TokenTree], width: int):
         """``input_ids`` and ``position_ids`` [rows, width] and the additive mask [rows, 1,
-        width, L + width] of one batched verify forward."""
+        width, L + width] of one batched verify forward: on the CPU's buffers one call of the
+        compiled core (``native.tree.batch_tree_inputs_at``), else (the core not built) its
+        definition, ``reference.model.batch_inputs``; moved to the device after."""
         rows, slots = self.rows, self.store.lengths[0]
         self._base = slots  # where the trees' slots begin (commit)
+        target = self.target
         if rows == 1 and self.lengths[0] == slots and len(trees[0]) == width:  # no holes, no padding:
-            return tree_inputs(trees[0], slots, device=self.target.device, dtype=self.target.dtype,
+            return tree_inputs(trees[0], slots, device=target.device, dtype=target.dtype,
                                tree_mode=True)  # the one-sequence path (compiled; no mask for a chain)
-        lengths = np.array(self.lengths, dtype=np.int64)
-        ids = np.empty((rows, width), dtype=np.int64)
-        positions = np.repeat(lengths[:, None], width, axis=1)
-        allowed = np.zeros((rows, width, slots + width), dtype=bool)
-        allowed[:, :, :slots] = np.arange(slots)[None, None, :] < lengths[:, None, None]
-        diagonal = np.arange(width)
-        allowed[:, diagonal, slots + diagonal] = True  # padding sees itself (a node sees itself anyway)
-        for b, tree in enumerate(trees):
-            n = len(tree)
-            ids[b, :n] = tree.token_ids
-            ids[b, n:] = tree.token_ids[0]
-            positions[b, :n] += np.asarray(tree.depth, dtype=np.int64)
-            allowed[b, :n, slots:slots + n] = tree.ancestor_mask()
-        mask = torch.zeros((rows, 1, width, slots + width), dtype=self.target.dtype)
-        mask.masked_fill_(torch.from_numpy(~allowed)[:, None], self._fill)
-        device = self.target.device
-        return (torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), mask.to(device))
+        if native_tree is None:
+            return reference_model.batch_inputs(trees, self.lengths, slots, width, device=target.device,
+                                                dtype=target.dtype)
+        ids = torch.empty((rows, width), dtype=torch.int64)
+        positions = torch.empty((rows, width), dtype=torch.int64)
+        mask = torch.empty((rows, 1, width, slots + width), dtype=target.dtype)
+        native_tree.batch_tree_inputs_at([tree.token_ids for tree in trees], [tree.parents for tree in trees],
+                                         self.lengths, slots, width, mask_fill(target.dtype), ids.data_ptr(),
+                                         positions.data_ptr(), mask.data_ptr())
+        device = target.device
+        return ids.to(device), positions.to(device), mask.to(device)
 
     @torch.inference_mode()
     def commit(self, accepted: Sequence[Sequence[int]]) -> None:

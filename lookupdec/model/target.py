@@ -470,6 +470,15 @@ class InputBuffers:
         self._views: dict[int, tuple] = {}  # tree size -> views of ids and positions
 
 
+def mask_fill(dtype) -> bytes:
+    """The bytes of an additive mask's hidden entry (the dtype's minimum), as the compiled core
+    writes it."""
+    fill = _MASK_FILL.get(dtype)
+    if fill is None:
+        fill = _MASK_FILL[dtype] = torch.tensor([torch.finfo(dtype).min], dtype=dtype).view(torch.uint8).numpy().tobytes()
+    return fill
+
+
 def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict | None = None,
                 tree_mode: bool = True, buffers: InputBuffers | None = None):
     """What one verify forward of ``tree`` takes after ``n_cached`` committed slots, no model
@@ -482,9 +491,7 @@ def tree_inputs(tree: TokenTree, n_cached: int, *, device, dtype, windows: dict 
     all three (``csrc/tree/tree.cpp``; into ``buffers`` when given: views of them are returned);
     elsewhere a handful of tensor operations, none per node. Defined by
     ``reference.model.tree_inputs``, whose masks it takes with sliding windows (no fast form)."""
-    fill = _MASK_FILL.get(dtype)
-    if fill is None:
-        fill = _MASK_FILL[dtype] = torch.tensor([torch.finfo(dtype).min], dtype=dtype).view(torch.uint8).numpy().tobytes()
+    fill = mask_fill(dtype)
     on_cpu = not windows and (device == "cpu" or getattr(device, "type", None) == "cpu")
     made = buffers.make(tree, n_cached, dtype, fill) if on_cpu and buffers is not None and tree_mode else None
     if made is not None:

@@ -1,5 +1,5 @@
 """The definitions of the model side's fast paths (``lookupdec/model/``): the verify forward's
-inputs (``target.tree_inputs``, compiled in ``csrc/tree/tree.cpp``), the K/V cache's writes and
+inputs (``target.tree_inputs`` and ``BatchTarget.inputs``, compiled in ``csrc/tree/``), the K/V cache's writes and
 slot moves (``cache.SlotStore``, ``BatchStore``, ``PrefixStore``; ``gather_slots`` in
 ``csrc/kernels/``), and the tree attention's mask plan and attention (``kernels.attention_plan``,
 ``core_attention``; ``csrc/kernels/attention*``), in torch.
@@ -53,6 +53,32 @@ def tree_mask(tree, n_cached: int, positions: torch.Tensor, *, device, dtype, wi
         visible = allowed if window is None else allowed & (positions[:, None] - key_pos[None, :] < window)
         masks[layer_type] = _additive(visible, dtype)
     return masks.get(None) if set(masks) == {None} else masks
+
+
+def batch_inputs(trees, lengths: Sequence[int], slots: int, width: int, *, device, dtype):
+    """Defines ``BatchTarget.inputs`` (compiled: ``native.tree.batch_tree_inputs_at``):
+    ``input_ids`` and ``position_ids`` [rows, width] and the additive mask [rows, 1, width, slots
+    + width] of one batched verify forward. Row b's nodes sit at columns ``slots + i`` after
+    ``slots`` prefix columns of which its first ``lengths[b]`` are its own (the rest: holes, hidden);
+    a node sees its prefix, itself and its ancestors; padding nodes (past the row's tree) repeat
+    the root's token at the root's position and see their prefix and themselves."""
+    rows = len(trees)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ids = np.empty((rows, width), dtype=np.int64)
+    positions = np.repeat(lengths[:, None], width, axis=1)
+    allowed = np.zeros((rows, width, slots + width), dtype=bool)
+    allowed[:, :, :slots] = np.arange(slots)[None, None, :] < lengths[:, None, None]
+    diagonal = np.arange(width)
+    allowed[:, diagonal, slots + diagonal] = True  # padding sees itself (a node sees itself anyway)
+    for b, tree in enumerate(trees):
+        n = len(tree)
+        ids[b, :n] = tree.token_ids
+        ids[b, n:] = tree.token_ids[0]
+        positions[b, :n] += np.asarray(tree.depth, dtype=np.int64)
+        allowed[b, :n, slots:slots + n] = reference_tree.ancestor_mask(tree.parents)
+    mask = torch.zeros((rows, 1, width, slots + width), dtype=dtype)
+    mask.masked_fill_(torch.from_numpy(~allowed)[:, None], torch.finfo(dtype).min)
+    return torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), mask.to(device)
 
 
 def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
