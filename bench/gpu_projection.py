@@ -39,6 +39,11 @@ CONFIGS = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
                       rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # SmolLM2-135M's shapes (its GGUF's config): the one-token forward's time on a GPU needs no
+    # weights, and its file is larger than what travels to a lent device
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True),
     # the same structure, small enough for a CPU test of the method
     "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=2, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
