@@ -5,10 +5,16 @@ The methods decode the same prompts, greedy, side by side, in an order rotated p
 * ``plain``     -- the same engine with no drafts, ``EngineConfig(proposers=())``: the same kernels,
   prefix cache and step, one token per forward. The figure this benchmark leads with is
   lookupdec over ``plain`` (what the lookups add, as Spec-Bench reports), per request (prefill
-  included) and for the decode phase alone (from the first generated token on). By default each
-  prompt runs plain twice, right before and right after lookupdec (``plain_after``;
-  ``--no-bracket``: once), and a prompt's plain time is the two runs' mean: this machine's speed
-  drifts within minutes, which a single run of each side reads as a speedup or a loss.
+  included) and for the decode phase alone (from the first generated token on). This machine's
+  speed drifts by 5-10% within minutes, which one run of each side reads as a speedup or a loss,
+  so by default (``--measure interleaved``) the engines' requests for a prompt (plain,
+  lookupdec, the other engine methods asked for) run in lockstep on one thread: the request
+  that has taken the least time so far takes its next step, so all of them run over the same
+  seconds and drift reaches each alike; a request's time is the sum of its own steps' (its
+  stream's ``next`` calls, prefill included). ``--twin`` adds a second plain engine to the
+  lockstep (``plain_twin``): plain over its twin per prompt is the measurement's own spread.
+  ``--measure bracketed``: one request at a time, plain right before and right after lookupdec
+  (``plain_after``), a prompt's plain time the two runs' mean.
 * ``greedy``    -- ``transformers``' ``model.generate(do_sample=False)``: its eager forward, so
   lookupdec over it mixes the engine's faster kernels with what the lookups add
 * ``pld``       -- ``model.generate(do_sample=False, prompt_lookup_num_tokens=10)``
@@ -32,8 +38,10 @@ verify cost curve t(n)/t(1) of the model at a 512-token context.
     python bench/real_model.py --prompts 2 --max-new-tokens 32 --threads 1   # a quick look
     python bench/real_model.py --device cuda --threads 1 --out bench/results/real_model_h100.json
 
-Writes ``bench/results/real_model.json`` and ``.png`` (``--out``). Timings on a shared machine are noisy:
-read the ratios (measured side by side), not absolute tokens/s across runs.
+Each run learns its cost curves afresh (a cost cache of its own, ``LOOKUPDEC_COST_CACHE``), so
+no run starts from what an earlier one left. Writes ``bench/results/real_model.json`` and
+``.png`` (``--out``). Timings on a shared machine are noisy: read the ratios (measured side by
+side), not absolute tokens/s across runs.
 """
 from __future__ import annotations
 
@@ -44,8 +52,10 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -134,12 +144,13 @@ def _interleave(questions: list[dict]) -> list[dict]:
 
 
 def cost_curve(engine) -> dict:
-    """Verify cost t(n) of an n-token chain after a COST_CONTEXT-token prefix (fastest of rounds)."""
+    """Verify cost t(n) of an n-token chain after a COST_CONTEXT-token prefix (fastest of rounds;
+    one token as a greedy step verifies the root alone, as the engine's curves time it)."""
     from lookupdec.budget import CostModel
 
     for n in COST_SIZES:
         engine.target.prepare(n)  # kernel choices first (model/kernels.py), outside the timing
-    timer = engine.target.chain_forward_timer(COST_CONTEXT)
+    timer = engine.target.chain_forward_timer(COST_CONTEXT, root_picks=max(engine.request_core.recycle_successors(), 1))
     try:
         cost = CostModel.measure(timer, max_tokens=COST_SIZES_MAX, sizes=COST_SIZES)
     finally:
@@ -154,7 +165,36 @@ def ld_run(engine, prompt, max_new) -> tuple[list[int], dict]:
     gc.collect()
     start = time.perf_counter()
     gen = engine.generate(prompt, max_new_tokens=max_new)
-    seconds = time.perf_counter() - start
+    return ld_record(gen, time.perf_counter() - start)
+
+
+def lockstep(engines: dict, prompt, max_new) -> dict[str, tuple[list[int], dict]]:
+    """One request for ``prompt`` through each of ``engines`` (name -> engine), stepped in
+    lockstep on this thread: the request that has taken the least time so far takes its next
+    step (its stream's next piece of text), so the requests run over the same seconds and the
+    machine's drift reaches each alike. A request's time is the sum of its own calls (the
+    stream's creation, which checks the request, and every ``next``). Each engine runs one
+    request at a time (``Engine.turn``): these are several engines, so they may interleave."""
+    gc.collect()
+    spent, pieces, streams = {}, {}, {}
+    for name, engine in engines.items():
+        t = time.perf_counter()
+        streams[name] = engine.stream(prompt, max_new_tokens=max_new)
+        pieces[name] = iter(streams[name])
+        spent[name] = time.perf_counter() - t
+    live = list(engines)
+    while live:
+        name = min(live, key=spent.__getitem__)
+        t = time.perf_counter()
+        try:
+            next(pieces[name])
+        except StopIteration:
+            live.remove(name)
+        spent[name] += time.perf_counter() - t
+    return {name: ld_record(streams[name].generation, spent[name]) for name in engines}
+
+
+def ld_record(gen, seconds: float) -> tuple[list[int], dict]:
     s = gen.stats
     return list(gen.token_ids), {
         "seconds": seconds, "decode_s": seconds - s.prefill_ms / 1e3, "steps": s.steps, "mean_accepted": s.mean_accepted, "overhead_us": s.overhead_us,
@@ -165,30 +205,39 @@ def ld_run(engine, prompt, max_new) -> tuple[list[int], dict]:
         "prefill_tokens": s.prefill_tokens}
 
 
-def run_order(methods: list[str], k: int, bracket: bool) -> list[str]:
-    """The methods' order for the ``k``-th prompt: rotated by ``k``; with ``bracket``, greedy runs
-    again right after lookupdec, and the two are rotated as one block with greedy's first run.
+def run_order(methods: list[str], k: int, bracket: bool, together: Sequence[str] = ()) -> list:
+    """The methods' order for the ``k``-th prompt: rotated by ``k``; with ``bracket``, plain runs
+    again right after lookupdec, and the two are rotated as one block with plain's first run;
+    the methods in ``together`` run in lockstep, as one unit (a tuple) where the first of them is.
 
     >>> run_order(["plain", "greedy", "pld", "lookupdec"], 1, bracket=False)
     ['greedy', 'pld', 'lookupdec', 'plain']
     >>> run_order(["plain", "greedy", "pld", "lookupdec"], 1, bracket=True)
     ['greedy', 'pld', 'plain', 'lookupdec', 'plain_after']
+    >>> run_order(["plain", "greedy", "pld", "lookupdec"], 1, bracket=False, together=["plain", "lookupdec"])
+    ['greedy', 'pld', ('plain', 'lookupdec')]
     """
     units = [[m] for m in methods]
     if bracket:
         units = [["plain", "lookupdec", "plain_after"]] + [[m] for m in methods if m not in ("plain", "lookupdec")]
+    if together:
+        first = min(methods.index(m) for m in together)
+        units = [[tuple(together)] if i == first else [m] for i, m in enumerate(methods) if i == first or m not in together]
     k %= len(units)
     return [m for unit in units[k:] + units[:k] for m in unit]
 
 
 def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed: list[int],
-                  all_logits: bool = False, no_prefix_cache: bool = False, bracket: bool = True,
-                  after_workload=None) -> tuple[dict, list[dict]]:
+                  all_logits: bool = False, no_prefix_cache: bool = False, measure: str = "interleaved",
+                  twin: bool = False, after_workload=None) -> tuple[dict, list[dict]]:
     """Every workload's prompts through every method at ``threads``; ``after_workload(info,
-    runs)`` (if given) after each workload with what was measured so far. With ``bracket``,
-    plain decodes each prompt twice, right before and right after lookupdec (``plain_after``):
-    a prompt's plain time is the mean of the two, so a machine whose speed drifts over seconds
-    to minutes shifts both sides of the ratio alike instead of only one."""
+    runs)`` (if given) after each workload with what was measured so far. ``measure``:
+    ``interleaved``, the engines' requests for a prompt in lockstep (``lockstep``; with
+    ``twin``, a second plain engine among them: ``plain_twin``); ``bracketed``, one at a time,
+    plain decoding each prompt twice, right before and right after lookupdec (``plain_after``),
+    a prompt's plain time the mean of the two. Either way a machine whose speed drifts over
+    seconds to minutes shifts both sides of the ratio alike instead of only one."""
+    bracket = measure == "bracketed"
     label = f"{threads}t" if model.device.type == "cpu" else model.device.type  # the run's name in the tables
     from lookupdec import Engine, EngineConfig
 
@@ -200,6 +249,8 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
                "lookupdec": Engine(model, tokenizer, EngineConfig())}
     if bracket:
         engines["plain_after"] = Engine(model, tokenizer, EngineConfig(proposers=()))
+    if twin and not bracket:
+        engines["plain_twin"] = Engine(model, tokenizer, EngineConfig(proposers=()))
     for n in fixed:
         engines[f"fixed{n}"] = Engine(model, tokenizer, EngineConfig(budget="fixed", max_nodes=n))
     if all_logits:
@@ -207,7 +258,10 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
     if no_prefix_cache:
         engines["no-prefix-cache"] = Engine(model, tokenizer, EngineConfig(prefix_cache=False))
     methods = ["plain", "greedy", "pld", *[m for m in engines if m not in ("plain", "plain_after")]]
-    info = {"threads": threads, "methods": methods + (["plain_after"] if bracket else []),
+    together = [] if bracket else [m for m in methods if m in engines]  # (plain_twin at the end)
+    if "plain_twin" in together:
+        together.append(together.pop(together.index("plain_twin")))
+    info = {"threads": threads, "measure": measure, "methods": methods + (["plain_after"] if bracket else []),
             "cost_curve": cost_curve(engines["lookupdec"]),
             "load_average_before": load_average()}
     print(f"\n== smollm2 on {model.device.type}, {threads} torch thread(s); verify cost t(n)/t(1) at context {COST_CONTEXT}: "
@@ -224,15 +278,18 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
     runs = []
     for workload, prompts in workloads.items():
         for i, prompt in enumerate(prompts):
-            order = run_order(methods, i, bracket)
+            order = run_order(methods, i, bracket, together)
             group = []
-            for method in order:
-                if method in engines:
-                    out, rec = ld_run(engines[method], prompt, max_new)
+            for unit in order:
+                if isinstance(unit, tuple):  # the engines in lockstep
+                    done = lockstep({m: engines[m] for m in unit}, prompt, max_new)
+                elif unit in engines:
+                    done = {unit: ld_run(engines[unit], prompt, max_new)}
                 else:
-                    out, rec = run_method(method, model, None, prompt, max_new)
-                group.append({"method": method, "prompt_tokens": len(prompt), "new_tokens": len(out),
-                              "load_1m": round(os.getloadavg()[0], 2), **rec, "_out": out})
+                    done = {unit: run_method(unit, model, None, prompt, max_new)}
+                for method, (out, rec) in done.items():
+                    group.append({"method": method, "prompt_tokens": len(prompt), "new_tokens": len(out),
+                                  "load_1m": round(os.getloadavg()[0], 2), **rec, "_out": out})
             outs = {r["method"]: r.pop("_out") for r in group}
             for r in group:
                 r.update(model=f"smollm2/{label}", workload=workload, prompt=i, threads=threads,
@@ -243,9 +300,10 @@ def bench_threads(threads: int, model, tokenizer, workloads, max_new: int, fixed
             ld = next(r for r in group if r["method"] == "lookupdec")
             plain = plain_rate(group)
             print(f"  {workload:13s} #{i:<2d} {len(prompt):4d} tok  plain {plain:5.1f} t/s  "
-                  + "  ".join(f"{m} {rate[m] / plain:.2f}" for m in methods[1:])
+                  + "  ".join(f"{m} {rate[m] / plain:.2f}" for m in methods[1:] if m != "plain_twin")
                   + f"  decode {plain_decode_s(group) / ld['decode_s']:.2f}"
                   + (f" (plain runs {rate['plain'] / rate['plain_after']:.2f} apart)" if bracket else "")
+                  + (f" (plain / its twin {rate['plain'] / rate['plain_twin']:.2f})" if "plain_twin" in rate else "")
                   + f"  MAT {ld['mean_accepted']:.2f} nodes {ld['mean_tree_nodes']:.1f} "
                   f"pred/real {ld['predicted_accepted']:.2f}/{ld['realised_accepted']:.2f}"
                   + ("" if all(r["identical_to_greedy"] for r in group) else "  MISMATCH"), flush=True)
@@ -292,6 +350,7 @@ def summarize_runs(runs: list[dict]) -> list[dict]:
         decode = [plain_decode_s(by_prompt[r["prompt"]]) / r["decode_s"] for r in ld]
         first = {r["prompt"]: r["new_tokens"] / r["seconds"] for r in group if r["method"] == "plain"}
         after = {r["prompt"]: r["new_tokens"] / r["seconds"] for r in group if r["method"] == "plain_after"}
+        twin = {r["prompt"]: r["new_tokens"] / r["seconds"] for r in group if r["method"] == "plain_twin"}
         steps = sum(r["steps"] for r in ld)
         plain_runs = [r for r in group if r["method"] in ("plain", "plain_after")]
         plain_fwd = sum(r["forward_ms"] * r["steps"] for r in plain_runs) / max(1, sum(r["steps"] for r in plain_runs))
@@ -309,6 +368,10 @@ def summarize_runs(runs: list[dict]) -> list[dict]:
                "decode_bar": DECODE_BAR * mat / tree_cost,
                "plain_runs_apart": (max(math.exp(abs(math.log(first[p] / after[p]))) for p in after)
                                     if after else None),
+               # the measurement's own spread: plain over its twin in the same lockstep (``--twin``)
+               **({"plain/twin": total["plain"] / total["plain_twin"],
+                   "worst plain/twin": min(first[p] / twin[p] for p in twin),
+                   "best plain/twin": max(first[p] / twin[p] for p in twin)} if twin else {}),
                "greedy_tok_s": total["greedy"], "lookupdec/greedy": total["lookupdec"] / total["greedy"],
                "plain/greedy": total["plain"] / total["greedy"],
                "lookupdec/pld": total["lookupdec"] / total["pld"], "pld/greedy": total["pld"] / total["greedy"],
@@ -347,6 +410,7 @@ TABLE = [("model", "run", ""), ("workload", "workload", ""), ("prompts", "n", "d
          ("lookupdec/plain", "ld/plain", ".2f"), ("worst ld/plain", "worst", ".2f"),
          ("decode ld/plain", "decode", ".2f"), ("worst decode ld/plain", "worst dec", ".2f"),
          ("decode_bar", "dec bar", ".2f"), ("plain_runs_apart", "plain runs apart", ".2f"),
+         ("worst plain/twin", "plain/twin min", ".3f"), ("best plain/twin", "plain/twin max", ".3f"),
          ("lookupdec/greedy", "ld/greedy", ".2f"), ("plain/greedy", "plain/greedy", ".2f"),
          ("lookupdec/pld", "ld/pld", ".2f"), ("pld/greedy", "pld/greedy", ".2f"),
          ("lookupdec/best_fixed", "ld/best fixed", ".2f"), ("best_fixed", "best fixed", ""),
@@ -377,9 +441,11 @@ def main(argv=None) -> int:
                    help="also run the default with EngineConfig(partial_logits=False): every node's logits computed")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="also run the default with EngineConfig(prefix_cache=False): every prompt prefilled whole")
-    p.add_argument("--no-bracket", action="store_true",
-                   help="greedy decodes each prompt once, not also right after lookupdec (a run a sixth shorter; "
-                        "single prompts' ratios then carry the machine's drift between the two runs)")
+    p.add_argument("--measure", choices=("interleaved", "bracketed"), default="interleaved",
+                   help="interleaved (default): a prompt's engine requests (plain, lookupdec, ...) in lockstep, the one "
+                        "behind in time stepping next; bracketed: one at a time, plain right before and after lookupdec")
+    p.add_argument("--twin", action="store_true",
+                   help="interleaved: a second plain engine in the lockstep (plain_twin), for the measurement's own spread")
     p.add_argument("--prompt-offset", type=int, default=0, metavar="K", help="skip the first K prompts of each workload")
     add_device_option(p)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "real_model.json", help="result JSON (and .png)")
@@ -388,6 +454,10 @@ def main(argv=None) -> int:
     from lookupdec import Engine
 
     meta = run_metadata(threads_set_by_benchmark=True)  # the code this run imports: the tree at its start
+    # a cost cache of this run's own (LOOKUPDEC_COST_CACHE): no run starts from curves an earlier
+    # run, another benchmark or a batch left on this machine
+    cost_cache = tempfile.mkdtemp(prefix="lookupdec-real-model-")
+    os.environ["LOOKUPDEC_COST_CACHE"] = os.path.join(cost_cache, "cost_curves.json")
     t0 = time.perf_counter()
     loader = Engine.from_pretrained(args.model, device=args.device, dtype="float32")
     model, tokenizer = loader.target.model, loader.tokenizer
@@ -406,7 +476,7 @@ def main(argv=None) -> int:
         # after each setting it is also printed
         info, r = bench_threads(threads, model, tokenizer, workloads, args.max_new_tokens, fixed,
                                 all_logits=args.all_logits, no_prefix_cache=args.no_prefix_cache,
-                                bracket=not args.no_bracket, after_workload=lambda i, so_far: report(args, argv, meta, workloads, load_s,
+                                measure=args.measure, twin=args.twin, after_workload=lambda i, so_far: report(args, argv, meta, workloads, load_s,
                                                                          [*infos, i], [*runs, *so_far], echo=False))
         infos.append(info)
         runs.extend(r)
@@ -447,7 +517,7 @@ def report(args, argv, meta, workloads, load_s, infos, runs, echo: bool = True) 
               "model": args.model, "device": args.device, "prompts_per_workload": args.prompts, "prompt_offset": args.prompt_offset,
               "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
               "threads": args.threads, "fixed": args.fixed, "fixed_threads": args.fixed_threads,
-              "bracket": not args.no_bracket,
+              "measure": args.measure, "twin": args.twin,
               "load_s": round(load_s, 1), "workload_sizes": {k: len(v) for k, v in workloads.items()},
               "mean_prompt_tokens": {k: round(statistics.fmean(map(len, v)), 1) for k, v in workloads.items() if v}}
     write_result(args.out, "real_model", config, {"per_workload": rows, "totals": totals, "threads": infos,

@@ -137,6 +137,7 @@ class BatchDecoder:
         self._count = 0
         self._costs = engine.batch_costs  # (context bucket, rows) -> t(rows x width), the engine's
         self._probes = engine.batch_probes  # (context bucket, rows) -> widths not timed yet (``_cost``)
+        self._lone_costs: dict = {}  # context bucket -> a lone row's curve (``_lone_cost``)
         self.overhead_s = 0.0  # mean batch step time outside the forward (decayed)
         self.steps = 0  # verify steps so far
         self.widths: list[int] = []  # with ``record_widths``: the chosen width of every step
@@ -455,14 +456,22 @@ class BatchDecoder:
         return min(self.engine.config.max_depth, self.engine.request_core.room(seq.context))
 
     def _lone_cost(self, seq: _Sequence) -> CostModel:
-        """The cost curve of a sequence alone in the batch: the engine's own, at the bucket it
-        would take alone (``Engine._steps``), which the step then observes; its tree is chosen
+        """The cost curve of a sequence alone in the batch: a copy of the engine's own at the
+        bucket it would take alone (``Engine._steps``), which the step then observes; its tree is chosen
         as alone too (``StepCore.plan`` with the curve: the single-sequence chooser, its
         exploration and draft budget), not by the joint budget on a one-row curve of its own:
         a client alone on a batching server then waits as long as on the one-at-a-time server
         (docs/design/batching.md)."""
         prompt = len(seq.context) - seq.produced  # (``cost_model`` takes the bucket of this many tokens)
-        return self.engine.cost_model(prompt + seq.request.max_new_tokens // 2)
+        context = prompt + seq.request.max_new_tokens // 2
+        bucket = self.engine.request_core.cost_bucket(context)
+        if bucket not in self._lone_costs:
+            # the decoder's own copy: a row verifies through the batched forward, not the path a
+            # request alone takes (its root alone through the compiled decoder), so its timings
+            # stay out of the engine's curve (and the cost cache), whose t(1) they would raise
+            engine_curve = self.engine.cost_model(context)
+            self._lone_costs[bucket] = engine_curve.trusted() or engine_curve.copy()
+        return self._lone_costs[bucket]
 
     def _probe(self, rows: int, width: int, widest: int) -> int:
         """The width to verify given the joint budget's ``width``: itself while it or no width

@@ -21,8 +21,9 @@ from lookupdec.budget import CostModel
 
 log = logging.getLogger("lookupdec")
 
-COST_CACHE_VERSION = 5  # 3: the key names the kernels (model/kernels.py); 4: the body packs only where faster;
-# 5: kernel forms re-checked while running (curves cached before measured choices since corrected)
+COST_CACHE_VERSION = 6  # 3: the key names the kernels (model/kernels.py); 4: the body packs only where faster;
+# 5: kernel forms re-checked while running (curves cached before measured choices since corrected);
+# 6: t(1) only of the root path a request's step takes (batched rows and seeding timed slower paths)
 MAX_CACHED_CURVES = 32  # the cost cache keeps the curves updated last
 
 

@@ -498,7 +498,8 @@ class Engine:
                 in_place = in_place and self.target.n_cached > 0
                 for n in SEED_SIZES:  # kernel choices made before the timing (model/kernels.py)
                     self.target.prepare(n)
-                timer = self.target.chain_forward_timer(prefix_len=None if in_place else bucket)
+                timer = self.target.chain_forward_timer(prefix_len=None if in_place else bucket,
+                                                        root_picks=max(self.request_core.recycle_successors(), 1))
                 try:
                     room = limit - (self.target.n_cached if in_place else bucket)
                     cost = CostModel.measure(timer, max_tokens=min(max(SEED_SIZES), room), sizes=SEED_SIZES, repeats=1)

@@ -319,10 +319,11 @@ def test_batch_asks_proposers_for_about_the_width_it_keeps(monkeypatch):
 
 def test_a_lone_row_is_chosen_for_as_alone(monkeypatch):
     """A sequence alone in the batch (a client alone on the server, a batch's last row) is
-    planned as alone: ``StepCore.plan`` gets the engine's own cost curve of its bucket (the
-    single-sequence chooser) and that curve observes its forwards; with two or more rows the
-    joint budget chooses (no curve to ``plan``); outputs unchanged either way. With
-    ``LONE_ROW_ALONE`` off, every step is the joint budget's."""
+    planned as alone: ``StepCore.plan`` gets a copy of the engine's own cost curve of its bucket
+    (the single-sequence chooser), which observes its forwards, while the engine's curve
+    observes none of them (a batched forward is not the path a request alone takes: its t(1)
+    would rise); with two or more rows the joint budget chooses (no curve to ``plan``); outputs
+    unchanged either way. With ``LONE_ROW_ALONE`` off, every step is the joint budget's."""
     import lookupdec.batch as batch_module
 
     model = cached_tiny("llama")
@@ -348,8 +349,10 @@ def test_a_lone_row_is_chosen_for_as_alone(monkeypatch):
         alone = [cost for rows, cost in calls if rows == 1]
         assert alone and all(cost is None for rows, cost in calls if rows > 1)
         if lone:
-            assert all(cost is not None and cost in engine._costs.values() for cost in alone)
+            mine = list(decoder._lone_costs.values())
+            assert all(cost is not None and any(cost is c for c in mine) for cost in alone)
             assert any(curve is alone[-1] for curve in observed)  # it observed the lone steps' forwards
+            assert engine._costs and not any(curve is c for curve in observed for c in engine._costs.values())
             assert all(k[1] > 1 for k in engine.batch_costs)  # no one-row batch curve was made
         else:
             assert all(cost is None for cost in alone)

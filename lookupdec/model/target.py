@@ -351,17 +351,24 @@ class TargetModel:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def chain_forward_timer(self, prefix_len: int | None = None):
+    def chain_forward_timer(self, prefix_len: int | None = None, root_picks: int = 0):
         """A function ``f(n)`` running one verify forward of ``n`` chain tokens, then cropping the
         cache back, for measuring the cost curve. ``prefix_len``: after a fresh dummy prefix of
         that length (call ``reset()`` when done); None: on the cache as it is (a request's own
-        context, left as it was)."""
+        context, left as it was). ``root_picks`` > 0: one token is verified as a greedy step
+        verifies the root alone (``verify_root`` with that many picks, where the target takes
+        it): a curve's t(1) must be the path its steps take, which is up to a tenth faster
+        than a one-node tree's, or every one-node draft looks nearly free."""
         vocab = self.vocab_size
         if prefix_len is not None:
             self.prefill([(7 * i + 3) % vocab for i in range(prefix_len)])
         base = self.n_cached
 
         def forward(n: int) -> float:
+            if n == 1 and root_picks > 0 and self.verify_root(1 % vocab, root_picks) is not None:
+                crop_cache(self.cache, base)
+                self.n_cached = base
+                return self.last_prepare_s
             tree = TokenTree(token_ids=[(5 * i + 1) % vocab for i in range(n)], parents=list(range(-1, n - 1)))
             self.verify(tree)
             self.sync()

@@ -189,3 +189,24 @@ def test_plain_decoding_takes_the_root_path_and_equals_transformers(monkeypatch)
     taken.clear()
     sampled = engine.generate(prompt, max_new_tokens=10, temperature=0.8, seed=3)
     assert taken == [] and sampled.stats.steps > 0
+
+
+def test_a_seeded_curve_times_one_token_on_the_root_path(monkeypatch, tmp_path):
+    """A new context bucket's curve is seeded by one forward of each ``SEED_SIZES``: its one
+    token through ``verify_root``, the path a greedy step verifying the root alone takes (a
+    one-node tree's forward is slower: timed there, t(1) ~ t(2) and every one-node draft looks
+    free), the others as trees; the cache is left where it was."""
+    from lookupdec.budget import SEED_SIZES
+
+    monkeypatch.setenv("LOOKUPDEC_COST_CACHE", str(tmp_path / "costs.json"))
+    engine = engine_of(head16("llama", 2))
+    roots, trees = [], []
+    verify_root, verify = engine.target.verify_root, engine.target.verify
+    monkeypatch.setattr(engine.target, "verify_root", lambda *a: roots.append(a) or verify_root(*a))
+    monkeypatch.setattr(engine.target, "verify", lambda tree, *a: trees.append(len(tree)) or verify(tree, *a))
+    engine.target.prefill([5, 6, 7, 8])
+    engine.cost_model(4, in_place=True)
+    picks = max(engine.request_core.recycle_successors(), 1)
+    assert engine.cost_origin == {64: "measured"}
+    assert roots == [(1, picks)] and trees == [n for n in SEED_SIZES if n > 1]
+    assert engine.target.n_cached == 4 and engine.target.cache.slot_store.lengths[0] == 4
