@@ -456,8 +456,8 @@ def main(argv=None) -> int:
     meta = run_metadata(threads_set_by_benchmark=True)  # the code this run imports: the tree at its start
     # a cost cache of this run's own (LOOKUPDEC_COST_CACHE): no run starts from curves an earlier
     # run, another benchmark or a batch left on this machine
-    cost_cache = tempfile.mkdtemp(prefix="lookupdec-real-model-")
-    os.environ["LOOKUPDEC_COST_CACHE"] = os.path.join(cost_cache, "cost_curves.json")
+    cost_cache = tempfile.TemporaryDirectory(prefix="lookupdec-real-model-")  # (removed as main returns)
+    os.environ["LOOKUPDEC_COST_CACHE"] = os.path.join(cost_cache.name, "cost_curves.json")
     t0 = time.perf_counter()
     loader = Engine.from_pretrained(args.model, device=args.device, dtype="float32")
     model, tokenizer = loader.target.model, loader.tokenizer
