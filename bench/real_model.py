@@ -150,7 +150,7 @@ def cost_curve(engine) -> dict:
 
     for n in COST_SIZES:
         engine.target.prepare(n)  # kernel choices first (model/kernels.py), outside the timing
-    timer = engine.target.chain_forward_timer(COST_CONTEXT, root_picks=max(engine.request_core.recycle_successors(), 1))
+    timer = engine.target.chain_forward_timer(COST_CONTEXT, root_picks=engine.request_core.picks())
     try:
         cost = CostModel.measure(timer, max_tokens=COST_SIZES_MAX, sizes=COST_SIZES)
     finally:

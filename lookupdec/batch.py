@@ -251,7 +251,7 @@ class BatchDecoder:
         t1 = time.perf_counter()
         head_rows = [request_core.head_rows(tree, seq.params) for seq, tree in zip(self.active, trees)]
         # (as alone, ``Engine._verdict``: the output projection picks the selected rows' best tokens)
-        picks = max(request_core.recycle_successors(), 1) if any(r is not None for r in head_rows) else 0
+        picks = request_core.picks() if any(r is not None for r in head_rows) else 0
         logits = self.target.verify(trees, head_rows, picks)
         if auto:  # timed to the device's end, as alone (TargetModel.sync)
             engine.target.sync()

@@ -432,7 +432,7 @@ class Engine:
         rows = core.head_rows(tree, params)
         # with rows, the output projection picks each row's best tokens as it writes it: the
         # argmax the walk needs, and the top tokens recycling keeps
-        picks = max(core.recycle_successors(), 1) if rows is not None else 0
+        picks = core.picks() if rows is not None else 0
         logits = self.target.verify(tree, rows, picks)  # [1 + n, vocab], or PartialLogits for those rows
         if cost is not None:  # a timed forward ends on the device, not at its launch (TargetModel.sync)
             self.target.sync()
@@ -499,7 +499,7 @@ class Engine:
                 for n in SEED_SIZES:  # kernel choices made before the timing (model/kernels.py)
                     self.target.prepare(n)
                 timer = self.target.chain_forward_timer(prefix_len=None if in_place else bucket,
-                                                        root_picks=max(self.request_core.recycle_successors(), 1))
+                                                        root_picks=self.request_core.picks())
                 try:
                     room = limit - (self.target.n_cached if in_place else bucket)
                     cost = CostModel.measure(timer, max_tokens=min(max(SEED_SIZES), room), sizes=SEED_SIZES, repeats=1)

@@ -188,6 +188,11 @@ class RequestCore:
         """How many top tokens of each visited row token recycling keeps (0: none)."""
         return self.config.recycle.successors if self.mixture.successor_sinks else 0
 
+    def picks(self) -> int:
+        """The best token ids the output projection picks per row it writes: the greedy walk's
+        argmax and recycling's top tokens (at least 1)."""
+        return max(self.recycle_successors(), 1)
+
     def accept(self, tree: TokenTree, logits: torch.Tensor, params, generator, seen: set, limit: int,
                prev: int) -> tuple[list[int], list[int], tuple | None]:
         """Exact acceptance of ``tree`` against its ``logits`` (the KV commit is the caller's, one

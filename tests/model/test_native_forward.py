@@ -206,7 +206,7 @@ def test_a_seeded_curve_times_one_token_on_the_root_path(monkeypatch, tmp_path):
     monkeypatch.setattr(engine.target, "verify", lambda tree, *a: trees.append(len(tree)) or verify(tree, *a))
     engine.target.prefill([5, 6, 7, 8])
     engine.cost_model(4, in_place=True)
-    picks = max(engine.request_core.recycle_successors(), 1)
+    picks = engine.request_core.picks()
     assert engine.cost_origin == {64: "measured"}
     assert roots == [(1, picks)] and trees == [n for n in SEED_SIZES if n > 1]
     assert engine.target.n_cached == 4 and engine.target.cache.slot_store.lengths[0] == 4
